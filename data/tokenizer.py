@@ -1,0 +1,62 @@
+"""Byte-level BPE tokenizer trained with HF `tokenizers`, saved so `AutoTokenizer.from_pretrained` loads it.
+
+Special tokens (fixed ids): 0 `<|endoftext|>` (document separator, pad and pretraining EOS),
+1 `<|im_start|>` and 2 `<|im_end|>` (chat turns, ChatML as in MiniMind / Qwen).
+"""
+import hashlib
+import os
+import shutil
+import tempfile
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS_ID = 0
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def train_tokenizer(texts, vocab_size=6400):
+    """Train a byte-level BPE on an iterable of str. Returns a `PreTrainedTokenizerFast`.
+
+    Raises ValueError if vocab_size cannot hold the 256 byte symbols plus the special tokens.
+    """
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size={vocab_size} must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens)")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    for i, s in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(s) == i, f"special token {s} got id {tok.token_to_id(s)}, expected {i}"
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None, chat_template=CHAT_TEMPLATE,
+                                   additional_special_tokens=SPECIAL_TOKENS[1:])
+
+
+def save_tokenizer(tokenizer, out_dir):
+    """Write tokenizer files atomically: into a temp dir next to out_dir, then rename over it."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".tok-")
+    tokenizer.save_pretrained(tmp)
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+
+
+def get_tokenizer(texts_fn, cache_root, fingerprint, vocab_size=6400):
+    """Return the tokenizer trained on `texts_fn()` (an iterable factory), training it once per
+    (fingerprint, vocab_size) and caching it under cache_root."""
+    key = hashlib.sha1(f"{fingerprint}|{vocab_size}".encode()).hexdigest()[:12]
+    path = os.path.join(cache_root, f"tokenizer-{key}")
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        save_tokenizer(train_tokenizer(texts_fn(), vocab_size), path)
+    return AutoTokenizer.from_pretrained(path), path

@@ -1,0 +1,99 @@
+"""MiniMindConfig: every architecture field is an explicit, documented dataclass field.
+
+The config is a `transformers.PreTrainedConfig`, so it saves to / loads from `config.json`
+and is stored inside every checkpoint; resume and export read the architecture from there.
+"""
+import math
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+
+@strict
+class MiniMindConfig(PreTrainedConfig):
+    """Architecture of the MiniMind-style GPT (GQA + q/k RMSNorm + RoPE + SwiGLU, optional MoE FFN).
+
+    Fields (units in brackets):
+        vocab_size: number of token ids.
+        hidden_size: model width D.
+        num_hidden_layers: number of transformer blocks.
+        num_attention_heads: query heads; must divide hidden_size when head_dim is None.
+        num_key_value_heads: key/value heads (GQA); must divide num_attention_heads.
+        head_dim: per-head width; None -> hidden_size // num_attention_heads.
+        intermediate_size: dense SwiGLU width; None -> ceil(hidden_size * pi / 64) * 64 (MiniMind's rule).
+        max_position_embeddings: longest sequence RoPE tables are built for [tokens].
+        rope_theta: RoPE base frequency (MiniMind-3 / Qwen3 use 1e6).
+        rms_norm_eps: epsilon inside every RMSNorm.
+        dropout: dropout probability on attention weights and residual branches (0 = off).
+        tie_word_embeddings: share the input embedding with the LM head.
+        use_moe: replace every dense FFN with a mixture of experts.
+        num_experts: experts per MoE layer E.
+        num_experts_per_tok: experts each token is routed to (top-k), 1 <= k <= E.
+        moe_intermediate_size: SwiGLU width of one expert; None -> intermediate_size.
+        norm_topk_prob: renormalise the k selected router probabilities to sum to 1.
+        router_aux_loss_coef: weight of MiniMind's load-balancing loss (0 = off).
+        initializer_range: std of the normal init of linear and embedding weights.
+
+    Raises:
+        ValueError: naming the field, when a value or a combination is invalid.
+    """
+
+    model_type = "minimind"
+
+    vocab_size: int = 6400
+    hidden_size: int = 512
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    max_position_embeddings: int = 32768
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    dropout: float = 0.0
+    tie_word_embeddings: bool = True
+    use_moe: bool = False
+    num_experts: int = 4
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.01
+    initializer_range: float = 0.02
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = 0
+
+    def __post_init__(self, **kwargs):
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings", "num_experts", "num_experts_per_tok"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MiniMindConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"MiniMindConfig.num_attention_heads={self.num_attention_heads} must divide "
+                                 f"hidden_size={self.hidden_size} (or set head_dim explicitly)")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"MiniMindConfig.head_dim must be even and >= 2 for RoPE, got {self.head_dim}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"MiniMindConfig.num_key_value_heads={self.num_key_value_heads} must divide "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if self.intermediate_size is None:
+            self.intermediate_size = math.ceil(self.hidden_size * math.pi / 64) * 64
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+        for name in ("intermediate_size", "moe_intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MiniMindConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"MiniMindConfig.num_experts_per_tok={self.num_experts_per_tok} must be <= "
+                             f"num_experts={self.num_experts}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"MiniMindConfig.dropout must be in [0, 1), got {self.dropout}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"MiniMindConfig.rope_theta must be > 0, got {self.rope_theta}")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"MiniMindConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(f"MiniMindConfig.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        super().__post_init__(**kwargs)

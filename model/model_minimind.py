@@ -1,0 +1,236 @@
+"""MiniMind-style causal LM: GQA attention with per-head q/k RMSNorm, RoPE, RMSNorm, SwiGLU or MoE FFN.
+
+Shape legend: B batch, S query length, L key length (cache + S), D hidden size, H query heads,
+G key/value heads, Dh head dim, V vocab.
+
+The block is the MiniMind-3 / Qwen3 block (pre-norm, q/k norm before RoPE, rotate-half RoPE, tied
+embeddings), with HF parameter names, so a checkpoint maps onto `Qwen3MoeForCausalLM` by renaming.
+No distributed code lives here.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from dataclasses import dataclass
+
+
+from model.config import MiniMindConfig
+from model.moe import FeedForward, MOEFeedForward, minimind_aux_loss  # noqa: F401  (public re-exports)
+
+__all__ = ["MiniMindConfig", "FeedForward", "MOEFeedForward", "MiniMindForCausalLM", "MiniMindModel",
+           "MiniMindCausalLMOutput"]
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back (as Qwen3, for export parity)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float):
+    """cos, sin: [max_len, head_dim] fp32 tables for rotate-half RoPE (Su et al. 2021, RoFormer)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.int64).float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x: [B, heads, S, Dh]; cos/sin: [S, Dh]. Rotates pairs (i, i + Dh/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: MiniMindConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x_BSD, cos, sin, past_kv=None, use_cache=False):
+        B, S, _ = x_BSD.shape
+        q = self.q_norm(self.q_proj(x_BSD).view(B, S, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if past_kv is not None:
+            k = torch.cat([past_kv[0], k], dim=2)
+            v = torch.cat([past_kv[1], v], dim=2)
+        L = k.shape[2]
+        if S == L:
+            mask, causal = None, True
+        elif S == 1:
+            mask, causal = None, False
+        else:  # several new queries after a cache: query i sees keys up to L - S + i
+            mask = torch.ones(S, L, dtype=torch.bool, device=x_BSD.device).tril(diagonal=L - S)
+            causal = False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True,
+                                             dropout_p=self.dropout if self.training else 0.0)
+        out = self.resid_dropout(self.o_proj(out.transpose(1, 2).reshape(B, S, -1)))
+        return out, ((k, v) if use_cache else None)
+
+
+class MiniMindBlock(nn.Module):
+    def __init__(self, config: MiniMindConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MOEFeedForward(config) if config.use_moe else FeedForward(config.hidden_size, config.intermediate_size)
+        self.mlp_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, cos, sin, past_kv=None, use_cache=False):
+        attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, past_kv, use_cache)
+        x = x + attn_out
+        x = x + self.mlp_dropout(self.mlp(self.post_attention_layernorm(x)))
+        return x, present
+
+
+class MiniMindPreTrainedModel(PreTrainedModel):
+    config_class = MiniMindConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["MiniMindBlock"]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+
+
+class MiniMindModel(MiniMindPreTrainedModel):
+    """Decoder stack. forward(input_ids [B, S] int64) -> hidden [B, S, D], presents, aux_loss (scalar)."""
+
+    def __init__(self, config: MiniMindConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList(MiniMindBlock(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        cos, sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.post_init()
+
+    def forward(self, input_ids, past_key_values=None, use_cache=False):
+        B, S = input_ids.shape
+        start = past_key_values[0][0].shape[2] if past_key_values else 0
+        if start + S > self.config.max_position_embeddings:
+            raise ValueError(f"sequence of {start + S} tokens exceeds max_position_embeddings="
+                             f"{self.config.max_position_embeddings}")
+        cos, sin = self.rope_cos[start:start + S], self.rope_sin[start:start + S]
+        h = self.dropout(self.embed_tokens(input_ids))
+        presents = []
+        for i, layer in enumerate(self.layers):
+            h, present = layer(h, cos, sin, past_key_values[i] if past_key_values else None, use_cache)
+            presents.append(present)
+        aux_loss = sum((layer.mlp.aux_loss for layer in self.layers if isinstance(layer.mlp, MOEFeedForward)),
+                       h.new_zeros((), dtype=torch.float32))
+        return self.norm(h), (presents if use_cache else None), aux_loss
+
+
+@dataclass
+class MiniMindCausalLMOutput:
+    """loss = ce_loss + aux_loss (scalars, fp32); logits [B, S, V]; past_key_values: per layer (k, v)."""
+    loss: torch.Tensor | None = None
+    ce_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    past_key_values: list | None = None
+
+
+class MiniMindForCausalLM(MiniMindPreTrainedModel):
+    """Causal LM head on MiniMindModel.
+
+    forward(input_ids [B, S] int64, labels [B, S] int64 or None, past_key_values, use_cache)
+      -> MiniMindCausalLMOutput(loss = ce_loss + aux_loss, ce_loss, aux_loss, logits [B, S, V] in the
+         compute dtype, past_key_values: list of (k, v) [B, G, L, Dh] per layer when use_cache).
+    Labels are the inputs shifted by the caller's convention: position t predicts labels[:, t]; label -100
+    is ignored.
+    """
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: MiniMindConfig):
+        super().__init__(config)
+        self.model = MiniMindModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False, **_):
+        h, presents, aux_loss = self.model(input_ids, past_key_values, use_cache)
+        logits = self.lm_head(h)
+        loss = ce_loss = None
+        if labels is not None:
+            ce_loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+            loss = ce_loss + aux_loss
+        return MiniMindCausalLMOutput(loss=loss, ce_loss=ce_loss, aux_loss=aux_loss, logits=logits,
+                                      past_key_values=presents)
+
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0,
+                 eos_token_id=None, use_cache=True, generator=None):
+        """Autoregressive sampling. input_ids [B, S] int64 -> [B, S + n] int64 (n <= max_new_tokens).
+
+        temperature 0 means greedy. top_k 0 / top_p 1.0 disable those filters. Stops early once every
+        row has produced one of `eos_token_id` (int or list). With use_cache the KV cache makes each new
+        token cost one position; without it the whole prefix is recomputed (reference path for tests).
+        """
+        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
+        past, ids, finished = None, input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        step_input = input_ids
+        for _ in range(max_new_tokens):
+            if ids.shape[1] >= self.config.max_position_embeddings:
+                break
+            out = self(step_input if use_cache else ids, past_key_values=past, use_cache=use_cache)
+            logits = out.logits[:, -1, :].float()
+            next_id = sample_next(logits, temperature, top_k, top_p, generator)
+            if eos:
+                next_id = torch.where(finished, torch.full_like(next_id, next(iter(eos))), next_id)
+                finished |= torch.isin(next_id, torch.tensor(sorted(eos), device=ids.device))
+            ids = torch.cat([ids, next_id[:, None]], dim=1)
+            past, step_input = (out.past_key_values, next_id[:, None]) if use_cache else (None, ids)
+            if eos and bool(finished.all()):
+                break
+        return ids
+
+
+def sample_next(logits_BV, temperature=1.0, top_k=0, top_p=1.0, generator=None):
+    """Pick one token per row from fp32 logits [B, V]: greedy when temperature == 0, else sample after
+    temperature scaling, top-k and nucleus (top-p, Holtzman et al. 2019) filtering. Returns [B] int64."""
+    if temperature <= 0:
+        return logits_BV.argmax(dim=-1)
+    logits_BV = logits_BV / temperature
+    if top_k and top_k < logits_BV.shape[-1]:
+        kth = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits_BV.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits_BV = torch.full_like(logits_BV, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits_BV.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

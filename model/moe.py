@@ -1,0 +1,132 @@
+"""SwiGLU feed-forward and the mixture-of-experts layer with single-sync sorted dispatch.
+
+Shape legend: B batch, S sequence, T = B*S tokens, D hidden size, E experts, K experts per token (top-k),
+F expert intermediate size, N = T*K routed (token, slot) pairs.
+
+The MoE layer computes exactly what the per-expert masked loop computes (MiniMind's original layer,
+kept as `scripts/moe_reference.py`), bit for bit, but
+  * dispatch is one stable sort of the N (token, slot) pairs by expert id, so each expert's rows are a
+    contiguous slice in the same ascending-token order the masked loop gathers them in;
+  * `tokens_per_expert` is computed on the device and read to the host once per layer call (the masked
+    loop needs 3 reads per expert: `mask.any()`, `nonzero()`, the boolean-index length);
+  * combine adds each token's K contributions in ascending expert order starting from zero, which is
+    the order the masked loop's `index_add_` calls produce, so the forward is bitwise identical.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FeedForward(nn.Module):
+    """SwiGLU FFN: down(silu(gate(x)) * up(x)). x: [..., D] -> [..., D]. Names match HF (`gate_proj`...)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def minimind_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, coef: float):
+    """MiniMind's load-balancing loss: coef * E * sum_{k,e} load[k, e] * mean_t scores[t, e].
+
+    load[k, e] is the fraction of tokens whose k-th slot picked expert e (so the loss grows with K;
+    a balanced router gives coef * K). Written with `scatter_` instead of `F.one_hot` because on CPU
+    `one_hot` validates its input with two `.item()` host reads; the values and the reduction
+    (`mean(0)` over the same [T, K, E] tensor) are the same, so the result is bitwise MiniMind's.
+
+    Args: scores_TE fp32/bf16 router probabilities [T, E]; topk_idx_TK int64 [T, K].
+    Returns: scalar tensor in scores' dtype.
+    """
+    one_hot_TKE = scores_TE.new_zeros(*topk_idx_TK.shape, num_experts, dtype=torch.float32)
+    one_hot_TKE.scatter_(-1, topk_idx_TK.unsqueeze(-1), 1.0)
+    load_KE = one_hot_TKE.mean(0)
+    return (load_KE * scores_TE.mean(0)).sum() * num_experts * coef
+
+
+class MOEFeedForward(nn.Module):
+    """Top-k softmax-routed mixture of SwiGLU experts (MiniMind / Qwen3-MoE style).
+
+    forward(x): x [B, S, D] float -> y [B, S, D] of x's dtype. After a training-mode call, `self.aux_loss`
+    holds the load-balancing loss (a scalar; zero in eval or when router_aux_loss_coef == 0).
+
+    Parameters and state_dict keys: `gate.weight` [E, D] and `experts.{e}.{gate,up,down}_proj.weight`.
+    In training every expert runs, possibly on an empty slice, so experts that got no tokens still get a
+    (zero) gradient, as DistributedDataParallel(find_unused_parameters=False) requires. In eval, empty
+    experts are skipped and their grads stay None.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            FeedForward(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.aux_loss = torch.zeros(())
+        # Filled by every forward: [E] int64 routed (token, slot) pairs per expert, for telemetry.
+        self.last_tokens_per_expert = None
+
+    def route(self, x_TD):
+        """Router: softmax over expert logits, top-k, optional renormalisation.
+
+        Runs in whatever dtype autocast gives the gate (bf16 logits, fp32 softmax under bf16 autocast),
+        exactly as the reference. Returns scores_TE, topk_weight_TK, topk_idx_TK (int64).
+        """
+        scores_TE = F.softmax(self.gate(x_TD), dim=-1)
+        topk_weight_TK, topk_idx_TK = torch.topk(scores_TE, k=self.config.num_experts_per_tok, dim=-1, sorted=False)
+        if self.config.norm_topk_prob:
+            topk_weight_TK = topk_weight_TK / (topk_weight_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores_TE, topk_weight_TK, topk_idx_TK
+
+    def forward(self, x):
+        B, S, D = x.shape
+        E, K = self.config.num_experts, self.config.num_experts_per_tok
+        x_TD = x.reshape(-1, D)
+        T = x_TD.shape[0]
+        scores_TE, topk_weight_TK, topk_idx_TK = self.route(x_TD)
+        if self.training and self.config.router_aux_loss_coef > 0:
+            self.aux_loss = minimind_aux_loss(scores_TE, topk_idx_TK, E, self.config.router_aux_loss_coef)
+        else:
+            self.aux_loss = scores_TE.new_zeros(())
+
+        # Order each token's K slots by expert id: after the global stable sort below, slot j of a token
+        # is then its j-th smallest expert, and the combine adds slots 0..K-1 in the masked loop's order.
+        topk_idx_TK, slot_order_TK = topk_idx_TK.sort(dim=-1)
+        topk_weight_TK = topk_weight_TK.gather(-1, slot_order_TK)
+
+        # Permute: one stable sort of the N = T*K pairs by expert id. Within an expert, pairs stay in
+        # ascending token order (each token picks an expert at most once).
+        expert_idx_N = topk_idx_TK.reshape(-1)
+        sorted_pair_N = torch.argsort(expert_idx_N, stable=True)
+        sorted_token_N = sorted_pair_N // K
+        sorted_weight_N1 = topk_weight_TK.reshape(-1)[sorted_pair_N].unsqueeze(-1)
+        tokens_per_expert = torch.zeros(E, dtype=torch.int64, device=x.device)
+        tokens_per_expert.scatter_add_(0, expert_idx_N, torch.ones_like(expert_idx_N))
+        self.last_tokens_per_expert = tokens_per_expert
+        counts = tokens_per_expert.tolist()  # the layer's single device-to-host read
+
+        # Compute: each expert once, on its contiguous slice of the sorted pairs. Each slice is gathered
+        # into its own fresh tensor, like the reference's x[token_idx], so the GEMM sees identical inputs.
+        out_chunks = []
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0 and not self.training:
+                continue
+            rows = slice(start, start + n)
+            out_chunks.append((self.experts[e](x_TD[sorted_token_N[rows]]) * sorted_weight_N1[rows]).to(x_TD.dtype))
+            start += n
+        out_sorted_ND = torch.cat(out_chunks) if out_chunks else x_TD.new_zeros(0, D)
+
+        # Unpermute by gathering with the inverse permutation (no scatter, no atomics).
+        inverse_N = torch.empty_like(sorted_pair_N).scatter_(
+            0, sorted_pair_N, torch.arange(T * K, device=x.device))
+        out_TKD = out_sorted_ND[inverse_N].view(T, K, D)
+
+        # Combine in ascending expert order, from zero, one add per slot: the masked loop's summation.
+        y_TD = torch.zeros_like(x_TD)
+        for j in range(K):
+            y_TD = y_TD + out_TKD[:, j]
+        return y_TD.view(B, S, D)

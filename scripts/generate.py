@@ -1,0 +1,63 @@
+"""Sample a continuation from a checkpoint.
+
+    python scripts/generate.py --ckpt checkpoints/pretrain --prompt "Return the number of"
+
+--ckpt takes a checkpoint file or the run directory holding ckpt.pt and tokenizer/.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from train.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", default="checkpoints/pretrain", help="checkpoint file or run directory")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: tokenizer/ next to the checkpoint)")
+    p.add_argument("--prompt", default="The", help="text to continue")
+    p.add_argument("--max_new_tokens", type=int, default=100, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top_k", type=int, default=40, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top_p", type=float, default=0.95, help="nucleus sampling mass (1.0 = off)")
+    p.add_argument("--num_samples", type=int, default=1, help="independent samples")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--no_cache", action="store_true", help="recompute the prefix each step (no KV cache)")
+    args = p.parse_args(argv)
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        ckpt = load_checkpoint(args.ckpt)
+    except (FileNotFoundError, ValueError) as e:
+        p.error(str(e))
+    run_dir = args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(os.path.abspath(args.ckpt))
+    tok_dir = args.tokenizer or os.path.join(run_dir, "tokenizer")
+    if not os.path.exists(tok_dir):
+        p.error(f"{tok_dir}: tokenizer not found; pass --tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    model = model_from_checkpoint(ckpt, device).eval()
+    ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+    if not ids:
+        p.error("--prompt is empty after tokenization")
+    x = torch.tensor([ids] * args.num_samples, device=device)
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
+    with autocast:
+        out = model.generate(x, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                             top_p=args.top_p, eos_token_id=[tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+                                                              tokenizer.convert_tokens_to_ids("<|im_end|>")],
+                             use_cache=not args.no_cache, generator=g)
+    for i, row in enumerate(out.tolist()):
+        if args.num_samples > 1:
+            print(f"--- sample {i}")
+        print(tokenizer.decode(row, skip_special_tokens=True))
+
+
+if __name__ == "__main__":
+    main()

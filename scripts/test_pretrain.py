@@ -1,0 +1,123 @@
+"""End to end: a tiny pretraining run learns real text, its checkpoint reloads and samples, a resumed
+run equals a continuous one bit for bit, and bad input fails fast with a clear message.
+
+    python scripts/test_pretrain.py
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from testlib import ROOT, SHARED, Skip, run  # noqa: F401
+from train.checkpoint import load_checkpoint, model_from_checkpoint
+from train.pretrain import parse_args
+from train.trainer import train
+
+TINY = ["--hidden_size", "64", "--num_layers", "2", "--num_heads", "4", "--num_kv_heads", "2",
+        "--num_experts", "4", "--top_k", "2", "--moe_intermediate_size", "64", "--seq_len", "64",
+        "--batch_size", "8", "--vocab_size", "1024", "--eval_tokens", "2048", "--warmup_steps", "5",
+        "--log_interval", "5", "--no_progress", "--sample_tokens", "0"]
+_TMP = tempfile.mkdtemp(prefix="test_pretrain_")
+
+
+def text_file():
+    """Real text nobody here wrote (tinyshakespeare) when present, else a slice of the embedded corpus."""
+    path = os.path.join(SHARED, "data", "tinyshakespeare.txt")
+    if os.path.exists(path):
+        return path
+    from data.corpus import default_corpus
+    out = os.path.join(_TMP, "corpus_slice.jsonl")
+    with open(default_corpus()["train"]) as f, open(out, "w") as g:
+        g.writelines(line for i, line in enumerate(f) if i < 150)
+    return out
+
+
+def quiet(*_):
+    pass
+
+
+def test_tiny_run_learns_and_checkpoint_reloads():
+    out_dir = os.path.join(_TMP, "run")
+    args = parse_args(TINY + ["--data_path", text_file(), "--out_dir", out_dir, "--max_steps", "150",
+                              "--eval_interval", "50", "--learning_rate", "1e-2"])
+    s = train(args, log=quiet)
+    assert s["final_val_loss"] < 0.75 * s["first_val_loss"], f"{s['first_val_loss']:.3f} -> {s['final_val_loss']:.3f}"
+    assert s["final_val_loss"] < s["unigram_entropy"], f"{s['final_val_loss']:.3f} vs unigram {s['unigram_entropy']:.3f}"
+    for name in ("ckpt.pt", "config.json", "loss.png", "metrics.jsonl", "tokenizer/tokenizer.json"):
+        assert os.path.exists(os.path.join(out_dir, name)), f"{name} missing"
+    ckpt = load_checkpoint(out_dir)
+    assert ckpt["step"] == 150 and all(v.dtype == torch.float32 for v in ckpt["model"].values() if v.is_floating_point())
+    model = model_from_checkpoint(ckpt).eval()
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(os.path.join(out_dir, "tokenizer"))
+    ids = torch.tensor([tok("the", add_special_tokens=False)["input_ids"]])
+    assert model.generate(ids, 8, temperature=0).shape[1] == ids.shape[1] + 8
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--ckpt", out_dir,
+                        "--prompt", "the", "--max_new_tokens", "12"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]
+
+
+def test_resume_equals_continuous_run():
+    data = text_file()
+    common = TINY + ["--data_path", data, "--max_steps", "12", "--eval_interval", "6", "--save_interval", "4",
+                     "--grad_accum", "2"]
+    a_dir, b_dir = os.path.join(_TMP, "cont"), os.path.join(_TMP, "resumed")
+    train(parse_args(common + ["--out_dir", a_dir]), log=quiet)
+    train(parse_args(common + ["--out_dir", b_dir, "--stop_after", "5"]), log=quiet)
+    assert load_checkpoint(b_dir)["step"] == 5
+    train(parse_args(["--resume", "--out_dir", b_dir, "--no_progress"]), log=quiet)
+    a, b = load_checkpoint(a_dir), load_checkpoint(b_dir)
+    assert a["step"] == b["step"] == 12
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), f"{k} differs after resume"
+    la = [json.loads(l) for l in open(os.path.join(a_dir, "metrics.jsonl"))]
+    lb = [json.loads(l) for l in open(os.path.join(b_dir, "metrics.jsonl"))]
+    key = lambda rs: [(r["step"], r.get("train_loss"), r.get("val_loss")) for r in rs]  # noqa: E731
+    assert key(la) == key(lb), "logged losses differ between the continuous and the resumed run"
+
+
+def _cli(*argv):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train", "pretrain.py"), *argv],
+                          capture_output=True, text=True, timeout=300, cwd=_TMP)
+
+
+def test_bad_inputs_fail_fast_with_clear_messages():
+    bad = os.path.join(_TMP, "bad.jsonl")
+    with open(bad, "w") as f:
+        f.write('{"text": "fine"}\n{"text": "fine too"}\n{"text": oops}\n')
+    empty = os.path.join(_TMP, "empty.txt")
+    open(empty, "w").close()
+    cases = [(["--data_path", os.path.join(_TMP, "nope.jsonl")], "nope.jsonl: data file not found"),
+             (["--data_path", empty], "empty.txt: contains no text"),
+             (["--data_path", bad], "bad.jsonl:3: malformed JSON"),
+             (["--num_experts", "4", "--top_k", "5"], "num_experts_per_tok"),
+             (["--num_heads", "3"], "num_attention_heads"),
+             (["--max_steps", "0"], "--max_steps"),
+             (["--resume", os.path.join(_TMP, "none.pt")], "checkpoint not found")]
+    for argv, msg in cases:
+        r = _cli(*argv, "--out_dir", os.path.join(_TMP, "bad_run"), "--no_progress")
+        assert r.returncode != 0, f"{argv}: exit 0"
+        assert msg in r.stderr, f"{argv}: stderr does not say {msg!r}:\n{r.stderr[-1500:]}"
+        assert "Traceback" not in r.stderr, f"{argv}: a traceback instead of a message:\n{r.stderr[-1500:]}"
+
+
+def test_corrupt_checkpoint_is_refused():
+    path = os.path.join(_TMP, "corrupt.pt")
+    with open(path, "wb") as f:
+        f.write(b"not a checkpoint")
+    try:
+        load_checkpoint(path)
+    except ValueError as e:
+        assert "corrupt.pt" in str(e)
+    else:
+        raise AssertionError("corrupt checkpoint accepted")
+
+
+TESTS = [test_tiny_run_learns_and_checkpoint_reloads, test_resume_equals_continuous_run,
+         test_bad_inputs_fail_fast_with_clear_messages, test_corrupt_checkpoint_is_refused]
+
+if __name__ == "__main__":
+    run(TESTS)

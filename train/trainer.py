@@ -1,0 +1,264 @@
+"""The training loop shared by every stage: model + data + optimizer + checkpoints + logging.
+
+A stage script (pretrain.py) only parses its flags and calls `train(args)`.
+"""
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from data.dataset import DataError, WindowBatches, fixed_windows, unigram_entropy
+from data.prepare import prepare_data
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from train.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint, unwrap
+from train.plot import plot_loss_curve
+from train.schedule import lr_at
+
+
+def build_config(args, vocab_size):
+    return MiniMindConfig(
+        vocab_size=vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
+        max_position_embeddings=args.max_position_embeddings, dropout=args.dropout,
+        use_moe=args.use_moe, num_experts=args.num_experts, num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.moe_intermediate_size, intermediate_size=args.intermediate_size,
+        router_aux_loss_coef=args.aux_loss_coef)
+
+
+def resolve_device(args):
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but CUDA is not available")
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    return device, dtype
+
+
+def make_optimizer(model, args):
+    """AdamW; weight decay only on matrices (not norms), as nanoGPT / MiniMind."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=args.learning_rate, betas=(0.9, 0.95), eps=1e-8)
+
+
+@torch.no_grad()
+def evaluate(model, windows, batch_size, autocast):
+    """Mean LM cross-entropy (nats/token) over fixed validation windows [N, S+1]."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(windows), batch_size):
+        w = windows[i:i + batch_size]
+        with autocast():
+            out = model(w[:, :-1], labels=w[:, 1:])
+        n = w[:, 1:].numel()
+        total += out.ce_loss.item() * n
+        count += n
+    model.train(was_training)
+    return total / count
+
+
+def expert_load_summary(model):
+    """'load 1.3 1.1 ...': per layer, max/mean tokens per expert in the last forward (1.0 = balanced)."""
+    ratios = []
+    for layer in unwrap(model).model.layers:
+        tpe = getattr(layer.mlp, "last_tokens_per_expert", None)
+        if tpe is not None and int(tpe.sum()) > 0:
+            ratios.append(f"{float(tpe.max()) / float(tpe.float().mean()):.1f}")
+    return "load max/mean " + " ".join(ratios) if ratios else ""
+
+
+def _wandb_run(args, config):
+    if not args.wandb:
+        return None
+    import wandb
+    logged_in = bool(os.environ.get("WANDB_API_KEY")) or os.path.exists(os.path.expanduser("~/.netrc")) and \
+        "api.wandb.ai" in open(os.path.expanduser("~/.netrc")).read()
+    mode = os.environ.get("WANDB_MODE") or ("online" if logged_in else "offline")
+    return wandb.init(project=args.wandb_project, mode=mode, dir=args.out_dir,
+                      config={**vars(args), "model": config.to_dict()})
+
+
+def train(args, log=print):
+    """Run (or resume) a training job described by parsed args. Returns a summary dict."""
+    torch.manual_seed(args.seed)
+    device, dtype = resolve_device(args)
+    ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    device_type = "cuda" if device.startswith("cuda") else "cpu"
+
+    def autocast():
+        if ptdtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=ptdtype)
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    ckpt_path = os.path.join(args.out_dir, CKPT_NAME)
+    resume = load_checkpoint(args.resume) if args.resume else None
+
+    data = prepare_data(args.data_path, args.tokenizer, args.vocab_size, log=log)
+    tokenizer = data["tokenizer"]
+    tok_out = os.path.join(args.out_dir, "tokenizer")
+    if os.path.abspath(data["tokenizer_dir"]) != os.path.abspath(tok_out):
+        tmp = tok_out + f".tmp{os.getpid()}"
+        shutil.copytree(data["tokenizer_dir"], tmp, dirs_exist_ok=True)
+        if os.path.exists(tok_out):
+            shutil.rmtree(tok_out)
+        os.replace(tmp, tok_out)
+
+    if resume is not None:  # the architecture comes from the checkpoint, never from flags
+        config = MiniMindConfig.from_dict(resume["config"])
+    else:
+        config = build_config(args, len(tokenizer))
+    if config.vocab_size < len(tokenizer):
+        raise ValueError(f"MiniMindConfig.vocab_size={config.vocab_size} is smaller than the tokenizer's "
+                         f"{len(tokenizer)} tokens")
+    if args.seq_len > config.max_position_embeddings:
+        raise ValueError(f"--seq_len {args.seq_len} exceeds max_position_embeddings={config.max_position_embeddings}")
+    model = MiniMindForCausalLM(config).to(device)
+    optimizer = make_optimizer(model, args)
+    loader = WindowBatches(data["train"], args.seq_len, args.batch_size, seed=args.seed, name="training data")
+    val_windows = fixed_windows(data["val"], args.seq_len, args.eval_tokens).to(device)
+    h_unigram = unigram_entropy(data["val"])
+
+    start_step, records = 0, []
+    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+    if resume is not None:
+        model.load_state_dict(resume["model"], strict=True)
+        optimizer.load_state_dict(resume["optimizer"])
+        loader.load_state_dict(resume["data"])
+        torch.set_rng_state(resume["rng"]["torch"])
+        if device_type == "cuda" and resume["rng"]["cuda"]:
+            torch.cuda.set_rng_state_all(resume["rng"]["cuda"])
+        start_step = resume["step"]
+        if os.path.exists(metrics_path):  # drop what was logged after the checkpoint we resume from
+            with open(metrics_path) as f:
+                records = [r for r in map(json.loads, f) if r["step"] <= start_step]
+        log(f"resumed from {args.resume} at step {start_step}")
+    with open(metrics_path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    n_active = n_params
+    if config.use_moe:
+        per_expert = 3 * config.hidden_size * config.moe_intermediate_size
+        n_active -= config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * per_expert
+    log(f"model: {n_params / 1e6:.2f}M params ({n_active / 1e6:.2f}M active), "
+        f"{'MoE E=%d k=%d' % (config.num_experts, config.num_experts_per_tok) if config.use_moe else 'dense'}, "
+        f"{config.num_hidden_layers} layers, D={config.hidden_size}; device {device}, {dtype}")
+
+    train_model = torch.compile(model) if args.compile else model
+    wandb_run = _wandb_run(args, config)
+
+    def record(r):
+        records.append(r)
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(r) + "\n")
+        if wandb_run is not None:
+            wandb_run.log({k: v for k, v in r.items() if k != "step"}, step=r["step"])
+
+    def checkpoint(step):
+        save_checkpoint(ckpt_path, model, optimizer, step, loader.state_dict(), vars(args))
+        config.save_pretrained(args.out_dir)
+
+    first_val = None
+    if start_step == 0:
+        first_val = evaluate(model, val_windows, args.batch_size, autocast)
+        record({"step": 0, "val_loss": first_val})
+        log(f"step 0: val loss {first_val:.4f} (uniform over the vocab would be {math.log(config.vocab_size):.4f}; "
+            f"unigram entropy of the validation tokens {h_unigram:.4f})")
+    else:
+        first_val = next((r["val_loss"] for r in records if r["step"] == 0 and "val_loss" in r), None)
+
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
+    model.train()
+    bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="pretrain",
+               dynamic_ncols=True, disable=args.no_progress, file=sys.stdout, mininterval=1.0)
+    t_last, val, val_step, done = time.time(), None, None, start_step
+    for step in bar:
+        lr = lr_at(step, args.max_steps, args.learning_rate, args.warmup_steps)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        lm_loss = aux = 0.0
+        for _ in range(args.grad_accum):
+            x, y = loader.next()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with autocast():
+                out = train_model(x, labels=y)
+            (out.loss / args.grad_accum).backward()
+            lm_loss += out.ce_loss.detach() / args.grad_accum
+            aux += out.aux_loss.detach() / args.grad_accum
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip > 0 else None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        done = step + 1
+
+        if done % args.log_interval == 0 or done == args.max_steps:
+            now = time.time()
+            n_steps = args.log_interval if done % args.log_interval == 0 else done % args.log_interval
+            tok_s = tokens_per_step * n_steps / max(now - t_last, 1e-9)
+            t_last = now
+            lm_loss_f = float(lm_loss)
+            if not math.isfinite(lm_loss_f):
+                raise FloatingPointError(f"training loss is {lm_loss_f} at step {done}; lower --learning_rate")
+            r = {"step": done, "train_loss": lm_loss_f, "aux_loss": float(aux), "lr": lr, "tok_per_s": tok_s}
+            if grad_norm is not None:
+                r["grad_norm"] = float(grad_norm)
+            record(r)
+            bar.set_postfix_str(f"loss {lm_loss_f:.3f} lr {lr:.2e} {tok_s:,.0f} tok/s"
+                                + (f" | {expert_load_summary(model)}" if config.use_moe and args.show_load else ""))
+        if done % args.eval_interval == 0 or done == args.max_steps:
+            val, val_step = evaluate(model, val_windows, args.batch_size, autocast), done
+            record({"step": done, "val_loss": val})
+            bar.write(f"step {done}: val loss {val:.4f}")
+        stopping = bool(args.stop_after) and done - start_step >= args.stop_after
+        if done % args.save_interval == 0 or done == args.max_steps or stopping:
+            checkpoint(done)
+            plot_loss_curve(records, os.path.join(args.out_dir, "loss.png"), h_unigram)
+        if stopping:
+            bar.write(f"stopping after {args.stop_after} steps at step {done} (--stop_after); resume with --resume")
+            break
+    bar.close()
+    if val_step != done:  # stopped between evaluations, or nothing left to do
+        if start_step >= args.max_steps:
+            log(f"nothing to do: checkpoint is at step {start_step} >= --max_steps {args.max_steps}")
+        val = evaluate(model, val_windows, args.batch_size, autocast)
+    if wandb_run is not None:
+        wandb_run.finish()
+
+    summary = {"final_val_loss": val, "first_val_loss": first_val, "unigram_entropy": h_unigram,
+               "checkpoint": ckpt_path, "loss_curve": os.path.join(args.out_dir, "loss.png"),
+               "records": records}
+    log(f"final val loss {val:.4f}" + (f" vs step-0 {first_val:.4f} ({100 * (1 - val / first_val):.1f}% lower)"
+                                       if first_val else "")
+        + f"; unigram entropy of the validation tokens {h_unigram:.4f} "
+        f"({'below' if val < h_unigram else 'NOT below'} it)")
+    log(f"checkpoint: {ckpt_path}\nloss curve: {summary['loss_curve']}")
+    if args.sample_tokens > 0:
+        model.eval()
+        prompt = "The"
+        ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]], device=device)
+        g = torch.Generator(device=device).manual_seed(args.seed)
+        with autocast():
+            out = model.generate(ids, max_new_tokens=args.sample_tokens, temperature=0.8, top_k=40,
+                                 eos_token_id=[0, 2], generator=g)
+        summary["sample"] = tokenizer.decode(out[0].tolist(), skip_special_tokens=True)
+        log(f"sample: {summary['sample']!r}")
+    return summary
+
+
+def run_cli(train_fn, args, log=print):
+    """Call train_fn(args); turn bad input into a one-line error and exit code 2 instead of a traceback."""
+    from huggingface_hub.errors import StrictDataclassError
+    try:
+        return train_fn(args, log=log)
+    except (DataError, ValueError, FileNotFoundError, StrictDataclassError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
