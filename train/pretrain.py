@@ -17,6 +17,10 @@ from train.checkpoint import CKPT_NAME, load_checkpoint  # noqa: E402
 from train.trainer import run_cli, train  # noqa: E402
 
 
+MODEL_FLAGS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "use_moe",
+               "num_experts", "top_k", "moe_intermediate_size", "aux_loss_coef", "dropout", "max_position_embeddings")
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
@@ -38,12 +42,12 @@ def build_parser():
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
     g.add_argument("--max_position_embeddings", type=int, default=2048, help="longest sequence the model supports")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--max_steps", type=int, default=500, help="optimizer steps")
-    g.add_argument("--batch_size", type=int, default=16, help="sequences per micro-batch")
+    g.add_argument("--max_steps", type=int, default=1250, help="optimizer steps")
+    g.add_argument("--batch_size", type=int, default=8, help="sequences per micro-batch")
     g.add_argument("--seq_len", type=int, default=128, help="tokens per sequence")
     g.add_argument("--grad_accum", type=int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--learning_rate", type=float, default=3e-3, help="peak learning rate")
-    g.add_argument("--warmup_steps", type=int, default=30, help="linear warmup steps, then cosine to lr/10")
+    g.add_argument("--warmup_steps", type=int, default=50, help="linear warmup steps, then cosine to lr/10")
     g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay on matrices")
     g.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0 = off)")
     g.add_argument("--seed", type=int, default=1337, help="seed for init and data order")
@@ -52,9 +56,9 @@ def build_parser():
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="autocast dtype; auto = bfloat16 on CUDA, float32 on CPU (weights stay fp32)")
-    g.add_argument("--eval_interval", type=int, default=100, help="steps between validation runs")
+    g.add_argument("--eval_interval", type=int, default=250, help="steps between validation runs")
     g.add_argument("--eval_tokens", type=int, default=16384, help="validation tokens per evaluation")
-    g.add_argument("--save_interval", type=int, default=100, help="steps between checkpoints")
+    g.add_argument("--save_interval", type=int, default=250, help="steps between checkpoints")
     g.add_argument("--log_interval", type=int, default=10, help="steps between progress/metrics updates")
     g.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="resume from a checkpoint (path, or out_dir/ckpt.pt when given without a value); "
@@ -76,6 +80,8 @@ def parse_args(argv=None):
     if args.resume:
         if args.resume == "auto":
             args.resume = os.path.join(args.out_dir, CKPT_NAME)
+        elif os.path.isdir(args.resume):
+            args.resume = os.path.join(args.resume, CKPT_NAME)
         try:
             saved = load_checkpoint(args.resume)["args"]
         except (FileNotFoundError, ValueError) as e:
@@ -85,6 +91,12 @@ def parse_args(argv=None):
         resume = args.resume
         args = parser.parse_args(argv)
         args.resume = resume
+        if args.out_dir == saved.get("out_dir") and os.path.isfile(resume):
+            args.out_dir = os.path.dirname(os.path.abspath(resume))  # keep writing next to the checkpoint
+        changed = [f"--{k}" for k in MODEL_FLAGS if getattr(args, k) != saved.get(k, getattr(args, k))]
+        if changed:
+            print(f"warning: {', '.join(changed)} ignored on resume: the architecture comes from the checkpoint",
+                  file=sys.stderr)
     for name in ("max_steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "save_interval",
                  "log_interval", "eval_tokens"):
         if getattr(args, name) < 1:

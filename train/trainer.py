@@ -103,7 +103,11 @@ def train(args, log=print):
     ckpt_path = os.path.join(args.out_dir, CKPT_NAME)
     resume = load_checkpoint(args.resume) if args.resume else None
 
-    data = prepare_data(args.data_path, args.tokenizer, args.vocab_size, log=log)
+    tokenizer_dir = args.tokenizer
+    if resume is not None and tokenizer_dir is None:  # the run's own tokenizer, even if the cache is gone
+        run_tok = os.path.join(os.path.dirname(os.path.abspath(args.resume)), "tokenizer")
+        tokenizer_dir = run_tok if os.path.exists(os.path.join(run_tok, "tokenizer.json")) else None
+    data = prepare_data(args.data_path, tokenizer_dir, args.vocab_size, log=log)
     tokenizer = data["tokenizer"]
     tok_out = os.path.join(args.out_dir, "tokenizer")
     if os.path.abspath(data["tokenizer_dir"]) != os.path.abspath(tok_out):
@@ -131,6 +135,9 @@ def train(args, log=print):
     start_step, records = 0, []
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
     if resume is not None:
+        if resume.get("train_tokens") not in (None, len(data["train"])):
+            raise ValueError(f"{args.resume}: the checkpoint was trained on {resume['train_tokens']:,} tokens but the "
+                             f"data now gives {len(data['train']):,}; resume needs the same data and tokenizer")
         model.load_state_dict(resume["model"], strict=True)
         optimizer.load_state_dict(resume["optimizer"])
         loader.load_state_dict(resume["data"])
@@ -165,7 +172,8 @@ def train(args, log=print):
             wandb_run.log({k: v for k, v in r.items() if k != "step"}, step=r["step"])
 
     def checkpoint(step):
-        save_checkpoint(ckpt_path, model, optimizer, step, loader.state_dict(), vars(args))
+        save_checkpoint(ckpt_path, model, optimizer, step, loader.state_dict(), vars(args),
+                        extra={"train_tokens": len(data["train"])})
         config.save_pretrained(args.out_dir)
 
     first_val = None
