@@ -1,8 +1,11 @@
-"""Sample a continuation from a checkpoint.
+"""Sample a continuation from a checkpoint or from an exported HuggingFace folder.
 
     python scripts/generate.py --ckpt checkpoints/pretrain --prompt "Return the number of"
+    python scripts/generate.py --ckpt exports/minimind-moe --prompt "Return the number of"
 
---ckpt takes a checkpoint file or the run directory holding ckpt.pt and tokenizer/.
+--ckpt takes a checkpoint file, the run directory holding ckpt.pt and tokenizer/, or a folder written by
+scripts/export_hf.py (then `transformers` AutoModelForCausalLM.generate samples, so both sides can be
+compared from the command line; with --temperature 0 both are greedy and print the same text).
 """
 import argparse
 import os
@@ -13,7 +16,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from model.hf_adapter import is_hf_folder  # noqa: E402
 from train.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
+
+
+def generate_hf(args, device):
+    """Sample with transformers' own generate from an exported folder."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    tokenizer = AutoTokenizer.from_pretrained(args.ckpt)
+    model = AutoModelForCausalLM.from_pretrained(args.ckpt).to(device).eval()
+    ids = torch.tensor([tokenizer(args.prompt, add_special_tokens=False)["input_ids"]] * args.num_samples, device=device)
+    gen = GenerationConfig.from_pretrained(args.ckpt)
+    greedy = args.temperature <= 0
+    gen.update(max_new_tokens=args.max_new_tokens, do_sample=not greedy, use_cache=not args.no_cache,
+               top_k=None if greedy else (args.top_k or None), top_p=None if greedy else args.top_p,
+               temperature=None if greedy else args.temperature)
+    torch.manual_seed(args.seed)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+    return tokenizer, out
 
 
 def main(argv=None):
@@ -32,6 +52,9 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if is_hf_folder(args.ckpt):
+        tokenizer, out = generate_hf(args, device)
+        return print_samples(tokenizer, out, args.num_samples)
     try:
         ckpt = load_checkpoint(args.ckpt)
     except (FileNotFoundError, ValueError) as e:
@@ -53,8 +76,12 @@ def main(argv=None):
                              top_p=args.top_p, eos_token_id=[tokenizer.convert_tokens_to_ids("<|endoftext|>"),
                                                               tokenizer.convert_tokens_to_ids("<|im_end|>")],
                              use_cache=not args.no_cache, generator=g)
+    print_samples(tokenizer, out, args.num_samples)
+
+
+def print_samples(tokenizer, out, num_samples):
     for i, row in enumerate(out.tolist()):
-        if args.num_samples > 1:
+        if num_samples > 1:
             print(f"--- sample {i}")
         print(tokenizer.decode(row, skip_special_tokens=True))
 

@@ -63,6 +63,9 @@ def build_parser():
     g.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="resume from a checkpoint (path, or out_dir/ckpt.pt when given without a value); "
                         "architecture and unspecified flags come from the checkpoint")
+    g.add_argument("--init_from", default=None,
+                   help="start from these weights (a checkpoint/run dir, or an HF folder from export_hf.py); "
+                        "architecture and tokenizer come from there, optimizer and step start fresh")
     g.add_argument("--stop_after", type=int, default=0,
                    help="stop after this many steps of this invocation, with a checkpoint (0 = run to max_steps)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")

@@ -16,7 +16,8 @@ from tqdm import tqdm
 from data.dataset import DataError, WindowBatches, fixed_windows, unigram_entropy
 from data.prepare import prepare_data
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from train.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint, unwrap
+from model.hf_adapter import is_hf_folder, load_hf_folder
+from train.checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint, save_checkpoint, unwrap
 from train.plot import plot_loss_curve
 from train.schedule import lr_at
 
@@ -103,10 +104,22 @@ def train(args, log=print):
     ckpt_path = os.path.join(args.out_dir, CKPT_NAME)
     resume = load_checkpoint(args.resume) if args.resume else None
 
+    init_model, source_dir = None, None
+    if resume is not None:
+        source_dir = os.path.dirname(os.path.abspath(args.resume))
+    elif args.init_from:  # start from trained weights (ours or an exported HF folder), fresh optimizer
+        if is_hf_folder(args.init_from):
+            init_model, source_dir = load_hf_folder(args.init_from), args.init_from
+        else:
+            init_ckpt = load_checkpoint(args.init_from)
+            init_model = model_from_checkpoint(init_ckpt)
+            source_dir = args.init_from if os.path.isdir(args.init_from) else os.path.dirname(os.path.abspath(args.init_from))
     tokenizer_dir = args.tokenizer
-    if resume is not None and tokenizer_dir is None:  # the run's own tokenizer, even if the cache is gone
-        run_tok = os.path.join(os.path.dirname(os.path.abspath(args.resume)), "tokenizer")
-        tokenizer_dir = run_tok if os.path.exists(os.path.join(run_tok, "tokenizer.json")) else None
+    if source_dir is not None and tokenizer_dir is None:  # the run's own tokenizer, even if the cache is gone
+        for cand in (os.path.join(source_dir, "tokenizer"), source_dir):
+            if os.path.exists(os.path.join(cand, "tokenizer.json")):
+                tokenizer_dir = cand
+                break
     data = prepare_data(args.data_path, tokenizer_dir, args.vocab_size, log=log)
     tokenizer = data["tokenizer"]
     tok_out = os.path.join(args.out_dir, "tokenizer")
@@ -119,6 +132,8 @@ def train(args, log=print):
 
     if resume is not None:  # the architecture comes from the checkpoint, never from flags
         config = MiniMindConfig.from_dict(resume["config"])
+    elif init_model is not None:
+        config = init_model.config
     else:
         config = build_config(args, len(tokenizer))
     if config.vocab_size < len(tokenizer):
@@ -126,7 +141,11 @@ def train(args, log=print):
                          f"{len(tokenizer)} tokens")
     if args.seq_len > config.max_position_embeddings:
         raise ValueError(f"--seq_len {args.seq_len} exceeds max_position_embeddings={config.max_position_embeddings}")
-    model = MiniMindForCausalLM(config).to(device)
+    model = MiniMindForCausalLM(config)
+    if init_model is not None:
+        model.load_state_dict(init_model.state_dict(), strict=True)
+        log(f"initialised weights from {args.init_from}")
+    model = model.to(device)
     optimizer = make_optimizer(model, args)
     loader = WindowBatches(data["train"], args.seq_len, args.batch_size, seed=args.seed, name="training data")
     val_windows = fixed_windows(data["val"], args.seq_len, args.eval_tokens).to(device)

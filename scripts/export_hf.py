@@ -1,0 +1,103 @@
+"""Export a checkpoint to a HuggingFace folder that `transformers` loads with no custom code.
+
+    python scripts/export_hf.py --ckpt checkpoints/pretrain --out exports/minimind-moe [--dtype bfloat16]
+
+MoE checkpoints become `Qwen3MoeForCausalLM` (model_type qwen3_moe), dense ones `Qwen3ForCausalLM`.
+The folder gets config.json, model.safetensors, the tokenizer (with its chat template) and
+generation_config.json. Before the folder is put in place, it is loaded back with
+`AutoModelForCausalLM.from_pretrained` and its logits are compared with ours on random tokens
+(max abs diff <= 1e-4 in float32; bf16/fp16 exports are compared against our model rounded the same
+way); a mismatch aborts the export. Checkpoints with features the target cannot represent are refused.
+"""
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from model.hf_adapter import ExportError, to_hf_config, to_hf_state_dict  # noqa: E402
+from train.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FP32_TOL = 1e-4  # fp32 reassociation in attention/softmax between two implementations stays far below this
+
+
+def compare_logits(ours, hf_dir, dtype, n_tokens=48, seed=0):
+    """Max abs logit difference between our model and the exported folder on random tokens."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ours = ours.float().eval()
+    if dtype != torch.float32:  # compare against our weights rounded like the export
+        ours = model_from_checkpoint({"config": ours.config.to_dict(),
+                                      "model": {k: v.to(dtype).float() for k, v in ours.state_dict().items()}}).eval()
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, ours.config.vocab_size, (2, n_tokens), generator=g)
+    with torch.no_grad():
+        return (ours(ids).logits - hf(ids).logits).abs().max().item()
+
+
+def export(ckpt_path, out_dir, dtype="float32", tokenizer_dir=None, verify=True, log=print):
+    """Write the HF folder at out_dir (replacing it atomically). Returns the max logit diff (or None)."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, GenerationConfig
+
+    ckpt = load_checkpoint(ckpt_path)
+    model = model_from_checkpoint(ckpt)
+    hf_config = to_hf_config(model.config)
+    hf_config.dtype = dtype
+    tdtype = DTYPES[dtype]
+    state = {k: v.detach().to(tdtype).contiguous() for k, v in to_hf_state_dict(model.state_dict(), model.config).items()}
+    run_dir = ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(os.path.abspath(ckpt_path))
+    tokenizer_dir = tokenizer_dir or os.path.join(run_dir, "tokenizer")
+    if not os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")):
+        raise FileNotFoundError(f"{tokenizer_dir}: tokenizer not found; pass --tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".export-")
+    try:
+        hf_config.save_pretrained(tmp)
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+        eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
+        GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=0.8,
+                         top_k=40, top_p=0.95).save_pretrained(tmp)
+        diff = None
+        if verify:
+            diff = compare_logits(model, tmp, tdtype)
+            tol = FP32_TOL if tdtype == torch.float32 else 5e-2
+            if not diff <= tol:
+                raise ExportError(f"exported model disagrees with ours: max |logit diff| {diff:.3e} > {tol}")
+            log(f"parity: max |logit diff| ours vs transformers = {diff:.2e} (tolerance {tol})")
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+    log(f"exported {hf_config.model_type} ({dtype}) to {out_dir}")
+    return diff
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="checkpoint file or run directory")
+    p.add_argument("--out", required=True, help="output folder (replaced if it exists)")
+    p.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="dtype of the saved weights")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: tokenizer/ next to the checkpoint)")
+    p.add_argument("--no_verify", action="store_true", help="skip the load-back logit comparison")
+    args = p.parse_args(argv)
+    try:
+        export(args.ckpt, args.out, args.dtype, args.tokenizer, verify=not args.no_verify)
+    except (ExportError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

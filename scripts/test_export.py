@@ -1,0 +1,218 @@
+"""HuggingFace export: parity of logits and greedy ids with transformers' Qwen3(-MoE), clean loading,
+exact round trip, refusal of unrepresentable features, and the main job's checkpoint end to end.
+
+    python scripts/test_export.py
+"""
+import io
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+
+import torch
+
+from testlib import ROOT, Skip, run  # noqa: F401
+from model import hf_adapter
+from model.hf_adapter import ExportError, from_hf_config, load_hf_folder
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, RMSNorm
+from train.checkpoint import save_checkpoint
+from data.tokenizer import save_tokenizer, train_tokenizer
+
+_TMP = tempfile.mkdtemp(prefix="test_export_")
+__import__("transformers").utils.logging.disable_progress_bar()
+# fp32 logits from two implementations of the same function differ by reassociation only (SDPA vs
+# eager attention, fused vs separate expert GEMMs): ~1e-6 here; 1e-4 leaves room for other BLAS builds.
+TOL = 1e-4
+
+
+def _tokenizer_dir():
+    path = os.path.join(_TMP, "tok")
+    if not os.path.exists(path):
+        texts = ["Return the number of items in the container.", "The quick brown fox jumps over the dog."] * 20
+        save_tokenizer(train_tokenizer(texts, vocab_size=300), path)
+    return path
+
+
+def tiny_run(use_moe=True, tie=True, k=2, seed=0):
+    """A random model with O(1) logits and non-trivial norm weights (so a dropped q/k norm would show),
+    saved as a run directory (ckpt.pt + tokenizer/)."""
+    cfg = MiniMindConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, use_moe=use_moe, num_experts=4, num_experts_per_tok=k,
+                         moe_intermediate_size=48, intermediate_size=96, tie_word_embeddings=tie,
+                         max_position_embeddings=256, initializer_range=0.1)
+    torch.manual_seed(seed)
+    model = MiniMindForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.copy_(1 + 0.3 * torch.randn_like(m.weight))
+    run_dir = os.path.join(_TMP, f"run_moe{int(use_moe)}_tie{int(tie)}_k{k}")
+    save_checkpoint(os.path.join(run_dir, "ckpt.pt"), model, None, 0, None, {})
+    tok = os.path.join(run_dir, "tokenizer")
+    if not os.path.exists(tok):
+        save_tokenizer(__import__("transformers").AutoTokenizer.from_pretrained(_tokenizer_dir()), tok)
+    return model, run_dir
+
+
+def export(run_dir, dtype="float32"):
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from export_hf import export as do_export
+    out = run_dir + f"_hf_{dtype}"
+    do_export(run_dir, out, dtype, log=lambda *_: None)
+    return out
+
+
+def load_hf_quietly(path):
+    """AutoModelForCausalLM.from_pretrained, returning (model, loading_info, everything it logged/warned)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    hf_logger = hf_logging.get_logger("transformers")
+    hf_logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    finally:
+        hf_logger.removeHandler(handler)
+    text = buf.getvalue() + "\n".join(str(x.message) for x in w)
+    return model.eval(), info, text
+
+
+CASES = [(True, True, 1), (True, True, 2), (True, False, 1), (True, False, 2), (False, True, 1), (False, False, 1)]
+
+
+def test_logits_parity_fp32():
+    for use_moe, tie, k in CASES:
+        ours, run_dir = tiny_run(use_moe, tie, k)
+        hf, _, _ = load_hf_quietly(export(run_dir))
+        assert type(hf).__name__ == ("Qwen3MoeForCausalLM" if use_moe else "Qwen3ForCausalLM"), type(hf).__name__
+        ids = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            a, b = ours(ids).logits, hf(ids).logits
+        assert a.abs().max() > 1.0, "logits too small for the test to mean anything"
+        diff = (a - b).abs().max().item()
+        assert diff <= TOL, f"moe={use_moe} tie={tie} k={k}: max |logit diff| {diff:.2e}"
+
+
+def test_greedy_generation_identical():
+    from transformers import GenerationConfig
+    for use_moe, tie, k in CASES:
+        ours, run_dir = tiny_run(use_moe, tie, k)
+        hf, _, _ = load_hf_quietly(export(run_dir))
+        prompt = torch.randint(3, 300, (1, 6), generator=torch.Generator().manual_seed(2))
+        mine = ours.generate(prompt, max_new_tokens=32, temperature=0, use_cache=True)
+        mine_nocache = ours.generate(prompt, max_new_tokens=32, temperature=0, use_cache=False)
+        hf.generation_config = GenerationConfig(max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+        theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt))
+        assert mine.shape == (1, 38), mine.shape
+        assert torch.equal(mine, mine_nocache), f"moe={use_moe} tie={tie} k={k}: our cache vs no-cache"
+        assert torch.equal(mine, theirs), f"moe={use_moe} tie={tie} k={k}:\n{mine}\n{theirs}"
+
+
+def test_loads_without_key_warnings():
+    for use_moe, tie, k in [(True, True, 2), (True, False, 2), (False, True, 1)]:
+        _, run_dir = tiny_run(use_moe, tie, k)
+        out = export(run_dir)
+        _, info, text = load_hf_quietly(out)
+        for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+            assert not info.get(key), f"{key}: {info[key]}"
+        low = text.lower()
+        for bad in ("missing", "unexpected", "newly initialized", "not used", "not initialized"):
+            assert bad not in low, f"load printed {bad!r}:\n{text}"
+        for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                     "generation_config.json"):
+            assert os.path.exists(os.path.join(out, name)), f"{name} missing"
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(out)
+        assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False)
+
+
+def test_round_trip_bitwise():
+    for use_moe, tie, k in CASES:
+        ours, run_dir = tiny_run(use_moe, tie, k)
+        back = load_hf_folder(export(run_dir))
+        sa, sb = ours.state_dict(), back.state_dict()
+        assert set(sa) == set(sb), set(sa) ^ set(sb)
+        for key in sa:
+            assert torch.equal(sa[key], sb[key]), f"{key} changed in the round trip"
+        skip = {"transformers_version", "architectures", "dtype"} | (set() if use_moe else set(hf_adapter._MOE_ONLY))
+        fields = [f for f in MiniMindConfig.__dataclass_fields__ if f not in skip]  # dense: MoE fields unused
+        diff = {f: (getattr(ours.config, f), getattr(back.config, f)) for f in fields
+                if getattr(ours.config, f) != getattr(back.config, f)}
+        assert not diff, f"config changed in the round trip: {diff}"
+
+
+def test_bf16_export_loads_and_agrees():
+    ours, run_dir = tiny_run(True, True, 2)
+    hf, _, _ = load_hf_quietly(export(run_dir, "bfloat16"))
+    assert next(hf.parameters()).dtype == torch.bfloat16
+    back = load_hf_folder(run_dir + "_hf_bfloat16")
+    for key, v in ours.state_dict().items():
+        assert torch.equal(back.state_dict()[key], v.to(torch.bfloat16).float()), key
+
+
+def test_refuses_what_qwen3_cannot_represent():
+    ours, run_dir = tiny_run(True, True, 2)
+    cfg = MiniMindConfig(use_moe=True, dropout=0.1)
+    saved = hf_adapter._HANDLED
+    hf_adapter._HANDLED = saved - {"dropout"}  # pretend dropout had no Qwen3 equivalent
+    try:
+        hf_adapter.check_exportable(cfg)
+    except ExportError as e:
+        assert "dropout" in str(e)
+    else:
+        raise AssertionError("an unrepresentable field was exported")
+    finally:
+        hf_adapter._HANDLED = saved
+    from transformers import Qwen3MoeConfig
+    for kw, word in [(dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0,
+                                            "original_max_position_embeddings": 128}), "rope_type"),
+                     (dict(attention_bias=True), "attention_bias"), (dict(mlp_only_layers=[0]), "mlp_only_layers")]:
+        try:
+            from_hf_config(Qwen3MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **kw))
+        except ExportError as e:
+            assert word in str(e), e
+        else:
+            raise AssertionError(f"{kw} imported")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export_hf.py"), "--ckpt",
+                        os.path.join(_TMP, "nothing"), "--out", os.path.join(_TMP, "x")], capture_output=True, text=True)
+    assert r.returncode == 2 and "checkpoint not found" in r.stderr, r.stderr
+
+
+def test_main_job_checkpoint_exports_and_generates():
+    """A (short) run of the main job -> export -> transformers generate prints text; generate.py works on
+    both sides and gives the same greedy text."""
+    from train.pretrain import parse_args
+    from train.trainer import train
+    out_dir = os.path.join(_TMP, "pretrain")
+    train(parse_args(["--out_dir", out_dir, "--max_steps", "40", "--hidden_size", "64", "--num_layers", "2",
+                      "--moe_intermediate_size", "64", "--eval_tokens", "2048", "--no_progress",
+                      "--sample_tokens", "0", "--learning_rate", "1e-2", "--warmup_steps", "5"]), log=lambda *_: None)
+    hf_dir = os.path.join(_TMP, "pretrain_hf")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export_hf.py"), "--ckpt", out_dir, "--out", hf_dir],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "parity" in r.stdout, r.stdout + r.stderr
+    texts = []
+    for src in (out_dir, hf_dir):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--ckpt", src, "--prompt",
+                            "Return the", "--temperature", "0", "--max_new_tokens", "20"],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0 and len(r.stdout.strip()) > len("Return the"), r.stdout + r.stderr
+        texts.append(r.stdout.strip())
+    assert texts[0] == texts[1], f"ours {texts[0]!r} vs transformers {texts[1]!r}"
+    # and an imported copy trains on (fine-tuning path)
+    train(parse_args(["--init_from", hf_dir, "--out_dir", os.path.join(_TMP, "ft"), "--max_steps", "3",
+                      "--eval_tokens", "1024", "--no_progress", "--sample_tokens", "0"]), log=lambda *_: None)
+
+
+TESTS = [test_logits_parity_fp32, test_greedy_generation_identical, test_loads_without_key_warnings,
+         test_round_trip_bitwise, test_bf16_export_loads_and_agrees, test_refuses_what_qwen3_cannot_represent,
+         test_main_job_checkpoint_exports_and_generates]
+
+if __name__ == "__main__":
+    run(TESTS)
