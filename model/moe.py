@@ -66,6 +66,8 @@ class MOEFeedForward(nn.Module):
         self.experts = nn.ModuleList(
             FeedForward(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts))
         self.aux_loss = torch.zeros(())
+        # Set by train/expert_parallel.py to shard the experts over ranks; None = all experts local.
+        self.expert_parallel = None
         # Filled by every forward: [E] int64 routed (token, slot) pairs per expert, for telemetry.
         self.last_tokens_per_expert = None
 
@@ -96,37 +98,62 @@ class MOEFeedForward(nn.Module):
         # is then its j-th smallest expert, and the combine adds slots 0..K-1 in the masked loop's order.
         topk_idx_TK, slot_order_TK = topk_idx_TK.sort(dim=-1)
         topk_weight_TK = topk_weight_TK.gather(-1, slot_order_TK)
+        if self.expert_parallel is not None:  # experts sharded over ranks: the transport lives in train/
+            return self.expert_parallel(self, x_TD, topk_idx_TK, topk_weight_TK).view(B, S, D)
+        return sorted_experts_forward(self.experts, x_TD, topk_idx_TK, topk_weight_TK, self.training,
+                                      self).view(B, S, D)
 
-        # Permute: one stable sort of the N = T*K pairs by expert id. Within an expert, pairs stay in
-        # ascending token order (each token picks an expert at most once).
-        expert_idx_N = topk_idx_TK.reshape(-1)
-        sorted_pair_N = torch.argsort(expert_idx_N, stable=True)
-        sorted_token_N = sorted_pair_N // K
-        sorted_weight_N1 = topk_weight_TK.reshape(-1)[sorted_pair_N].unsqueeze(-1)
-        tokens_per_expert = torch.zeros(E, dtype=torch.int64, device=x.device)
-        tokens_per_expert.scatter_add_(0, expert_idx_N, torch.ones_like(expert_idx_N))
-        self.last_tokens_per_expert = tokens_per_expert
-        counts = tokens_per_expert.tolist()  # the layer's single device-to-host read
 
-        # Compute: each expert once, on its contiguous slice of the sorted pairs. Each slice is gathered
-        # into its own fresh tensor, like the reference's x[token_idx], so the GEMM sees identical inputs.
-        out_chunks = []
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0 and not self.training:
-                continue
-            rows = slice(start, start + n)
-            out_chunks.append((self.experts[e](x_TD[sorted_token_N[rows]]) * sorted_weight_N1[rows]).to(x_TD.dtype))
-            start += n
-        out_sorted_ND = torch.cat(out_chunks) if out_chunks else x_TD.new_zeros(0, D)
+def sorted_experts_forward(experts, x_TD, topk_idx_TK, topk_weight_TK, training, stats=None, counts=None):
+    """Single-sync sorted dispatch -> expert compute -> deterministic combine.
 
-        # Unpermute by gathering with the inverse permutation (no scatter, no atomics).
-        inverse_N = torch.empty_like(sorted_pair_N).scatter_(
-            0, sorted_pair_N, torch.arange(T * K, device=x.device))
-        out_TKD = out_sorted_ND[inverse_N].view(T, K, D)
+    Args:
+        experts: sequence of E modules, expert e maps [n, D] -> [n, D].
+        x_TD: [T, D] token rows. topk_idx_TK: int64 [T, K], each row sorted ascending (distinct experts;
+            -1 = no expert, skipped). topk_weight_TK: [T, K] combine weights, aligned with topk_idx_TK.
+        training: run idle experts on an empty slice so they join the autograd graph (zero grads).
+        stats: if given, `stats.last_tokens_per_expert` is set to the [E] int64 counts.
+        counts: host list of the E per-expert pair counts when the caller already knows them (expert
+            parallelism exchanges them with its split sizes); then this function reads nothing to the host.
+    Returns: y_TD [T, D] in x's dtype, y[t] = sum over j (ascending expert) of w[t, j] * expert(x[t]),
+        accumulated from zero one slot at a time (the masked reference's order, hence bitwise equal).
+    """
+    T, D = x_TD.shape
+    K, E = topk_idx_TK.shape[1], len(experts)
+    # Permute: one stable sort of the N = T*K pairs by expert id. Within an expert, pairs stay in
+    # ascending token order (each token picks an expert at most once). -1 entries sort first and are cut.
+    expert_idx_N = topk_idx_TK.reshape(-1)
+    sorted_pair_N = torch.argsort(expert_idx_N, stable=True)
+    sorted_token_N = sorted_pair_N // K
+    sorted_weight_N1 = topk_weight_TK.reshape(-1)[sorted_pair_N].unsqueeze(-1)
+    if counts is None:
+        counts_E1 = torch.zeros(E + 1, dtype=torch.int64, device=x_TD.device)  # slot 0 counts the -1 entries
+        counts_E1.scatter_add_(0, expert_idx_N + 1, torch.ones_like(expert_idx_N))
+        if stats is not None:
+            stats.last_tokens_per_expert = counts_E1[1:]
+        counts = counts_E1.tolist()  # the layer's single device-to-host read
+        skipped, counts = counts[0], counts[1:]
+    else:
+        skipped = T * K - sum(counts)
 
-        # Combine in ascending expert order, from zero, one add per slot: the masked loop's summation.
-        y_TD = torch.zeros_like(x_TD)
-        for j in range(K):
-            y_TD = y_TD + out_TKD[:, j]
-        return y_TD.view(B, S, D)
+    # Compute: each expert once, on its contiguous slice of the sorted pairs. Each slice is gathered
+    # into its own fresh tensor, like the reference's x[token_idx], so the GEMM sees identical inputs.
+    out_chunks = [x_TD.new_zeros(skipped, D)] if skipped else []
+    start = skipped
+    for e, n in enumerate(counts):
+        if n == 0 and not training:
+            continue
+        rows = slice(start, start + n)
+        out_chunks.append((experts[e](x_TD[sorted_token_N[rows]]) * sorted_weight_N1[rows]).to(x_TD.dtype))
+        start += n
+    out_sorted_ND = torch.cat(out_chunks) if out_chunks else x_TD.new_zeros(0, D)
+
+    # Unpermute by gathering with the inverse permutation (no scatter-add, no atomics).
+    inverse_N = torch.empty_like(sorted_pair_N).scatter_(0, sorted_pair_N, torch.arange(T * K, device=x_TD.device))
+    out_TKD = out_sorted_ND[inverse_N].view(T, K, D)
+
+    # Combine in ascending expert order, from zero, one add per slot: the masked loop's summation.
+    y_TD = torch.zeros_like(x_TD)
+    for j in range(K):
+        y_TD = y_TD + out_TKD[:, j]
+    return y_TD
