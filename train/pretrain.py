@@ -3,6 +3,7 @@
     python train/pretrain.py                       # embedded corpus, small MoE, ~5 min on 2 CPU cores
     python train/pretrain.py --data_path my.jsonl  # {"text": ...} per line, or a .txt file
     python train/pretrain.py --resume              # continue checkpoints/pretrain/ckpt.pt exactly
+    torchrun --nproc_per_node 4 train/pretrain.py --ep_size 2   # DDP x EP (gloo on CPU, NCCL on GPU)
 
 Writes to --out_dir: ckpt.pt (fp32 weights, optimizer, step, data position, RNG, config, args),
 config.json, tokenizer/, metrics.jsonl and loss.png.
@@ -66,6 +67,9 @@ def build_parser():
     g.add_argument("--init_from", default=None,
                    help="start from these weights (a checkpoint/run dir, or an HF folder from export_hf.py); "
                         "architecture and tokenizer come from there, optimizer and step start fresh")
+    g.add_argument("--ep_size", type=int, default=1,
+                   help="expert-parallel group size: experts sharded over this many ranks (divides world size "
+                        "and num_experts); launch with torchrun --nproc_per_node N")
     g.add_argument("--stop_after", type=int, default=0,
                    help="stop after this many steps of this invocation, with a checkpoint (0 = run to max_steps)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -90,7 +94,7 @@ def parse_args(argv=None):
         except (FileNotFoundError, ValueError) as e:
             parser.error(str(e))
         # Flags given now override; everything else (data, batch, seq_len, schedule...) comes from the run.
-        parser.set_defaults(**{k: v for k, v in saved.items() if k not in ("resume", "stop_after")})
+        parser.set_defaults(**{k: v for k, v in saved.items() if k not in ("resume", "stop_after", "ep_size")})
         resume = args.resume
         args = parser.parse_args(argv)
         args.resume = resume

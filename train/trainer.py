@@ -17,7 +17,13 @@ from data.dataset import DataError, WindowBatches, fixed_windows, unigram_entrop
 from data.prepare import prepare_data
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.hf_adapter import is_hf_folder, load_hf_folder
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 from train.checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint, save_checkpoint, unwrap
+from train.distributed import barrier, check_same_on_all_ranks, init_distributed, shutdown
+from train.expert_parallel import (clip_grad_norm_ep, expert_param_names, gather_experts, reduce_expert_grads)
+from train.expert_parallel import install as install_ep, uninstall as uninstall_ep
 from train.plot import plot_loss_curve
 from train.schedule import lr_at
 
@@ -32,8 +38,10 @@ def build_config(args, vocab_size):
         router_aux_loss_coef=args.aux_loss_coef)
 
 
-def resolve_device(args):
+def resolve_device(args, local_rank=0):
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        device = f"cuda:{local_rank}"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but CUDA is not available")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
@@ -89,11 +97,23 @@ def _wandb_run(args, config):
 
 
 def train(args, log=print):
-    """Run (or resume) a training job described by parsed args. Returns a summary dict."""
-    torch.manual_seed(args.seed)
-    device, dtype = resolve_device(args)
+    """Run (or resume) a training job described by parsed args; single process, or every rank of a
+    torchrun launch (DDP, plus expert parallelism when args.ep_size > 1). Returns a summary dict."""
+    device_type = "cuda" if resolve_device(args)[0].startswith("cuda") else "cpu"
+    ctx = init_distributed(args.ep_size, device_type)
+    try:
+        return _train(args, ctx, log if ctx.is_main else (lambda *_: None))
+    finally:
+        shutdown(ctx)
+
+
+def _train(args, ctx, log):
+    torch.manual_seed(args.seed)  # the same on every rank: identical initial weights everywhere
+    device, dtype = resolve_device(args, ctx.local_rank)
     ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     device_type = "cuda" if device.startswith("cuda") else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
 
     def autocast():
         if ptdtype == torch.float32:
@@ -120,10 +140,14 @@ def train(args, log=print):
             if os.path.exists(os.path.join(cand, "tokenizer.json")):
                 tokenizer_dir = cand
                 break
+    if not ctx.is_main:  # rank 0 builds the caches first, the others then read them
+        barrier(ctx)
     data = prepare_data(args.data_path, tokenizer_dir, args.vocab_size, log=log)
+    if ctx.is_main:
+        barrier(ctx)
     tokenizer = data["tokenizer"]
     tok_out = os.path.join(args.out_dir, "tokenizer")
-    if os.path.abspath(data["tokenizer_dir"]) != os.path.abspath(tok_out):
+    if ctx.is_main and os.path.abspath(data["tokenizer_dir"]) != os.path.abspath(tok_out):
         tmp = tok_out + f".tmp{os.getpid()}"
         shutil.copytree(data["tokenizer_dir"], tmp, dirs_exist_ok=True)
         if os.path.exists(tok_out):
@@ -141,13 +165,21 @@ def train(args, log=print):
                          f"{len(tokenizer)} tokens")
     if args.seq_len > config.max_position_embeddings:
         raise ValueError(f"--seq_len {args.seq_len} exceeds max_position_embeddings={config.max_position_embeddings}")
+    if ctx.ep_size > 1 and (not config.use_moe or config.num_experts % ctx.ep_size):
+        raise ValueError(f"--ep_size {ctx.ep_size} must divide num_experts={config.num_experts} of an MoE model")
+    check_same_on_all_ranks(ctx, "the model config", config.to_dict())
+    check_same_on_all_ranks(ctx, "the training flags", {k: v for k, v in vars(args).items() if k != "device"})
     model = MiniMindForCausalLM(config)
     if init_model is not None:
         model.load_state_dict(init_model.state_dict(), strict=True)
         log(f"initialised weights from {args.init_from}")
     model = model.to(device)
     optimizer = make_optimizer(model, args)
-    loader = WindowBatches(data["train"], args.seq_len, args.batch_size, seed=args.seed, name="training data")
+    # One global batch of batch_size x world windows per micro-step; rank r trains on its slice, so N
+    # ranks x B sequences see exactly the batches one process with N x B sequences sees.
+    loader = WindowBatches(data["train"], args.seq_len, args.batch_size * ctx.world_size, seed=args.seed,
+                           name="training data")
+    my_rows = slice(ctx.rank * args.batch_size, (ctx.rank + 1) * args.batch_size)
     val_windows = fixed_windows(data["val"], args.seq_len, args.eval_tokens).to(device)
     h_unigram = unigram_entropy(data["val"])
 
@@ -168,8 +200,9 @@ def train(args, log=print):
             with open(metrics_path) as f:
                 records = [r for r in map(json.loads, f) if r["step"] <= start_step]
         log(f"resumed from {args.resume} at step {start_step}")
-    with open(metrics_path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
+    if ctx.is_main:
+        with open(metrics_path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
 
     n_params = sum(p.numel() for p in model.parameters())
     n_active = n_params
@@ -180,10 +213,21 @@ def train(args, log=print):
         f"{'MoE E=%d k=%d' % (config.num_experts, config.num_experts_per_tok) if config.use_moe else 'dense'}, "
         f"{config.num_hidden_layers} layers, D={config.hidden_size}; device {device}, {dtype}")
 
-    train_model = torch.compile(model) if args.compile else model
-    wandb_run = _wandb_run(args, config)
+    if ctx.ep_size > 1:
+        install_ep(model, ctx.ep_group, config.num_experts)
+    train_model = model
+    if ctx.distributed:
+        if ctx.ep_size > 1:  # experts are sharded: their grads are reduced by reduce_expert_grads, not DDP
+            DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
+        train_model = DDP(model, device_ids=[ctx.local_rank] if device_type == "cuda" else None,
+                          find_unused_parameters=False)
+    if args.compile:
+        train_model = torch.compile(train_model)
+    wandb_run = _wandb_run(args, config) if ctx.is_main else None
 
     def record(r):
+        if not ctx.is_main:
+            return
         records.append(r)
         with open(metrics_path, "a") as f:
             f.write(json.dumps(r) + "\n")
@@ -191,9 +235,13 @@ def train(args, log=print):
             wandb_run.log({k: v for k, v in r.items() if k != "step"}, step=r["step"])
 
     def checkpoint(step):
-        save_checkpoint(ckpt_path, model, optimizer, step, loader.state_dict(), vars(args),
-                        extra={"train_tokens": len(data["train"])})
-        config.save_pretrained(args.out_dir)
+        if ctx.ep_size > 1:  # every rank gets the owners' experts: the file has the single-process layout
+            gather_experts(model, optimizer, ctx.ep_group)
+        if ctx.is_main:
+            save_checkpoint(ckpt_path, model, optimizer, step, loader.state_dict(), vars(args),
+                            extra={"train_tokens": len(data["train"]), "world_size": ctx.world_size,
+                                   "ep_size": ctx.ep_size})
+            config.save_pretrained(args.out_dir)
 
     first_val = None
     if start_step == 0:
@@ -207,22 +255,34 @@ def train(args, log=print):
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
     model.train()
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="pretrain",
-               dynamic_ncols=True, disable=args.no_progress, file=sys.stdout, mininterval=1.0)
+               dynamic_ncols=True, disable=args.no_progress or not ctx.is_main, file=sys.stdout, mininterval=1.0)
     t_last, val, val_step, done = time.time(), None, None, start_step
+
+    def say(msg):  # a line above the progress bar, from rank 0 only
+        if ctx.is_main:
+            bar.write(msg) if not bar.disable else log(msg)
     for step in bar:
         lr = lr_at(step, args.max_steps, args.learning_rate, args.warmup_steps)
         for g in optimizer.param_groups:
             g["lr"] = lr
         lm_loss = aux = 0.0
-        for _ in range(args.grad_accum):
+        for micro in range(args.grad_accum):
             x, y = loader.next()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with autocast():
-                out = train_model(x, labels=y)
-            (out.loss / args.grad_accum).backward()
+            x, y = x[my_rows].to(device, non_blocking=True), y[my_rows].to(device, non_blocking=True)
+            # DDP all-reduces only on the last micro-step of an accumulation
+            sync = contextlib.nullcontext() if micro == args.grad_accum - 1 or not ctx.distributed else train_model.no_sync()
+            with sync:
+                with autocast():
+                    out = train_model(x, labels=y)
+                (out.loss / args.grad_accum).backward()
             lm_loss += out.ce_loss.detach() / args.grad_accum
             aux += out.aux_loss.detach() / args.grad_accum
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip > 0 else None
+        if ctx.ep_size > 1:
+            reduce_expert_grads(model, ctx.expert_dp_group, ctx.world_size)
+        grad_norm = None
+        if args.grad_clip > 0:
+            grad_norm = (clip_grad_norm_ep(model, args.grad_clip, ctx.ep_group) if ctx.ep_size > 1
+                         else torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         done = step + 1
@@ -232,6 +292,12 @@ def train(args, log=print):
             n_steps = args.log_interval if done % args.log_interval == 0 else done % args.log_interval
             tok_s = tokens_per_step * n_steps / max(now - t_last, 1e-9)
             t_last = now
+            if ctx.distributed:  # the loss of the global batch, for logging
+                lm_loss, aux = lm_loss.clone(), aux.clone()
+                dist.all_reduce(lm_loss)
+                dist.all_reduce(aux)
+                lm_loss, aux = lm_loss / ctx.world_size, aux / ctx.world_size
+                tok_s *= ctx.world_size
             lm_loss_f = float(lm_loss)
             if not math.isfinite(lm_loss_f):
                 raise FloatingPointError(f"training loss is {lm_loss_f} at step {done}; lower --learning_rate")
@@ -244,13 +310,14 @@ def train(args, log=print):
         if done % args.eval_interval == 0 or done == args.max_steps:
             val, val_step = evaluate(model, val_windows, args.batch_size, autocast), done
             record({"step": done, "val_loss": val})
-            bar.write(f"step {done}: val loss {val:.4f}")
+            say(f"step {done}: val loss {val:.4f}")
         stopping = bool(args.stop_after) and done - start_step >= args.stop_after
         if done % args.save_interval == 0 or done == args.max_steps or stopping:
             checkpoint(done)
-            plot_loss_curve(records, os.path.join(args.out_dir, "loss.png"), h_unigram)
+            if ctx.is_main:
+                plot_loss_curve(records, os.path.join(args.out_dir, "loss.png"), h_unigram)
         if stopping:
-            bar.write(f"stopping after {args.stop_after} steps at step {done} (--stop_after); resume with --resume")
+            say(f"stopping after {args.stop_after} steps at step {done} (--stop_after); resume with --resume")
             break
     bar.close()
     if val_step != done:  # stopped between evaluations, or nothing left to do
@@ -268,7 +335,11 @@ def train(args, log=print):
         + f"; unigram entropy of the validation tokens {h_unigram:.4f} "
         f"({'below' if val < h_unigram else 'NOT below'} it)")
     log(f"checkpoint: {ckpt_path}\nloss curve: {summary['loss_curve']}")
-    if args.sample_tokens > 0:
+    summary["ep_bytes"] = [(d.bytes_sent, d.bytes_k_copies) for d in
+                           (getattr(m, "expert_parallel", None) for m in model.modules()) if d is not None]
+    if ctx.ep_size > 1:  # the last checkpoint gathered every expert here: generate without the transport
+        uninstall_ep(model)
+    if args.sample_tokens > 0 and ctx.is_main:
         model.eval()
         prompt = "The"
         ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]], device=device)
