@@ -57,11 +57,15 @@ def load_documents(path):
     import datasets
     check_data_file(path)
     datasets.disable_progress_bars()
-    if path.lower().endswith(".txt"):
-        ds = datasets.load_dataset("text", data_files=path, sample_by="paragraph", split="train")
-    else:
-        ds = datasets.load_dataset("json", data_files=path, split="train")
-        ds = ds.select_columns(["text"])
+    try:
+        if path.lower().endswith(".txt"):
+            ds = datasets.load_dataset("text", data_files=path, sample_by="paragraph", split="train")
+        else:
+            ds = datasets.load_dataset("json", data_files=path, split="train")
+            ds = ds.select_columns(["text"])
+    except Exception as e:  # what the line check lets through but the parser refuses (e.g. lone surrogates)
+        cause = e.__cause__ or e
+        raise DataError(f"{path}: could not be loaded ({type(cause).__name__}: {str(cause)[:300]})") from None
     return ds.filter(lambda b: [bool(t and t.strip()) for t in b["text"]], batched=True)
 
 

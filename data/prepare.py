@@ -7,7 +7,8 @@ import numpy as np
 
 from data.corpus import CACHE_DIR, default_corpus
 from data.dataset import file_fingerprint, load_documents, split_documents, tokenize_documents
-from data.tokenizer import EOS_ID, get_tokenizer
+from data.dataset import DataError
+from data.tokenizer import get_tokenizer
 
 
 def _texts(ds):
@@ -31,13 +32,17 @@ def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=
         source = "embedded corpus (Python stdlib docstrings + pydoc topics)"
     else:
         train_ds, val_ds = split_documents(load_documents(data_path))
-        fingerprint = file_fingerprint(data_path)
+        fingerprint = file_fingerprint(data_path) + os.path.splitext(data_path)[1].lower()  # .txt vs .jsonl parse
         source = data_path
     if tokenizer_dir is None:
         tokenizer, tokenizer_dir = get_tokenizer(lambda: _texts(train_ds), cache_dir, fingerprint, vocab_size)
     else:
         from transformers import AutoTokenizer
+        if not os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")):
+            raise DataError(f"{tokenizer_dir}: no tokenizer.json (a tokenizer folder saved by transformers is expected)")
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        if tokenizer.eos_token_id is None:
+            raise DataError(f"{tokenizer_dir}: the tokenizer has no eos token to separate documents with")
     with open(os.path.join(tokenizer_dir, "tokenizer.json"), "rb") as f:
         tok_key = hashlib.sha1(f.read()).hexdigest()[:12]
     cache = os.path.join(cache_dir, f"tokens-{fingerprint}-{tok_key}.npz")
@@ -45,8 +50,8 @@ def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=
         arrays = np.load(cache)
         train, val = arrays["train"], arrays["val"]
     else:
-        train = tokenize_documents(train_ds, tokenizer, EOS_ID)
-        val = tokenize_documents(val_ds, tokenizer, EOS_ID) if len(val_ds) else np.zeros(0, np.int32)
+        train = tokenize_documents(train_ds, tokenizer, tokenizer.eos_token_id)
+        val = tokenize_documents(val_ds, tokenizer, tokenizer.eos_token_id) if len(val_ds) else np.zeros(0, np.int32)
         if len(val) < len(train) // 100:  # too few documents to hold some out: use the stream's tail
             cut = len(train) - max(len(train) // 20, 2)
             train, val = train[:cut], train[cut:]

@@ -21,6 +21,12 @@ CHAT_TEMPLATE = (
 )
 
 
+def stop_token_ids(tokenizer):
+    """Ids that end a generation: the tokenizer's eos and, when it has one, the chat turn end."""
+    ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return [i for i in dict.fromkeys(ids) if isinstance(i, int) and i != tokenizer.unk_token_id]
+
+
 def train_tokenizer(texts, vocab_size=6400):
     """Train a byte-level BPE on an iterable of str. Returns a `PreTrainedTokenizerFast`.
 

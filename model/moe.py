@@ -89,7 +89,7 @@ class MOEFeedForward(nn.Module):
         x_TD = x.reshape(-1, D)
         T = x_TD.shape[0]
         scores_TE, topk_weight_TK, topk_idx_TK = self.route(x_TD)
-        if self.training and self.config.router_aux_loss_coef > 0:
+        if self.training and self.config.router_aux_loss_coef > 0 and T > 0:
             self.aux_loss = minimind_aux_loss(scores_TE, topk_idx_TK, E, self.config.router_aux_loss_coef)
         else:
             self.aux_loss = scores_TE.new_zeros(())
@@ -146,7 +146,8 @@ def sorted_experts_forward(experts, x_TD, topk_idx_TK, topk_weight_TK, training,
         rows = slice(start, start + n)
         out_chunks.append((experts[e](x_TD[sorted_token_N[rows]]) * sorted_weight_N1[rows]).to(x_TD.dtype))
         start += n
-    out_sorted_ND = torch.cat(out_chunks) if out_chunks else x_TD.new_zeros(0, D)
+    with torch.autocast(x_TD.device.type, enabled=False):  # chunks share x's dtype; CPU autocast's cat rejects fp16
+        out_sorted_ND = torch.cat(out_chunks) if out_chunks else x_TD.new_zeros(0, D)
 
     # Unpermute by gathering with the inverse permutation (no scatter-add, no atomics).
     inverse_N = torch.empty_like(sorted_pair_N).scatter_(0, sorted_pair_N, torch.arange(T * K, device=x_TD.device))

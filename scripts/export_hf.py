@@ -40,11 +40,18 @@ def compare_logits(ours, hf_dir, dtype, n_tokens=48, seed=0):
         return (ours(ids).logits - hf(ids).logits).abs().max().item()
 
 
-def export(ckpt_path, out_dir, dtype="float32", tokenizer_dir=None, verify=True, log=print):
-    """Write the HF folder at out_dir (replacing it atomically). Returns the max logit diff (or None)."""
+def export(ckpt_path, out_dir, dtype="float32", tokenizer_dir=None, verify=True, log=print, force=False):
+    """Write the HF folder at out_dir. An existing out_dir must be empty or an earlier export (replaced
+    atomically only with force=True); anything else is refused, never deleted. Returns the max logit diff."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, GenerationConfig
 
+    if os.path.exists(out_dir):
+        names = set(os.listdir(out_dir))
+        if not os.path.isdir(out_dir) or (names and "model.safetensors" not in names) or "ckpt.pt" in names:
+            raise ExportError(f"{out_dir}: exists and is not an earlier export; choose an empty or new --out")
+        if names and not force:
+            raise ExportError(f"{out_dir}: an export is already there; pass --force to replace it")
     ckpt = load_checkpoint(ckpt_path)
     model = model_from_checkpoint(ckpt)
     hf_config = to_hf_config(model.config)
@@ -87,13 +94,14 @@ def export(ckpt_path, out_dir, dtype="float32", tokenizer_dir=None, verify=True,
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="checkpoint file or run directory")
-    p.add_argument("--out", required=True, help="output folder (replaced if it exists)")
+    p.add_argument("--out", required=True, help="output folder (new or empty; an earlier export with --force)")
     p.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="dtype of the saved weights")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: tokenizer/ next to the checkpoint)")
     p.add_argument("--no_verify", action="store_true", help="skip the load-back logit comparison")
+    p.add_argument("--force", action="store_true", help="replace an earlier export at --out")
     args = p.parse_args(argv)
     try:
-        export(args.ckpt, args.out, args.dtype, args.tokenizer, verify=not args.no_verify)
+        export(args.ckpt, args.out, args.dtype, args.tokenizer, verify=not args.no_verify, force=args.force)
     except (ExportError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

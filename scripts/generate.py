@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from data.tokenizer import stop_token_ids  # noqa: E402
 from model.hf_adapter import is_hf_folder  # noqa: E402
 from train.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
 
@@ -52,6 +53,12 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda requested but CUDA is not available")
+    if args.num_samples < 1 or args.max_new_tokens < 1 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        p.error("need --num_samples >= 1, --max_new_tokens >= 1, --top_k >= 0 and 0 < --top_p <= 1")
+    if not args.prompt:
+        p.error("--prompt is empty")
     if is_hf_folder(args.ckpt):
         tokenizer, out = generate_hf(args, device)
         return print_samples(tokenizer, out, args.num_samples)
@@ -64,6 +71,8 @@ def main(argv=None):
     if not os.path.exists(tok_dir):
         p.error(f"{tok_dir}: tokenizer not found; pass --tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    if len(tokenizer) > ckpt["config"]["vocab_size"]:
+        p.error(f"{tok_dir}: tokenizer has {len(tokenizer)} tokens, the model only {ckpt['config']['vocab_size']}")
     model = model_from_checkpoint(ckpt, device).eval()
     ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     if not ids:
@@ -73,8 +82,7 @@ def main(argv=None):
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
     with autocast:
         out = model.generate(x, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                             top_p=args.top_p, eos_token_id=[tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-                                                              tokenizer.convert_tokens_to_ids("<|im_end|>")],
+                             top_p=args.top_p, eos_token_id=stop_token_ids(tokenizer),
                              use_cache=not args.no_cache, generator=g)
     print_samples(tokenizer, out, args.num_samples)
 

@@ -19,6 +19,8 @@ from train.checkpoint import CKPT_NAME, save_checkpoint  # noqa: E402
 
 def import_hf(hf_dir, out_dir, log=print):
     from transformers import AutoTokenizer
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise ValueError(f"{out_dir}: exists and is not empty; choose a new --out (a run is never overwritten)")
     model = load_hf_folder(hf_dir)
     os.makedirs(out_dir, exist_ok=True)
     save_checkpoint(os.path.join(out_dir, CKPT_NAME), model, None, 0, None, {"imported_from": os.path.abspath(hf_dir)})
@@ -28,6 +30,8 @@ def import_hf(hf_dir, out_dir, log=print):
         if os.path.exists(tok_dir):
             shutil.rmtree(tok_dir)
         AutoTokenizer.from_pretrained(hf_dir).save_pretrained(tok_dir)
+    else:
+        log(f"warning: {hf_dir} has no tokenizer; pass --tokenizer when training or sampling from {out_dir}")
     log(f"imported {hf_dir} -> {out_dir}")
     return model
 

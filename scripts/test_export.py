@@ -60,7 +60,7 @@ def export(run_dir, dtype="float32"):
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from export_hf import export as do_export
     out = run_dir + f"_hf_{dtype}"
-    do_export(run_dir, out, dtype, log=lambda *_: None)
+    do_export(run_dir, out, dtype, log=lambda *_: None, force=True)
     return out
 
 
@@ -182,6 +182,10 @@ def test_refuses_what_qwen3_cannot_represent():
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export_hf.py"), "--ckpt",
                         os.path.join(_TMP, "nothing"), "--out", os.path.join(_TMP, "x")], capture_output=True, text=True)
     assert r.returncode == 2 and "checkpoint not found" in r.stderr, r.stderr
+    before = sorted(os.listdir(run_dir))  # --out pointing at a run (or any non-export folder) is refused, not wiped
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export_hf.py"), "--ckpt", run_dir, "--out", run_dir],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "not an earlier export" in r.stderr and sorted(os.listdir(run_dir)) == before, r.stderr
 
 
 def test_main_job_checkpoint_exports_and_generates():

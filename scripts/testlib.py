@@ -6,7 +6,8 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED = os.path.join(os.path.dirname(ROOT), "shared")
+# Test-only inputs nobody here wrote (e.g. tinyshakespeare); tests fall back when the folder is absent.
+SHARED = os.environ.get("MINIMIND_SHARED", os.path.join(os.path.dirname(ROOT), "shared"))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 

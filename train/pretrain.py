@@ -9,7 +9,9 @@ Writes to --out_dir: ckpt.pt (fp32 weights, optimizer, step, data position, RNG,
 config.json, tokenizer/, metrics.jsonl and loss.png.
 """
 import argparse
+import math
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -90,9 +92,13 @@ def parse_args(argv=None):
         elif os.path.isdir(args.resume):
             args.resume = os.path.join(args.resume, CKPT_NAME)
         try:
-            saved = load_checkpoint(args.resume)["args"]
+            ckpt = load_checkpoint(args.resume)
         except (FileNotFoundError, ValueError) as e:
             parser.error(str(e))
+        if not ckpt.get("args") or ckpt.get("optimizer") is None or "data" not in ckpt:
+            parser.error(f"{args.resume}: holds weights but no training state (an imported or exported model?); "
+                         f"start from it with --init_from instead of --resume")
+        saved = ckpt["args"]
         # Flags given now override; everything else (data, batch, seq_len, schedule...) comes from the run.
         parser.set_defaults(**{k: v for k, v in saved.items() if k not in ("resume", "stop_after", "ep_size")})
         resume = args.resume
@@ -100,6 +106,10 @@ def parse_args(argv=None):
         args.resume = resume
         if args.out_dir == saved.get("out_dir") and os.path.isfile(resume):
             args.out_dir = os.path.dirname(os.path.abspath(resume))  # keep writing next to the checkpoint
+        for k in ("seq_len", "seed", "data_path"):  # they define the data order the saved position points into
+            if getattr(args, k) != saved.get(k, getattr(args, k)):
+                parser.error(f"--{k} cannot change on resume (checkpoint: {saved.get(k)!r}, now: {getattr(args, k)!r}): "
+                             f"the saved data position refers to the original windows")
         changed = [f"--{k}" for k in MODEL_FLAGS if getattr(args, k) != saved.get(k, getattr(args, k))]
         if changed:
             print(f"warning: {', '.join(changed)} ignored on resume: the architecture comes from the checkpoint",
@@ -108,8 +118,19 @@ def parse_args(argv=None):
                  "log_interval", "eval_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.warmup_steps < 0 or args.learning_rate <= 0:
-        parser.error("--warmup_steps must be >= 0 and --learning_rate > 0")
+    if args.warmup_steps < 0 or not 0 < args.learning_rate < math.inf:
+        parser.error("--warmup_steps must be >= 0 and --learning_rate a finite number > 0")
+    for name in ("stop_after", "grad_clip", "weight_decay", "sample_tokens"):
+        if not 0 <= getattr(args, name) < math.inf:
+            parser.error(f"--{name} must be a finite number >= 0, got {getattr(args, name)}")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
+        parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
+    if args.init_from and not args.resume:
+        defaults = build_parser().parse_args([])
+        ignored = [f"--{k}" for k in MODEL_FLAGS if getattr(args, k) != getattr(defaults, k)]
+        if ignored:
+            print(f"warning: {', '.join(ignored)} ignored with --init_from: the architecture comes from "
+                  f"{args.init_from}", file=sys.stderr)
     args.use_moe = bool(args.use_moe)
     return args
 

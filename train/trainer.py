@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from data.dataset import DataError, WindowBatches, fixed_windows, unigram_entropy
 from data.prepare import prepare_data
+from data.tokenizer import stop_token_ids
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.hf_adapter import is_hf_folder, load_hf_folder
 import torch.distributed as dist
@@ -140,6 +141,9 @@ def _train(args, ctx, log):
             if os.path.exists(os.path.join(cand, "tokenizer.json")):
                 tokenizer_dir = cand
                 break
+        else:
+            if init_model is not None:  # a fresh tokenizer would not match the trained embeddings
+                raise ValueError(f"{args.init_from}: no tokenizer next to the weights; pass --tokenizer DIR")
     if not ctx.is_main:  # rank 0 builds the caches first, the others then read them
         barrier(ctx)
     data = prepare_data(args.data_path, tokenizer_dir, args.vocab_size, log=log)
@@ -253,6 +257,8 @@ def _train(args, ctx, log):
         first_val = next((r["val_loss"] for r in records if r["step"] == 0 and "val_loss" in r), None)
 
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
+    # fp16 autocast needs loss scaling on CUDA; a disabled scaler is a no-op for fp32 / bf16
+    scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16 and device_type == "cuda")
     model.train()
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="pretrain",
                dynamic_ncols=True, disable=args.no_progress or not ctx.is_main, file=sys.stdout, mininterval=1.0)
@@ -266,7 +272,7 @@ def _train(args, ctx, log):
         for g in optimizer.param_groups:
             g["lr"] = lr
         lm_loss = aux = 0.0
-        for micro in range(args.grad_accum):
+        for micro in range(args.grad_accum):  # noqa: B007
             x, y = loader.next()
             x, y = x[my_rows].to(device, non_blocking=True), y[my_rows].to(device, non_blocking=True)
             # DDP all-reduces only on the last micro-step of an accumulation
@@ -274,16 +280,18 @@ def _train(args, ctx, log):
             with sync:
                 with autocast():
                     out = train_model(x, labels=y)
-                (out.loss / args.grad_accum).backward()
+                scaler.scale(out.loss / args.grad_accum).backward()
             lm_loss += out.ce_loss.detach() / args.grad_accum
             aux += out.aux_loss.detach() / args.grad_accum
+        scaler.unscale_(optimizer)
         if ctx.ep_size > 1:
             reduce_expert_grads(model, ctx.expert_dp_group, ctx.world_size)
         grad_norm = None
         if args.grad_clip > 0:
             grad_norm = (clip_grad_norm_ep(model, args.grad_clip, ctx.ep_group) if ctx.ep_size > 1
                          else torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
         done = step + 1
 
@@ -346,7 +354,7 @@ def _train(args, ctx, log):
         g = torch.Generator(device=device).manual_seed(args.seed)
         with autocast():
             out = model.generate(ids, max_new_tokens=args.sample_tokens, temperature=0.8, top_k=40,
-                                 eos_token_id=[0, 2], generator=g)
+                                 eos_token_id=stop_token_ids(tokenizer), generator=g)
         summary["sample"] = tokenizer.decode(out[0].tolist(), skip_special_tokens=True)
         log(f"sample: {summary['sample']!r}")
     return summary
@@ -357,6 +365,6 @@ def run_cli(train_fn, args, log=print):
     from huggingface_hub.errors import StrictDataclassError
     try:
         return train_fn(args, log=log)
-    except (DataError, ValueError, FileNotFoundError, StrictDataclassError) as e:
+    except (DataError, ValueError, OSError, StrictDataclassError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
