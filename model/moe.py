@@ -17,6 +17,24 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class PermuteRows(torch.autograd.Function):
+    """y = x[perm] for a permutation `perm` [N] with inverse `inverse` [N]; x: [N, D].
+
+    Autograd's own backward of `x[perm]` scatter-adds into zeros (a serial accumulate on CPU); for a
+    permutation every row receives exactly one gradient, so the backward is the gather grad[inverse].
+    """
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
 class FeedForward(nn.Module):
     """SwiGLU FFN: down(silu(gate(x)) * up(x)). x: [..., D] -> [..., D]. Names match HF (`gate_proj`...)."""
 
@@ -149,9 +167,9 @@ def sorted_experts_forward(experts, x_TD, topk_idx_TK, topk_weight_TK, training,
     with torch.autocast(x_TD.device.type, enabled=False):  # chunks share x's dtype; CPU autocast's cat rejects fp16
         out_sorted_ND = torch.cat(out_chunks) if out_chunks else x_TD.new_zeros(0, D)
 
-    # Unpermute by gathering with the inverse permutation (no scatter-add, no atomics).
+    # Unpermute by gathering with the inverse permutation (no scatter-add, no atomics, also in backward).
     inverse_N = torch.empty_like(sorted_pair_N).scatter_(0, sorted_pair_N, torch.arange(T * K, device=x_TD.device))
-    out_TKD = out_sorted_ND[inverse_N].view(T, K, D)
+    out_TKD = PermuteRows.apply(out_sorted_ND, inverse_N, sorted_pair_N).view(T, K, D)
 
     # Combine in ascending expert order, from zero, one add per slot: the masked loop's summation.
     y_TD = torch.zeros_like(x_TD)
