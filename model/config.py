@@ -32,6 +32,12 @@ class MiniMindConfig(PreTrainedConfig):
         moe_intermediate_size: SwiGLU width of one expert; None -> intermediate_size.
         norm_topk_prob: renormalise the k selected router probabilities to sum to 1.
         router_aux_loss_coef: weight of MiniMind's load-balancing loss (0 = off).
+        capacity_factor: None = dropless (default); else each expert takes at most
+            ceil(capacity_factor * T * K / E) of the T*K routed pairs of a batch, the rest are dropped.
+        moe_drop_policy: which pairs an over-full expert keeps: "probs" (highest router weight) or
+            "position" (earliest tokens).
+        moe_pad_to_capacity: pad every expert's rows to the capacity with zero rows (fixed GEMM shapes).
+        moe_expert_alignment: pad every expert's row count to a multiple of this (1 = no padding).
         initializer_range: std of the normal init of linear and embedding weights.
 
     Raises:
@@ -58,6 +64,10 @@ class MiniMindConfig(PreTrainedConfig):
     moe_intermediate_size: int | None = None
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.01
+    capacity_factor: float | None = None
+    moe_drop_policy: str = "probs"
+    moe_pad_to_capacity: bool = False
+    moe_expert_alignment: int = 1
     initializer_range: float = 0.02
     pad_token_id: int | None = 0
     bos_token_id: int | None = None
@@ -96,4 +106,12 @@ class MiniMindConfig(PreTrainedConfig):
             raise ValueError(f"MiniMindConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if self.router_aux_loss_coef < 0:
             raise ValueError(f"MiniMindConfig.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"MiniMindConfig.capacity_factor must be > 0 or None, got {self.capacity_factor}")
+        if self.moe_drop_policy not in ("probs", "position"):
+            raise ValueError(f"MiniMindConfig.moe_drop_policy must be 'probs' or 'position', got {self.moe_drop_policy!r}")
+        if self.moe_pad_to_capacity and self.capacity_factor is None:
+            raise ValueError("MiniMindConfig.moe_pad_to_capacity needs capacity_factor to be set")
+        if self.moe_expert_alignment < 1:
+            raise ValueError(f"MiniMindConfig.moe_expert_alignment must be >= 1, got {self.moe_expert_alignment}")
         super().__post_init__(**kwargs)

@@ -12,6 +12,8 @@ kept as `scripts/moe_reference.py`), bit for bit, but
   * combine adds each token's K contributions in ascending expert order starting from zero, which is
     the order the masked loop's `index_add_` calls produce, so the forward is bitwise identical.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -112,6 +114,15 @@ class MOEFeedForward(nn.Module):
         else:
             self.aux_loss = scores_TE.new_zeros(())
 
+        pad_to = None
+        if self.config.capacity_factor is not None:
+            capacity = math.ceil(self.config.capacity_factor * T * K / E)
+            topk_idx_TK = apply_capacity(topk_idx_TK, topk_weight_TK, E, capacity, self.config.moe_drop_policy)
+            if self.config.moe_pad_to_capacity:
+                pad_to = capacity
+        align = self.config.moe_expert_alignment
+        padding = None if pad_to is None and align == 1 else (pad_to, align)
+        self.last_padding = padding  # read by the expert-parallel transport
         # Order each token's K slots by expert id: after the global stable sort below, slot j of a token
         # is then its j-th smallest expert, and the combine adds slots 0..K-1 in the masked loop's order.
         topk_idx_TK, slot_order_TK = topk_idx_TK.sort(dim=-1)
@@ -119,10 +130,30 @@ class MOEFeedForward(nn.Module):
         if self.expert_parallel is not None:  # experts sharded over ranks: the transport lives in train/
             return self.expert_parallel(self, x_TD, topk_idx_TK, topk_weight_TK).view(B, S, D)
         return sorted_experts_forward(self.experts, x_TD, topk_idx_TK, topk_weight_TK, self.training,
-                                      self).view(B, S, D)
+                                      self, padding=padding).view(B, S, D)
 
 
-def sorted_experts_forward(experts, x_TD, topk_idx_TK, topk_weight_TK, training, stats=None, counts=None):
+def apply_capacity(topk_idx_TK, topk_weight_TK, num_experts, capacity, policy):
+    """Drop routed pairs beyond each expert's capacity (no host sync). Returns topk_idx_TK with dropped
+    entries set to -1. policy "probs" keeps each expert's highest-weight pairs, "position" its earliest
+    tokens (Switch Transformer / GShard capacity, as in Megatron-LM's drop policies)."""
+    T, K = topk_idx_TK.shape
+    idx_N = topk_idx_TK.reshape(-1)
+    valid_N = idx_N >= 0
+    expert_N = torch.where(valid_N, idx_N, num_experts)
+    pre = (torch.argsort(-topk_weight_TK.reshape(-1).float(), stable=True) if policy == "probs"
+           else torch.arange(T * K, device=idx_N.device))
+    order = pre[torch.argsort(expert_N[pre], stable=True)]  # by expert, then by the policy's preference
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx_N.device)
+    counts.scatter_add_(0, expert_N, torch.ones_like(expert_N))
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.arange(T * K, device=idx_N.device) - starts[expert_N[order]]
+    keep_N = torch.empty_like(valid_N).scatter_(0, order, rank_in_expert < capacity)
+    return torch.where(keep_N & valid_N, idx_N, -1).view(T, K)
+
+
+def sorted_experts_forward(experts, x_TD, topk_idx_TK, topk_weight_TK, training, stats=None, counts=None,
+                           padding=None):
     """Single-sync sorted dispatch -> expert compute -> deterministic combine.
 
     Args:
@@ -131,6 +162,10 @@ def sorted_experts_forward(experts, x_TD, topk_idx_TK, topk_weight_TK, training,
             -1 = no expert, skipped). topk_weight_TK: [T, K] combine weights, aligned with topk_idx_TK.
         training: run idle experts on an empty slice so they join the autograd graph (zero grads).
         stats: if given, `stats.last_tokens_per_expert` is set to the [E] int64 counts.
+        padding: None, or (pad_to, alignment): each expert's rows are padded with zero rows to pad_to
+            (if not None) and then to a multiple of alignment; padded rows are computed and discarded
+            (SwiGLU maps a zero row to zero), so the output is unchanged. `stats.last_padded_counts`
+            records the padded row counts.
         counts: host list of the E per-expert pair counts when the caller already knows them (expert
             parallelism exchanges them with its split sizes); then this function reads nothing to the host.
     Returns: y_TD [T, D] in x's dtype, y[t] = sum over j (ascending expert) of w[t, j] * expert(x[t]),
@@ -157,13 +192,23 @@ def sorted_experts_forward(experts, x_TD, topk_idx_TK, topk_weight_TK, training,
     # Compute: each expert once, on its contiguous slice of the sorted pairs. Each slice is gathered
     # into its own fresh tensor, like the reference's x[token_idx], so the GEMM sees identical inputs.
     out_chunks = [x_TD.new_zeros(skipped, D)] if skipped else []
-    start = skipped
+    start, padded_counts = skipped, []
     for e, n in enumerate(counts):
         if n == 0 and not training:
             continue
         rows = slice(start, start + n)
-        out_chunks.append((experts[e](x_TD[sorted_token_N[rows]]) * sorted_weight_N1[rows]).to(x_TD.dtype))
+        x_e = x_TD[sorted_token_N[rows]]
+        if padding is not None:
+            pad_to, align = padding
+            target = max(n, pad_to or 0)
+            target = -(-target // align) * align
+            padded_counts.append(target)
+            if target > n:
+                x_e = torch.cat([x_e, x_e.new_zeros(target - n, D)])
+        out_chunks.append((experts[e](x_e)[:n] * sorted_weight_N1[rows]).to(x_TD.dtype))
         start += n
+    if stats is not None and padding is not None:
+        stats.last_padded_counts = padded_counts
     with torch.autocast(x_TD.device.type, enabled=False):  # chunks share x's dtype; CPU autocast's cat rejects fp16
         out_sorted_ND = torch.cat(out_chunks) if out_chunks else x_TD.new_zeros(0, D)
 

@@ -205,7 +205,41 @@ def test_deterministic():
         assert torch.equal(x["y"], y["y"]) and torch.equal(x["xg"], y["xg"])
 
 
-TESTS = [test_ep_equals_single_process_2_ranks, test_ep_equals_single_process_4_ranks, test_dispatch_combine_roundtrip,
+def capacity_worker(rank, world):
+    from train.expert_parallel import install
+    out = {}
+    for kw in (dict(capacity_factor=0.5), dict(capacity_factor=0.5, moe_drop_policy="position", moe_pad_to_capacity=True),
+               dict(capacity_factor=1.0, moe_expert_alignment=16)):
+        torch.manual_seed(0)
+        mod = MOEFeedForward(MiniMindConfig(hidden_size=D, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
+                                            use_moe=True, num_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=16, **kw)).train()
+        install(mod, dist.group.WORLD, 4)
+        x = scenario_inputs("uneven", world)[rank]
+        out[str(kw)] = (mod(x).detach(), mod.last_tokens_per_expert.clone())
+    return out
+
+
+def test_capacity_under_ep():
+    """Capacity is applied to each rank's own tokens before dispatch: EP output on rank r equals the
+    single-process layer with the same capacity on rank r's batch (up to the experts' GEMM blocking)."""
+    world = 2
+    per_rank = spawn(capacity_worker, world)
+    xs = scenario_inputs("uneven", world)
+    for r, res in enumerate(per_rank):
+        for key, (y, counts) in res.items():
+            kw = eval(key)  # noqa: S307 - our own dict repr
+            torch.manual_seed(0)
+            mod = MOEFeedForward(MiniMindConfig(hidden_size=D, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
+                                                use_moe=True, num_experts=4, num_experts_per_tok=2,
+                                                moe_intermediate_size=16, **kw)).train()
+            want = mod(xs[r]).detach()
+            assert torch.allclose(y, want, rtol=1e-5, atol=1e-6), f"rank {r} {key}"
+            cap = -(-int(kw["capacity_factor"] * xs[r].shape[1] * 2) // 4)
+            assert int(counts.max()) <= cap, f"rank {r} {key}: {counts} > {cap}"
+
+
+TESTS = [test_capacity_under_ep, test_ep_equals_single_process_2_ranks, test_ep_equals_single_process_4_ranks, test_dispatch_combine_roundtrip,
          test_deterministic]
 
 if __name__ == "__main__":

@@ -158,17 +158,15 @@ def test_bf16_export_loads_and_agrees():
 
 def test_refuses_what_qwen3_cannot_represent():
     ours, run_dir = tiny_run(True, True, 2)
-    cfg = MiniMindConfig(use_moe=True, dropout=0.1)
-    saved = hf_adapter._HANDLED
-    hf_adapter._HANDLED = saved - {"dropout"}  # pretend dropout had no Qwen3 equivalent
-    try:
-        hf_adapter.check_exportable(cfg)
-    except ExportError as e:
-        assert "dropout" in str(e)
-    else:
-        raise AssertionError("an unrepresentable field was exported")
-    finally:
-        hf_adapter._HANDLED = saved
+    for cfg, field in ((MiniMindConfig(use_moe=True, capacity_factor=1.25), "capacity_factor"),
+                       (MiniMindConfig(use_moe=True, moe_drop_policy="position"), "moe_drop_policy")):
+        try:  # Qwen3-MoE is dropless: a capacity-limited model computes something else
+            hf_adapter.check_exportable(cfg)
+        except ExportError as e:
+            assert field in str(e), e
+        else:
+            raise AssertionError(f"{field} was exported")
+    hf_adapter.check_exportable(MiniMindConfig(use_moe=True, moe_expert_alignment=16))  # padding only
     from transformers import Qwen3MoeConfig
     for kw, word in [(dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0,
                                             "original_max_position_embeddings": 128}), "rope_type"),

@@ -104,7 +104,11 @@ class AllToAllDispatcher:
         idx_recv, slot_order = idx_recv.sort(dim=-1)
         w_recv = w_recv.gather(-1, slot_order)
         local = moe.experts[self.first_expert:self.first_expert + L]
-        y_recv = sorted_experts_forward(local, x_recv, idx_recv, w_recv, moe.training, counts=tokens_per_local_expert)
+        padding = getattr(moe, "last_padding", None)
+        if padding is not None and padding[0] is not None:  # each source rank may fill the capacity
+            padding = (padding[0] * M, padding[1])
+        y_recv = sorted_experts_forward(local, x_recv, idx_recv, w_recv, moe.training, counts=tokens_per_local_expert,
+                                        padding=padding)
 
         # Combine: back to the source ranks, then add the partial sums in ascending destination rank.
         y_send = all_to_all_autograd(y_recv.new_empty(n_send, D), y_recv, send_rows, recv_rows, group=self.group)

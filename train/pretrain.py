@@ -21,7 +21,8 @@ from train.trainer import run_cli, train  # noqa: E402
 
 
 MODEL_FLAGS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "use_moe",
-               "num_experts", "top_k", "moe_intermediate_size", "aux_loss_coef", "dropout", "max_position_embeddings")
+               "num_experts", "top_k", "moe_intermediate_size", "aux_loss_coef", "dropout", "max_position_embeddings",
+               "capacity_factor", "drop_policy", "pad_to_capacity", "expert_alignment")
 
 
 def build_parser():
@@ -41,6 +42,13 @@ def build_parser():
     g.add_argument("--num_experts", type=int, default=4, help="experts per MoE layer")
     g.add_argument("--top_k", type=int, default=2, help="experts per token (num_experts_per_tok)")
     g.add_argument("--moe_intermediate_size", type=int, default=384, help="SwiGLU width of one expert")
+    g.add_argument("--capacity_factor", type=float, default=None,
+                   help="expert capacity = ceil(factor * tokens * top_k / experts); default: dropless")
+    g.add_argument("--drop_policy", default="probs", choices=("probs", "position"),
+                   help="which pairs an over-full expert keeps: highest router weight, or earliest tokens")
+    g.add_argument("--pad_to_capacity", type=int, default=0, choices=(0, 1),
+                   help="pad every expert's rows to the capacity (fixed GEMM shapes)")
+    g.add_argument("--expert_alignment", type=int, default=1, help="pad each expert's rows to a multiple of this")
     g.add_argument("--aux_loss_coef", type=float, default=0.01, help="load-balancing loss weight")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
     g.add_argument("--max_position_embeddings", type=int, default=2048, help="longest sequence the model supports")

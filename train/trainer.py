@@ -36,7 +36,9 @@ def build_config(args, vocab_size):
         max_position_embeddings=args.max_position_embeddings, dropout=args.dropout,
         use_moe=args.use_moe, num_experts=args.num_experts, num_experts_per_tok=args.top_k,
         moe_intermediate_size=args.moe_intermediate_size, intermediate_size=args.intermediate_size,
-        router_aux_loss_coef=args.aux_loss_coef)
+        router_aux_loss_coef=args.aux_loss_coef, capacity_factor=args.capacity_factor,
+        moe_drop_policy=args.drop_policy, moe_pad_to_capacity=bool(args.pad_to_capacity),
+        moe_expert_alignment=args.expert_alignment)
 
 
 def resolve_device(args, local_rank=0):
