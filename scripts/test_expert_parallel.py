@@ -51,19 +51,23 @@ def scenario_inputs(name, world):
     g = torch.Generator().manual_seed(7)
     sizes = {"even": [24] * world, "uneven": [5, 31, 0, 12][:world], "one_empty_rank": [0] + [16] * (world - 1),
              "all_to_one": [12] * world, "idle_expert": [12] * world}[name]
-    return [torch.randn(1, s, D, generator=g) for s in sizes]
+    xs = [torch.randn(1, s, D, generator=g) for s in sizes]
+    for x in xs:
+        x[..., 0] = x[..., 0].abs() + 1.0  # feature 0 > 0 everywhere: lets force() pin the idle expert
+    return xs
 
 
 def force(mod, name):
-    """Gate weights that send every token to expert 0 (all_to_one) or never to the last (idle_expert)."""
+    """Gate weights that send every token to expert 0 (all_to_one) or never to the last (idle_expert:
+    its logit is pinned far below every other expert's via the always-positive feature 0 of the input)."""
     with torch.no_grad():
         if name == "all_to_one":
             mod.gate.weight.zero_()
-            mod.gate.weight[0] = 0.0
             mod.gate.weight[0, 0] = 50.0
         elif name == "idle_expert":
-            mod.gate.weight[-1] = -mod.gate.weight[-1].abs() * 0 - 0.0
-            mod.gate.weight[-1, :] = 0.0
+            mod.gate.weight[:, 0] = 0.0
+            mod.gate.weight[-1] = 0.0
+            mod.gate.weight[-1, 0] = -1000.0
 
 
 @torch.no_grad()
@@ -104,7 +108,7 @@ def ep_worker(rank, world, cases):
         up = torch.linspace(-1, 1, x.numel()).view_as(x)
         y, xg, grads = run_layer(mod, x, up)
         d = mod.expert_parallel
-        results[(name, e, k)] = dict(y=y, xg=xg, grads=grads, owned=list(range(d.first_expert, d.first_expert + d.experts_per_rank)),
+        results[(name, e, k)] = dict(y=y, xg=xg, grads=grads, tpe=mod.last_tokens_per_expert.clone(), owned=list(range(d.first_expert, d.first_expert + d.experts_per_rank)),
                                      bytes_sent=d.bytes_sent, bytes_k=d.bytes_k_copies)
     return results
 
@@ -149,6 +153,13 @@ def _compare(world, cases, per_rank):
                     key = f"experts.{ex}.{pn}.weight"
                     assert torch.equal(got["grads"][key], grads[key]), f"{what}: {key} grad differs on its owner"
         # The router's grad is a sum over tokens: per-rank partial GEMMs reassociate it (fp32 rounding).
+        if name == "idle_expert":
+            assert all(int(res[(name, e, k)]["tpe"][-1]) == 0 for res in per_rank), "the idle expert got tokens"
+            assert all(res[(name, e, k)]["grads"][f"experts.{e - 1}.up_proj.weight"] is None or
+                       torch.count_nonzero(res[(name, e, k)]["grads"][f"experts.{e - 1}.up_proj.weight"]) == 0
+                       for res in per_rank), "the idle expert got a non-zero grad"
+        if name == "all_to_one":
+            assert all(int(res[(name, e, k)]["tpe"][0]) == res[(name, e, k)]["y"].shape[1] for res in per_rank)
         gate = sum(res[(name, e, k)]["grads"]["gate.weight"] for res in per_rank)
         assert torch.allclose(gate, grads["gate.weight"], rtol=1e-5, atol=1e-6), f"{what}: gate grad"
     b = per_rank[0][("even", 8, 4)] if ("even", 8, 4) in cases else None
