@@ -41,7 +41,6 @@ def _worker(rank, world, port, argvs, out):
     from train.trainer import train
     try:
         train(parse_args(argvs[rank]), log=lambda *_: None)
-        import train.trainer as t  # noqa: F401
         result = {"ok": True}
     except ValueError as e:
         result = {"ok": False, "error": str(e)}

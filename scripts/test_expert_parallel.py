@@ -216,18 +216,21 @@ def test_deterministic():
         assert torch.equal(x["y"], y["y"]) and torch.equal(x["xg"], y["xg"])
 
 
+CAPACITY_CASES = [dict(capacity_factor=0.5), dict(capacity_factor=0.5, moe_drop_policy="position", moe_pad_to_capacity=True),
+                  dict(capacity_factor=1.0, moe_expert_alignment=16)]
+
+
 def capacity_worker(rank, world):
     from train.expert_parallel import install
-    out = {}
-    for kw in (dict(capacity_factor=0.5), dict(capacity_factor=0.5, moe_drop_policy="position", moe_pad_to_capacity=True),
-               dict(capacity_factor=1.0, moe_expert_alignment=16)):
+    out = []
+    for kw in CAPACITY_CASES:
         torch.manual_seed(0)
         mod = MOEFeedForward(MiniMindConfig(hidden_size=D, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
                                             use_moe=True, num_experts=4, num_experts_per_tok=2,
                                             moe_intermediate_size=16, **kw)).train()
         install(mod, dist.group.WORLD, 4)
         x = scenario_inputs("uneven", world)[rank]
-        out[str(kw)] = (mod(x).detach(), mod.last_tokens_per_expert.clone())
+        out.append((mod(x).detach(), mod.last_tokens_per_expert.clone()))
     return out
 
 
@@ -238,8 +241,8 @@ def test_capacity_under_ep():
     per_rank = spawn(capacity_worker, world)
     xs = scenario_inputs("uneven", world)
     for r, res in enumerate(per_rank):
-        for key, (y, counts) in res.items():
-            kw = eval(key)  # noqa: S307 - our own dict repr
+        for kw, (y, counts) in zip(CAPACITY_CASES, res):
+            key = str(kw)
             torch.manual_seed(0)
             mod = MOEFeedForward(MiniMindConfig(hidden_size=D, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
                                                 use_moe=True, num_experts=4, num_experts_per_tok=2,
