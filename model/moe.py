@@ -122,13 +122,12 @@ class MOEFeedForward(nn.Module):
                 pad_to = capacity
         align = self.config.moe_expert_alignment
         padding = None if pad_to is None and align == 1 else (pad_to, align)
-        self.last_padding = padding  # read by the expert-parallel transport
         # Order each token's K slots by expert id: after the global stable sort below, slot j of a token
         # is then its j-th smallest expert, and the combine adds slots 0..K-1 in the masked loop's order.
         topk_idx_TK, slot_order_TK = topk_idx_TK.sort(dim=-1)
         topk_weight_TK = topk_weight_TK.gather(-1, slot_order_TK)
         if self.expert_parallel is not None:  # experts sharded over ranks: the transport lives in train/
-            return self.expert_parallel(self, x_TD, topk_idx_TK, topk_weight_TK).view(B, S, D)
+            return self.expert_parallel(self, x_TD, topk_idx_TK, topk_weight_TK, padding).view(B, S, D)
         return sorted_experts_forward(self.experts, x_TD, topk_idx_TK, topk_weight_TK, self.training,
                                       self, padding=padding).view(B, S, D)
 

@@ -37,8 +37,8 @@ from model.moe import MOEFeedForward, sorted_experts_forward
 class AllToAllDispatcher:
     """Callable installed as `MOEFeedForward.expert_parallel` (see `install`).
 
-    __call__(moe, x_TD [T, D], topk_idx_TK int64 [T, K] (rows ascending, -1 = none), topk_weight_TK [T, K])
-    -> y_TD [T, D]. Counters: `bytes_sent` (x bytes this rank dispatched) and `bytes_k_copies` (what one
+    __call__(moe, x_TD [T, D], topk_idx_TK int64 [T, K] (rows ascending, -1 = none), topk_weight_TK [T, K],
+    padding (pad_to, alignment) or None, as in sorted_experts_forward) -> y_TD [T, D]. Counters: `bytes_sent` (x bytes this rank dispatched) and `bytes_k_copies` (what one
     copy per routed (token, slot) pair would have cost).
 
     Raises ValueError when ep_size does not divide num_experts.
@@ -58,7 +58,7 @@ class AllToAllDispatcher:
     def owns(self, expert):
         return self.first_expert <= expert < self.first_expert + self.experts_per_rank
 
-    def __call__(self, moe, x_TD, topk_idx_TK, topk_weight_TK):
+    def __call__(self, moe, x_TD, topk_idx_TK, topk_weight_TK, padding=None):
         T, D = x_TD.shape
         K, M, L = topk_idx_TK.shape[1], self.ep_size, self.experts_per_rank
         dev = x_TD.device
@@ -104,7 +104,6 @@ class AllToAllDispatcher:
         idx_recv, slot_order = idx_recv.sort(dim=-1)
         w_recv = w_recv.gather(-1, slot_order)
         local = moe.experts[self.first_expert:self.first_expert + L]
-        padding = getattr(moe, "last_padding", None)
         if padding is not None and padding[0] is not None:  # each source rank may fill the capacity
             padding = (padding[0] * M, padding[1])
         y_recv = sorted_experts_forward(local, x_recv, idx_recv, w_recv, moe.training, counts=tokens_per_local_expert,
