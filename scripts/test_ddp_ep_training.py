@@ -4,13 +4,11 @@
 """
 import json
 import os
-import socket
 import tempfile
 
 import torch
-import torch.multiprocessing as mp
 
-from testlib import ROOT, SHARED, Skip, run  # noqa: F401
+from testlib import ROOT, SHARED, Skip, run, spawn_ranks  # noqa: F401
 
 _TMP = tempfile.mkdtemp(prefix="test_ddp_ep_")
 TINY = ["--hidden_size", "64", "--num_layers", "2", "--num_heads", "4", "--num_kv_heads", "2",
@@ -27,32 +25,20 @@ def data_file():
     return default_corpus()["train"]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, argvs, out):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _train_rank(rank, world, argvs):
     from train.pretrain import parse_args
     from train.trainer import train
     try:
         train(parse_args(argvs[rank]), log=lambda *_: None)
-        result = {"ok": True}
+        return {"ok": True}
     except ValueError as e:
-        result = {"ok": False, "error": str(e)}
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        return {"ok": False, "error": str(e)}
 
 
 def launch(world, argv, per_rank=None):
     """Run train() on `world` gloo ranks (like torchrun); per_rank(r) may add flags for rank r."""
     argvs = [argv + (per_rank(r) if per_rank else []) for r in range(world)]
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(world, free_port(), argvs, out), nprocs=world, join=True)
-        return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+    return spawn_ranks(_train_rank, world, argvs, init_group=False)
 
 
 def single(argv):
@@ -88,11 +74,8 @@ def test_ddp_ep_matches_single_process():
     print(f"        max relative loss difference over 20 steps: {worst:.1e}")
 
 
-def dense_state_worker(rank, world, port, argv, out):
-    """Train, then save this rank's own non-expert parameters (before any gathering)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def dense_state_worker(rank, world, argv):
+    """Train, then return this rank's own non-expert parameters (before any gathering)."""
     import train.trainer as trainer
     from train.pretrain import parse_args
     captured = {}
@@ -103,15 +86,13 @@ def dense_state_worker(rank, world, port, argv, out):
         return original(model, optimizer, group)
     trainer.gather_experts = capture_then_gather
     trainer.train(parse_args(argv), log=lambda *_: None)
-    torch.save(captured["dense"], os.path.join(out, f"rank{rank}.pt"))
+    return captured["dense"]
 
 
 def test_dense_weights_identical_across_ranks():
     argv = TINY + ["--data_path", data_file(), "--max_steps", "20", "--save_interval", "20", "--batch_size", "2",
                    "--ep_size", "2", "--grad_accum", "2", "--out_dir", os.path.join(_TMP, "dense4")]
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(dense_state_worker, args=(4, free_port(), argv, out), nprocs=4, join=True)
-        states = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(4)]
+    states = spawn_ranks(dense_state_worker, 4, argv, init_group=False)
     for r in range(1, 4):
         for n, v in states[0].items():
             assert torch.equal(v, states[r][n]), f"{n} differs between rank 0 and rank {r}"

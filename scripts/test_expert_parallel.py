@@ -2,41 +2,14 @@
 
     python scripts/test_expert_parallel.py
 """
-import os
-import socket
-import tempfile
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from testlib import ROOT, Skip, run  # noqa: F401
+from testlib import ROOT, Skip, run, spawn_ranks as spawn  # noqa: F401
 from model.model_minimind import MiniMindConfig, MOEFeedForward
 from model.moe import sorted_experts_forward
 
 D = 32
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world, port, fn, out_dir, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        torch.save(fn(rank, world, *args), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(fn, world, *args):
-    """Run fn(rank, world, *args) in `world` gloo processes; returns the list of their return values."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world, free_port(), fn, out_dir, args), nprocs=world, join=True)
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
 def build(e, k, seed=0):

@@ -38,3 +38,41 @@ def run(tests, argv=None):
             sys.stderr.flush()
     print(f"\n{len(tests) - fails - skips} passed, {fails} failed, {skips} skipped", flush=True)
     sys.exit(1 if fails else 0)
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank, world, port, fn, out_dir, args, init_group):
+    import gc
+    import torch
+    import torch.distributed as dist
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if init_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.save(fn(rank, world, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+    # Free whatever still holds a process group (modules with an EP dispatcher sit in reference cycles)
+    # and leave together. A group destroyed during interpreter finalisation, or a rank leaving while a peer
+    # is still in a collective, can make gloo abort at exit ("terminate called without an active
+    # exception") after the test itself passed.
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def spawn_ranks(fn, world, *args, init_group=True):
+    """Run fn(rank, world, *args) in `world` local processes with torchrun's environment variables set
+    (and, if init_group, a gloo process group on 127.0.0.1); returns their return values by rank."""
+    import tempfile
+    import torch
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_rank_entry, args=(world, free_port(), fn, out_dir, args, init_group), nprocs=world, join=True)
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]

@@ -4,6 +4,7 @@ With W ranks and ep_size M (M | W): EP groups are the blocks of M consecutive ra
 each holds all experts, sharded. The expert-data-parallel groups join the ranks holding the same experts
 ({r, r+M, r+2M, ...}); expert gradients are reduced over those, dense gradients over all W by DDP.
 """
+import gc
 import json
 import os
 from dataclasses import dataclass
@@ -77,6 +78,11 @@ def barrier(ctx):
         dist.barrier()
 
 
-def shutdown(ctx):
+def shutdown(ctx, wait_for_peers=True):
+    """Tear the process groups down. On a normal exit all ranks wait for each other first: a rank that
+    leaves while a peer is still inside a collective can make gloo abort the peer at exit."""
     if ctx.distributed and dist.is_initialized():
+        gc.collect()  # groups held in reference cycles (EP dispatchers) go now, not at interpreter exit
+        if wait_for_peers:
+            dist.barrier()
         dist.destroy_process_group()

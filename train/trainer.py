@@ -105,9 +105,12 @@ def train(args, log=print):
     device_type = "cuda" if resolve_device(args)[0].startswith("cuda") else "cpu"
     ctx = init_distributed(args.ep_size, device_type)
     try:
-        return _train(args, ctx, log if ctx.is_main else (lambda *_: None))
-    finally:
-        shutdown(ctx)
+        summary = _train(args, ctx, log if ctx.is_main else (lambda *_: None))
+    except BaseException:
+        shutdown(ctx, wait_for_peers=False)  # a peer may never reach the barrier after a one-rank error
+        raise
+    shutdown(ctx)
+    return summary
 
 
 def _train(args, ctx, log):
