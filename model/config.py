@@ -38,6 +38,9 @@ class MiniMindConfig(PreTrainedConfig):
             "position" (earliest tokens).
         moe_pad_to_capacity: pad every expert's rows to the capacity with zero rows (fixed GEMM shapes).
         moe_expert_alignment: pad every expert's row count to a multiple of this (1 = no padding).
+        moe_impl: how the MoE layer runs its experts (same parameters, same function): "sorted" (default;
+            one host sync per layer, bitwise equal to the masked reference) or "fused" (no host sync,
+            grouped GEMM and Triton/PyTorch permute kernels; equal up to rounding; see model/moe_fused.py).
         initializer_range: std of the normal init of linear and embedding weights.
 
     Raises:
@@ -68,6 +71,7 @@ class MiniMindConfig(PreTrainedConfig):
     moe_drop_policy: str = "probs"
     moe_pad_to_capacity: bool = False
     moe_expert_alignment: int = 1
+    moe_impl: str = "sorted"
     initializer_range: float = 0.02
     pad_token_id: int | None = 0
     bos_token_id: int | None = None
@@ -114,4 +118,6 @@ class MiniMindConfig(PreTrainedConfig):
             raise ValueError("MiniMindConfig.moe_pad_to_capacity needs capacity_factor to be set")
         if self.moe_expert_alignment < 1:
             raise ValueError(f"MiniMindConfig.moe_expert_alignment must be >= 1, got {self.moe_expert_alignment}")
+        if self.moe_impl not in ("sorted", "fused"):
+            raise ValueError(f"MiniMindConfig.moe_impl must be 'sorted' or 'fused', got {self.moe_impl!r}")
         super().__post_init__(**kwargs)

@@ -21,8 +21,9 @@ _SAME = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"
          "intermediate_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "initializer_range",
          "pad_token_id", "bos_token_id", "eos_token_id")
 _MOE_ONLY = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef")
-# moe_expert_alignment only pads GEMM rows with zeros: the function is unchanged, nothing to export.
-_HANDLED = set(_SAME) | set(_MOE_ONLY) | {"rope_theta", "dropout", "use_moe", "moe_expert_alignment"}
+# moe_expert_alignment only pads GEMM rows with zeros and moe_impl only picks the kernels: the function
+# is unchanged, nothing to export.
+_HANDLED = set(_SAME) | set(_MOE_ONLY) | {"rope_theta", "dropout", "use_moe", "moe_expert_alignment", "moe_impl"}
 
 
 class ExportError(ValueError):

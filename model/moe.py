@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.moe_fused import fused_experts_forward, pack_expert_weights
+
 
 class PermuteRows(torch.autograd.Function):
     """y = x[perm] for a permutation `perm` [N] with inverse `inverse` [N]; x: [N, D].
@@ -90,6 +92,24 @@ class MOEFeedForward(nn.Module):
         self.expert_parallel = None
         # Filled by every forward: [E] int64 routed (token, slot) pairs per expert, for telemetry.
         self.last_tokens_per_expert = None
+        if config.moe_impl == "fused":
+            self.pack_expert_weights()
+
+    def pack_expert_weights(self):
+        """Fused path: lay the expert weights out back to back (see model.moe_fused.pack_expert_weights)."""
+        pack_expert_weights(self.experts)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .cuda() / .half() give every parameter its own new storage: pack them again.
+        out = super()._apply(fn, *args, **kwargs)
+        if self.config.moe_impl == "fused":
+            self.pack_expert_weights()
+        return out
+
+    @property
+    def experts_forward(self):
+        """The expert compute the config selects: sorted_experts_forward or fused_experts_forward."""
+        return fused_experts_forward if self.config.moe_impl == "fused" else sorted_experts_forward
 
     def route(self, x_TD):
         """Router: softmax over expert logits, top-k, optional renormalisation.
@@ -128,6 +148,9 @@ class MOEFeedForward(nn.Module):
         topk_weight_TK = topk_weight_TK.gather(-1, slot_order_TK)
         if self.expert_parallel is not None:  # experts sharded over ranks: the transport lives in train/
             return self.expert_parallel(self, x_TD, topk_idx_TK, topk_weight_TK, padding).view(B, S, D)
+        if self.config.moe_impl == "fused":  # without capacity the router's top-k never says "no expert"
+            return fused_experts_forward(self.experts, x_TD, topk_idx_TK, topk_weight_TK, self.training, self,
+                                         padding=padding, may_drop=self.config.capacity_factor is not None).view(B, S, D)
         return sorted_experts_forward(self.experts, x_TD, topk_idx_TK, topk_weight_TK, self.training,
                                       self, padding=padding).view(B, S, D)
 

@@ -1,19 +1,32 @@
-"""MoE layer benchmark: masked per-expert reference vs our sorted layer vs the dense SwiGLU FFN of equal
-active FLOPs, on the same weights and inputs, measured side by side (round-robin) in one run.
+"""MoE layer benchmark: every implementation side by side, on the same weights and inputs, in one run.
 
-    python scripts/bench_moe.py              # CPU (or CUDA when present), fp32, ~1-2 min on 2 cores
-    python scripts/bench_moe.py --quick      # fewer shapes/repeats
-    python scripts/bench_moe.py --device cuda --dtype bfloat16
+    python scripts/bench_moe.py              # CPU (or CUDA when present), fp32; a few minutes on 2 cores
+    python scripts/bench_moe.py --quick      # one shape, fewer rounds
+    python scripts/bench_moe.py --device cuda --dtype bfloat16 --out results.txt
 
-The dense FFN has intermediate size k * moe_intermediate_size and is built from the first k experts'
-weights stacked, so its FLOPs equal the MoE layer's active expert FLOPs (the router is extra for MoE).
-Times are medians; what matters is the ratios, since absolute times on shared machines are noise.
+Implementations:
+  masked      MiniMind's per-expert masked loop (scripts/moe_reference.py), the bitwise reference
+  sorted      ours, moe_impl="sorted": one host sync per layer, bitwise equal to masked
+  fused       ours, moe_impl="fused": zero syncs, grouped GEMM, Triton permute/combine on CUDA
+  hf-eager, hf-grouped_mm, hf-batched_mm
+              transformers' Qwen3MoeSparseMoeBlock with each `experts_implementation` (same weights,
+              converted to its fused gate_up layout)
+  dense       the SwiGLU FFN of equal active FLOPs: width k*F, built from the first k experts' weights
+
+Times are medians over rounds run round-robin (drift hits every implementation alike); "fwd" runs under
+torch.no_grad, "fwd+bwd" is a training step's forward and backward. Each time is printed as a ratio to
+dense (lower is better); absolute times on shared machines are noise. Peak memory is the most bytes live
+during one fwd+bwd above what was live before it (CUDA allocator stats, or the CPU profiler's allocation
+events). On CUDA, TFLOP/s counts the expert GEMMs (6*N*k*D*F per forward, 3x that for fwd+bwd) and
+% peak compares to the device's dense bf16 peak. hf-batched_mm copies one weight matrix per routed pair
+(k*N*3*D*F values), so it is skipped where that would not fit in --batched_mm_limit_gb.
 """
 import argparse
 import os
 import statistics
 import sys
 import time
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
@@ -25,10 +38,12 @@ from sync_count import count_syncs  # noqa: E402
 from model.model_minimind import FeedForward, MiniMindConfig, MOEFeedForward  # noqa: E402
 
 SHAPES = [  # name, hidden D, experts E, top-k, expert width F
-    ("small", 256, 4, 1, 512),
-    ("minimind", 512, 8, 2, 512),
-    ("many-experts", 256, 32, 4, 128),
+    ("small", 256, 4, 1, 512),  # F = 2D
+    ("minimind", 512, 8, 2, 1664),  # F = MiniMind's default width for D=512 (ceil(pi*D/64)*64)
+    ("many-experts", 512, 64, 8, 256),  # fine-grained experts (F = D/2; Qwen3-MoE uses 0.375 D)
 ]
+PEAK_BF16_TFLOPS = {"H200": 989, "H100": 989, "H800": 989, "A100": 312, "A800": 312, "L40S": 362, "4090": 165}
+IMPLS = ["dense", "masked", "sorted", "fused", "hf-eager", "hf-grouped_mm", "hf-batched_mm"]
 
 
 def dense_equivalent(moe):
@@ -44,6 +59,40 @@ def dense_equivalent(moe):
     return dense
 
 
+def hf_block(moe, implementation):
+    """transformers' Qwen3-MoE sparse block holding `moe`'s weights, running `implementation`."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    c = moe.config
+    cfg = Qwen3MoeConfig(hidden_size=c.hidden_size, num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                         moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+                         hidden_act="silu", num_attention_heads=1, num_key_value_heads=1, head_dim=8)
+    cfg._experts_implementation = implementation
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        block.gate.weight.copy_(moe.gate.weight)
+        for e, ex in enumerate(moe.experts):
+            block.experts.gate_up_proj[e].copy_(torch.cat([ex.gate_proj.weight, ex.up_proj.weight], 0))
+            block.experts.down_proj[e].copy_(ex.down_proj.weight)
+    return block
+
+
+def keep_freed_memory():
+    """glibc returns every freed block over 32 MiB to the OS and page-faults it in again on the next
+    allocation; MoE layers allocate several [N*k, D] buffers per step, so on CPU that kernel time would
+    swamp the comparison. Raising the mmap/trim thresholds (what jemalloc/tcmalloc, the allocators
+    PyTorch's CPU tuning guide recommends, do by default) keeps freed memory for reuse. Applies to every
+    implementation alike. Returns False where glibc's mallopt is unavailable."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False
+
+
 def sync(device):
     if device == "cuda":
         torch.cuda.synchronize()
@@ -53,7 +102,7 @@ def time_once(fn, x, backward, device, autocast):
     xi = x.detach().requires_grad_(backward)
     sync(device)
     t0 = time.perf_counter()
-    with autocast():
+    with torch.set_grad_enabled(backward), autocast():
         y = fn(xi)
     if backward:
         y.float().sum().backward()
@@ -61,60 +110,159 @@ def time_once(fn, x, backward, device, autocast):
     return time.perf_counter() - t0
 
 
+def peak_bytes(fn, x, device, autocast):
+    """Most bytes live during one fwd+bwd of fn(x), above what was live before."""
+    xi = x.detach().requires_grad_(True)
+
+    def step():
+        with autocast():
+            y = fn(xi)
+        y.float().sum().backward()
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def device_peak_tflops(device):
+    if device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="autocast dtype")
-    p.add_argument("--tokens", default="512,4096", help="comma-separated token counts N")
+    p.add_argument("--tokens", default="256,4096", help="comma-separated token counts N")
     p.add_argument("--repeats", type=int, default=0, help="timed rounds per cell (0 = auto)")
     p.add_argument("--quick", action="store_true", help="one shape, fewer rounds")
+    p.add_argument("--shapes", default="", help="comma-separated shape names to run (default: all)")
+    p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated implementations")
+    p.add_argument("--batched_mm_limit_gb", type=float, default=3.0,
+                   help="skip hf-batched_mm where its per-pair weight copies exceed this [GiB]")
+    p.add_argument("--out", default="", help="also append the report to this file")
+    p.add_argument("--os_malloc", action="store_true",
+                   help="leave glibc's default thresholds (freed big blocks go back to the OS; see keep_freed_memory)")
     args = p.parse_args()
+    tuned = False
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     ptdtype = getattr(torch, args.dtype)
+    warnings.filterwarnings("ignore", message=".*grouped_mm.*")
+    out_file = open(args.out, "a") if args.out else None
+
+    def say(line=""):
+        print(line, flush=True)
+        if out_file:
+            out_file.write(line + "\n")
+            out_file.flush()
 
     def autocast():
         return torch.autocast(device, dtype=ptdtype, enabled=ptdtype != torch.float32)
 
     shapes = SHAPES[1:2] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
     token_counts = [int(t) for t in args.tokens.split(",")]
-    print(f"torch {torch.__version__}, device {device}, {args.dtype}, threads {torch.get_num_threads()}")
-    print("ratios are time / dense-equivalent FFN time (lower is better); 'speedup' = masked / sorted\n")
-    hdr = (f"{'shape':<13}{'N':>6} {'pass':<8}{'dense ms':>9}{'masked ms':>10}{'sorted ms':>10}"
-           f"{'masked/dense':>13}{'sorted/dense':>13}{'speedup':>8}{'syncs m/s':>10}")
-    print(hdr)
-    print("-" * len(hdr))
+    wanted = [i for i in IMPLS if i in args.impls.split(",")]
+    if "dense" not in wanted:
+        wanted.insert(0, "dense")
+    peak = device_peak_tflops(device)
+    if device == "cpu" and not args.os_malloc:
+        tuned = keep_freed_memory()
+    say(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
+        f"{args.dtype}, threads {torch.get_num_threads()}" + (", freed memory kept for reuse (mallopt)" if tuned else ""))
+    say("each cell: median ms, then (ratio to dense); syncs = sync-inducing calls per forward\n")
+    summary = []
     for name, d, e, k, f in shapes:
         torch.manual_seed(0)
-        moe = MOEFeedForward(MiniMindConfig(hidden_size=d, num_attention_heads=1, num_key_value_heads=1,
-                                            head_dim=8, use_moe=True, num_experts=e, num_experts_per_tok=k,
-                                            moe_intermediate_size=f)).to(device).train()
-        dense = dense_equivalent(moe).to(device).train()
-        impls = {"dense": dense, "masked": lambda t: reference_masked_forward(moe, t), "sorted": moe}
+        cfg = dict(hidden_size=d, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True,
+                   num_experts=e, num_experts_per_tok=k, moe_intermediate_size=f)
+        moe = MOEFeedForward(MiniMindConfig(**cfg)).to(device).train()
+        fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).to(device).train()
+        fused.load_state_dict(moe.state_dict())
+        builders = {"dense": lambda: dense_equivalent(moe).to(device).train(),
+                    "masked": lambda: (lambda t: reference_masked_forward(moe, t)),
+                    "sorted": lambda: moe, "fused": lambda: fused,
+                    "hf-eager": lambda: hf_block(moe, "eager").to(device).train(),
+                    "hf-grouped_mm": lambda: hf_block(moe, "grouped_mm").to(device).train(),
+                    "hf-batched_mm": lambda: hf_block(moe, "batched_mm").to(device).train()}
+        impls = {key: builders[key]() for key in wanted}
         for n in token_counts:
             x = torch.randn(1, n, d, device=device)
+            cell = dict(impls)
+            batched_gb = n * k * 3 * d * f * x.element_size() * 2 / 2**30  # weight copies, fwd + their grads
+            if "hf-batched_mm" in cell and batched_gb > args.batched_mm_limit_gb:
+                del cell["hf-batched_mm"]
             with torch.no_grad(), autocast():
-                assert torch.equal(impls["masked"](x), moe(x)), "sorted != masked reference"
-            _, s_masked = count_syncs(impls["masked"], x)
-            _, s_sorted = count_syncs(moe, x)
+                ref = impls["sorted"](x) if "sorted" in impls else None
+                if "masked" in impls:
+                    assert torch.equal(impls["masked"](x), ref), "sorted != masked reference"
+                for key in cell:
+                    if key.startswith("hf") or key == "fused":
+                        err = (cell[key](x).float() - ref.float()).abs().max().item()
+                        assert err < (1e-4 if ptdtype == torch.float32 else 5e-2), f"{key} differs by {err}"
+            syncs = {key: count_syncs(fn, x)[1] for key, fn in cell.items()}
             work = n * d * f * k
-            rounds = args.repeats or max(3, min(15, int(4e9 / work)))
+            rounds = args.repeats or max(5, min(25, int(1e10 / work)))
             if args.quick:
                 rounds = min(rounds, 3)
+            mems = {key: peak_bytes(fn, x, device, autocast) / 2**20 for key, fn in cell.items()}
+            say(f"== {name} (D={d}, E={e}, k={k}, F={f}), N={n}, {rounds} rounds")
+            say(f"{'impl':<15}{'fwd ms':>9}{'(xdense)':>9}{'fwd+bwd ms':>12}{'(xdense)':>9}{'peak MiB':>10}"
+                f"{'syncs':>7}" + (f"{'TFLOP/s':>9}{'% peak':>8}" if device == "cuda" else ""))
+            med = {}
             for backward in (False, True):
-                times = {key: [] for key in impls}
-                for key, fn in impls.items():  # warm-up
+                times = {key: [] for key in cell}
+                for key, fn in cell.items():  # warm-up
                     time_once(fn, x, backward, device, autocast)
-                for _ in range(rounds):  # round-robin so drift hits every implementation alike
-                    for key, fn in impls.items():
+                for _ in range(rounds):
+                    for key, fn in cell.items():
                         times[key].append(time_once(fn, x, backward, device, autocast))
+                    for fn in cell.values():
+                        if isinstance(fn, torch.nn.Module):
+                            fn.zero_grad(set_to_none=True)
                     moe.zero_grad(set_to_none=True)
-                    dense.zero_grad(set_to_none=True)
-                med = {key: statistics.median(v) * 1e3 for key, v in times.items()}
-                print(f"{name:<13}{n:>6} {'fwd+bwd' if backward else 'fwd':<8}{med['dense']:>9.2f}{med['masked']:>10.2f}"
-                      f"{med['sorted']:>10.2f}{med['masked'] / med['dense']:>13.2f}{med['sorted'] / med['dense']:>13.2f}"
-                      f"{med['masked'] / med['sorted']:>8.2f}{f'{s_masked}/{s_sorted}':>10}", flush=True)
-    if device == "cuda":
-        print(f"\npeak memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+                for key, v in times.items():
+                    med[key, backward] = statistics.median(v) * 1e3
+            for key in wanted:
+                if key not in cell:
+                    say(f"{key:<15}   skipped: per-pair weight copies need ~{batched_gb:.0f} GiB")
+                    continue
+                fw, fb = med[key, False], med[key, True]
+                line = (f"{key:<15}{fw:>9.2f}{fw / med['dense', False]:>8.2f}x{fb:>12.2f}{fb / med['dense', True]:>8.2f}x"
+                        f"{mems[key]:>10.0f}{syncs[key]:>7}")
+                if device == "cuda":
+                    tflops = 3 * 6 * n * k * d * f / (fb * 1e-3) / 1e12
+                    line += f"{tflops:>9.1f}" + (f"{100 * tflops / peak:>7.1f}%" if peak else f"{'n/a':>8}")
+                say(line)
+            ours = min(med["sorted", True], med["fused", True]) if "fused" in cell and "sorted" in cell else None
+            if ours is not None:
+                hf = {key: med[key, True] for key in cell if key.startswith("hf")}
+                summary.append((name, n, ours / med["dense", True], {key: v / ours for key, v in hf.items()}))
+            say()
+    if summary:
+        say("fwd+bwd summary: best of ours (sorted, fused) vs dense, and each transformers implementation's time "
+            "as a multiple of ours (> 1 = ours faster)")
+        for name, n, vs_dense, vs_hf in summary:
+            say(f"  {name:<13} N={n:<5} ours/dense {vs_dense:.2f}x   " +
+                "  ".join(f"{key} {v:.2f}x" for key, v in vs_hf.items()))
+    if out_file:
+        out_file.close()
 
 
 if __name__ == "__main__":

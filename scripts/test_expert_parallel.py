@@ -12,11 +12,11 @@ from model.moe import sorted_experts_forward
 D = 32
 
 
-def build(e, k, seed=0):
+def build(e, k, seed=0, moe_impl="sorted"):
     torch.manual_seed(seed)
     return MOEFeedForward(MiniMindConfig(hidden_size=D, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
                                          use_moe=True, num_experts=e, num_experts_per_tok=k,
-                                         moe_intermediate_size=16)).train()
+                                         moe_intermediate_size=16, moe_impl=moe_impl)).train()
 
 
 def scenario_inputs(name, world):
@@ -165,6 +165,7 @@ def roundtrip_one(rank, k):
     w = torch.full((T, k), 1.0 / k)
     fake = torch.nn.Module()
     fake.experts = torch.nn.ModuleList(torch.nn.Identity() for _ in range(e))
+    fake.experts_forward = sorted_experts_forward
     fake.training = True
     y = AllToAllDispatcher(dist.group.WORLD, e)(fake, x, idx, w)
     up = torch.randn(T, D, generator=g)
@@ -226,7 +227,48 @@ def test_capacity_under_ep():
             assert int(counts.max()) <= cap, f"rank {r} {key}: {counts} > {cap}"
 
 
-TESTS = [test_capacity_under_ep, test_ep_equals_single_process_2_ranks, test_ep_equals_single_process_4_ranks, test_dispatch_combine_roundtrip,
+FUSED_CASES = [("even", 8, 2), ("uneven", 4, 2), ("one_empty_rank", 4, 2), ("idle_expert", 8, 2)]
+
+
+def fused_worker(rank, world):
+    from train.expert_parallel import install
+    out = {}
+    for name, e, k in FUSED_CASES:
+        mod = build(e, k, moe_impl="fused")
+        force(mod, name)
+        install(mod, dist.group.WORLD, e)
+        x = scenario_inputs(name, world)[rank]
+        y, xg, grads = run_layer(mod, x, torch.linspace(-1, 1, x.numel()).view_as(x))
+        d = mod.expert_parallel
+        owned = {n: g for n, g in grads.items()
+                 if n.startswith("experts.") and d.owns(int(n.split(".")[1]))}
+        out[name, e, k] = dict(y=y, xg=xg, gate=grads["gate.weight"], owned=owned)
+    return out
+
+
+def test_fused_path_under_ep():
+    """moe_impl="fused" as the EP ranks' local expert compute: output, input grads, the owners' expert
+    grads and the summed router grads equal the single-process fused layer on the whole batch (within
+    1e-5: EP adds each token's per-rank partial sums in another order)."""
+    world = 2
+    per_rank = spawn(fused_worker, world)
+    for name, e, k in FUSED_CASES:
+        mod = build(e, k, moe_impl="fused")
+        force(mod, name)
+        xs = scenario_inputs(name, world)
+        ups = [torch.linspace(-1, 1, x.numel()).view_as(x) for x in xs]
+        y, xg, grads = run_layer(mod, torch.cat(xs, 1), torch.cat(ups, 1))
+        got = [r[name, e, k] for r in per_rank]
+        close = lambda a, b: (a - b).abs().max().item() <= 1e-5 if a.numel() else True  # noqa: E731
+        assert close(torch.cat([g["y"] for g in got], 1), y), name
+        assert close(torch.cat([g["xg"] for g in got], 1), xg), name
+        assert close(sum(g["gate"] for g in got), grads["gate.weight"]), name
+        for g in got:
+            for n, v in g["owned"].items():
+                assert close(v, grads[n]), f"{name} {n}"
+
+
+TESTS = [test_capacity_under_ep, test_fused_path_under_ep, test_ep_equals_single_process_2_ranks, test_ep_equals_single_process_4_ranks, test_dispatch_combine_roundtrip,
          test_deterministic]
 
 if __name__ == "__main__":

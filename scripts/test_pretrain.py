@@ -123,8 +123,27 @@ def test_corrupt_checkpoint_is_refused():
         raise AssertionError("corrupt checkpoint accepted")
 
 
-TESTS = [test_tiny_run_learns_and_checkpoint_reloads, test_resume_equals_continuous_run,
-         test_bad_inputs_fail_fast_with_clear_messages, test_resume_refuses_a_changed_data_order,
+def test_fused_impl_trains_like_sorted_and_switches_on_resume():
+    """--moe_impl fused gives the sorted run's loss curve (within fp32 rounding) and its checkpoint
+    resumes under --moe_impl sorted (the implementation is not part of the architecture)."""
+    common = TINY + ["--data_path", text_file(), "--max_steps", "20", "--eval_interval", "10", "--save_interval", "10"]
+    runs = {}
+    for impl in ("sorted", "fused"):
+        out_dir = os.path.join(_TMP, f"impl_{impl}")
+        train(parse_args(common + ["--out_dir", out_dir, "--moe_impl", impl, "--stop_after", "10"]), log=quiet)
+        s = train(parse_args(common + ["--out_dir", out_dir, "--moe_impl", "sorted" if impl == "fused" else "fused",
+                                       "--resume", os.path.join(out_dir, "ckpt.pt")]), log=quiet)
+        runs[impl] = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+        assert s["final_val_loss"] < s["first_val_loss"]
+    a = [r["train_loss"] for r in runs["sorted"] if "train_loss" in r]
+    b = [r["train_loss"] for r in runs["fused"] if "train_loss" in r]
+    assert len(a) == len(b) > 0
+    worst = max(abs(x - y) / x for x, y in zip(a, b))
+    assert worst < 1e-4, f"sorted vs fused loss curves differ by {worst:.1e} relative"
+
+
+TESTS = [test_tiny_run_learns_and_checkpoint_reloads, test_fused_impl_trains_like_sorted_and_switches_on_resume,
+         test_resume_equals_continuous_run, test_bad_inputs_fail_fast_with_clear_messages, test_resume_refuses_a_changed_data_order,
          test_corrupt_checkpoint_is_refused]
 
 if __name__ == "__main__":

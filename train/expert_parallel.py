@@ -3,7 +3,7 @@
 Rank r of an EP group of size M owns the contiguous experts [r*E/M, (r+1)*E/M). Per MoE layer:
 
     route (model) -> permute by destination rank -> all-to-all (x rows, combine weights, local expert ids)
-      -> local sorted expert compute (model.moe.sorted_experts_forward) -> all-to-all back -> combine
+      -> local expert compute (the layer's sorted or fused path) -> all-to-all back -> combine
 
 A token is sent once per destination rank even when several of its top-k experts live there: the
 receiver sums those experts' weighted outputs and returns one row (Megatron-LM's alltoall dispatcher
@@ -31,7 +31,7 @@ def all_to_all_autograd(output, input, output_split_sizes, input_split_sizes, gr
         warnings.simplefilter("ignore", FutureWarning)
         return _all_to_all_autograd(output, input, output_split_sizes, input_split_sizes, group=group)
 
-from model.moe import MOEFeedForward, sorted_experts_forward
+from model.moe import MOEFeedForward
 
 
 class AllToAllDispatcher:
@@ -106,8 +106,8 @@ class AllToAllDispatcher:
         local = moe.experts[self.first_expert:self.first_expert + L]
         if padding is not None and padding[0] is not None:  # each source rank may fill the capacity
             padding = (padding[0] * M, padding[1])
-        y_recv = sorted_experts_forward(local, x_recv, idx_recv, w_recv, moe.training, counts=tokens_per_local_expert,
-                                        padding=padding)
+        y_recv = moe.experts_forward(local, x_recv, idx_recv, w_recv, moe.training, counts=tokens_per_local_expert,
+                                     padding=padding)
 
         # Combine: back to the source ranks, then add the partial sums in ascending destination rank.
         y_send = all_to_all_autograd(y_recv.new_empty(n_send, D), y_recv, send_rows, recv_rows, group=self.group)

@@ -49,6 +49,10 @@ def build_parser():
     g.add_argument("--pad_to_capacity", type=int, default=0, choices=(0, 1),
                    help="pad every expert's rows to the capacity (fixed GEMM shapes)")
     g.add_argument("--expert_alignment", type=int, default=1, help="pad each expert's rows to a multiple of this")
+    g.add_argument("--moe_impl", default="sorted", choices=("sorted", "fused"),
+                   help="MoE expert compute: sorted (bitwise = masked reference, 1 host sync per layer) or fused "
+                   "(no host sync, grouped GEMM + Triton kernels on GPU); not part of the architecture: it may "
+                   "differ on --resume / --init_from")
     g.add_argument("--aux_loss_coef", type=float, default=0.01, help="load-balancing loss weight")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
     g.add_argument("--max_position_embeddings", type=int, default=2048, help="longest sequence the model supports")

@@ -38,7 +38,7 @@ def build_config(args, vocab_size):
         moe_intermediate_size=args.moe_intermediate_size, intermediate_size=args.intermediate_size,
         router_aux_loss_coef=args.aux_loss_coef, capacity_factor=args.capacity_factor,
         moe_drop_policy=args.drop_policy, moe_pad_to_capacity=bool(args.pad_to_capacity),
-        moe_expert_alignment=args.expert_alignment)
+        moe_expert_alignment=args.expert_alignment, moe_impl=args.moe_impl)
 
 
 def resolve_device(args, local_rank=0):
@@ -164,9 +164,10 @@ def _train(args, ctx, log):
         os.replace(tmp, tok_out)
 
     if resume is not None:  # the architecture comes from the checkpoint, never from flags
-        config = MiniMindConfig.from_dict(resume["config"])
+        config = MiniMindConfig.from_dict({**resume["config"], "moe_impl": args.moe_impl})
     elif init_model is not None:
         config = init_model.config
+        config.moe_impl = args.moe_impl
     else:
         config = build_config(args, len(tokenizer))
     if config.vocab_size < len(tokenizer):

@@ -1,0 +1,64 @@
+"""Which implementation a kernel call runs: Triton, a torch built-in, or the plain-PyTorch reference.
+
+Triton runs on CUDA tensors, and on CPU tensors when TRITON_INTERPRET=1 is set before triton is first
+imported (its interpreter executes the kernel with numpy: slow, but it lets CI test the kernels without a
+GPU). Every public kernel function takes `backend` in {"auto", "triton", "reference"} (grouped GEMM also
+"torch"); "auto" picks Triton where it can run and the reference elsewhere, and says so once.
+"""
+import os
+import warnings
+
+BACKENDS = ("auto", "triton", "torch", "reference")
+
+
+def _probe_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install (no compiler / driver)
+        return False
+    return True
+
+
+_TRITON_IMPORTABLE = _probe_triton()
+
+
+def triton_importable() -> bool:
+    return _TRITON_IMPORTABLE
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_runs_on(tensor) -> bool:
+    return triton_importable() and (tensor.is_cuda or (interpreting() and tensor.device.type == "cpu"))
+
+
+_warned = set()
+
+
+def warn_once(key: str, message: str):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def choose(backend: str, tensor, what: str) -> str:
+    """Resolve `backend` for a kernel applied to `tensor`: "triton" or "reference".
+
+    Raises ValueError for an unknown backend, RuntimeError when "triton" is forced where it cannot run.
+    """
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference' for {what}, got {backend!r}")
+    if backend == "triton" and not triton_runs_on(tensor):
+        raise RuntimeError(f"{what}: Triton cannot run on this {tensor.device.type} tensor "
+                           f"(installed: {triton_importable()}; on CPU set TRITON_INTERPRET=1 before importing)")
+    if backend == "auto":
+        if triton_runs_on(tensor):
+            return "triton"
+        if tensor.is_cuda:
+            warn_once(what, f"{what}: Triton is not available, using the plain-PyTorch reference")
+        return "reference"
+    return backend

@@ -1,0 +1,264 @@
+"""Kernel tests: every Triton kernel against its plain-PyTorch reference (Triton's CPU interpreter, so
+this runs in CI without a GPU; on a CUDA machine the same checks also run on the GPU).
+
+    python scripts/test_kernels.py          # sets TRITON_INTERPRET=1 itself before triton is imported
+
+permute / combine: bitwise (both are gathers plus the same fp32 multiply/add sequence).
+grouped GEMM: fp32 within 1e-5 relative to the largest |value|: the kernel accumulates each dot product
+over K in tiles in a different order than the reference's matmul (reassociation only; inputs are exact).
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+from testlib import Skip, run  # noqa: E402,F401
+from kernels.backend import choose, interpreting, triton_importable  # noqa: E402
+from kernels.grouped_gemm import SwiGLU, grouped_mm, grouped_swiglu, torch_grouped_mm_supports  # noqa: E402
+from kernels.permute import (build_row_map, combine_rows, combine_rows_reference, gather_rows,  # noqa: E402
+                             gather_rows_reference, permute, unpermute_combine)
+
+# Triton runs CPU tensors only in its interpreter, and the interpreter would also run CUDA tensors (on
+# the host): so interpreted runs test on CPU, and TRITON_INTERPRET=0 on a GPU machine tests the compiled
+# kernels on CUDA (scripts/gpu_check.sh does both).
+DEVICES = ["cpu"] if interpreting() else (["cuda"] if torch.cuda.is_available() else [])
+
+
+def need_triton():
+    if not triton_importable():
+        raise Skip("triton is not installed")
+    if not DEVICES:
+        raise Skip("no device Triton runs on (TRITON_INTERPRET=0 and no CUDA)")
+
+
+def bits_equal(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.numel() else a,
+                                                                      b.view(torch.uint8) if b.numel() else b)
+
+
+def routing(T, K, E, seed=0, drop=0.0, idle=(), device="cpu"):
+    """[T, K] distinct experts per row (never the `idle` ones), a fraction `drop` of entries set to -1."""
+    g = torch.Generator().manual_seed(seed)
+    pool = [e for e in range(E) if e not in idle]
+    rows = [torch.tensor(pool)[torch.randperm(len(pool), generator=g)[:K]] for _ in range(T)]
+    idx = torch.stack(rows) if T else torch.zeros(0, K, dtype=torch.int64)
+    if drop:
+        idx = torch.where(torch.rand(idx.shape, generator=g) < drop, -1, idx)
+    return idx.to(device)
+
+
+CASES = [  # T, K, E, drop, idle experts, pad_to, alignment
+    (13, 2, 4, 0.0, (), None, 1),
+    (13, 2, 6, 0.0, (1, 4), None, 1),  # experts with zero tokens
+    (0, 2, 4, 0.0, (), None, 1),  # N = 0
+    (1, 1, 4, 0.0, (), None, 1),  # N = 1
+    (9, 4, 4, 0.0, (), None, 1),  # k = E
+    (17, 2, 4, 0.0, (), None, 8),  # alignment padding
+    (17, 3, 5, 0.3, (2,), None, 4),  # dropped pairs + idle expert + alignment
+    (12, 2, 4, 0.4, (), 8, 1),  # pad to capacity
+    (12, 2, 4, 0.4, (), 5, 4),  # pad to capacity, then alignment
+]
+
+
+def test_row_map_layout():
+    """Rows go expert by expert in ascending (token, slot) order, padding is -1, the maps invert."""
+    for T, K, E, drop, idle, pad_to, align in CASES:
+        idx = routing(T, K, E, drop=drop, idle=idle)
+        rm = build_row_map(idx, E, pad_to, align)
+        counts = [int((idx == e).sum()) for e in range(E)]
+        assert rm.tokens_per_expert_E.tolist() == counts
+        start, expect = 0, []
+        for e in range(E):
+            pairs = [t * K + j for t in range(T) for j in range(K) if idx[t, j] == e]
+            rows = max(counts[e], pad_to or 0)
+            rows = -(-rows // align) * align
+            expect += pairs + [-1] * (rows - len(pairs))
+            start += rows
+            assert int(rm.offsets_E[e]) == start, (e, rm.offsets_E)
+        got = rm.pair_of_row_P.tolist()
+        assert got[:start] == expect and all(v == -1 for v in got[start:]), (got, expect)
+        P = E * (-(-pad_to // align) * align) if pad_to is not None else T * K + E * (align - 1)
+        assert rm.num_rows == P  # static: known without looking at the data
+        for t in range(T):
+            for j in range(K):
+                r = int(rm.row_of_pair_TK[t, j])
+                assert (r == -1) if idx[t, j] < 0 else (got[r] == t * K + j)
+
+
+def test_gather_rows_bitwise():
+    need_triton()
+    for dev in DEVICES:
+        for T, K, E, drop, idle, pad_to, align in CASES:
+            rm = build_row_map(routing(T, K, E, drop=drop, idle=idle, device=dev), E, pad_to, align)
+            for D in (1, 33, 64):
+                x = torch.randn(T, D, device=dev)
+                scale = torch.rand(rm.num_rows, device=dev)
+                for s in (None, scale):
+                    want = gather_rows_reference(x, rm.token_of_row_P, s)
+                    assert bits_equal(gather_rows(x, rm.token_of_row_P, s, backend="triton"), want), (T, K, E, D)
+                xb = x.bfloat16()
+                assert bits_equal(gather_rows(xb, rm.token_of_row_P, scale, backend="triton"),
+                                  gather_rows_reference(xb, rm.token_of_row_P, scale))
+
+
+def test_combine_rows_bitwise():
+    need_triton()
+    for dev in DEVICES:
+        for T, K, E, drop, idle, pad_to, align in CASES:
+            rm = build_row_map(routing(T, K, E, drop=drop, idle=idle, device=dev), E, pad_to, align)
+            for D in (1, 33, 64):
+                h = torch.randn(rm.num_rows, D, device=dev)
+                w = torch.rand(T, K, device=dev)
+                for ww in (None, w):
+                    want = combine_rows_reference(h, rm.row_of_pair_TK, ww)
+                    assert bits_equal(combine_rows(h, rm.row_of_pair_TK, ww, backend="triton"), want), (T, K, E, D)
+                hb = h.bfloat16()
+                for out_dtype in (None, torch.float32):
+                    assert bits_equal(combine_rows(hb, rm.row_of_pair_TK, w, backend="triton", out_dtype=out_dtype),
+                                      combine_rows_reference(hb, rm.row_of_pair_TK, w, out_dtype))
+
+
+def test_hole_free_fast_path_is_the_same():
+    """The reference's unmasked path (no -1, no padding) gives the same bits as the masked one."""
+    idx = routing(40, 2, 8)
+    rm = build_row_map(idx, 8, may_drop=False)
+    assert not rm.has_holes
+    x, w = torch.randn(40, 16), torch.rand(40, 2)
+    h = torch.randn(rm.num_rows, 16)
+    assert bits_equal(gather_rows_reference(x, rm.token_of_row_P, has_holes=False),
+                      gather_rows_reference(x, rm.token_of_row_P))
+    assert bits_equal(combine_rows_reference(h, rm.row_of_pair_TK, w, has_holes=False),
+                      combine_rows_reference(h, rm.row_of_pair_TK, w))
+
+
+def test_permute_combine_autograd():
+    """Gradients of the differentiable permute / unpermute_combine: the reference backend passes
+    gradcheck in float64, and the Triton backend's gradients equal the reference's bitwise (fp32)."""
+    for T, K, E, drop, idle, pad_to, align in CASES:
+        if T == 0:
+            continue
+        rm = build_row_map(routing(T, K, E, drop=drop, idle=idle), E, pad_to, align)
+        x = torch.randn(T, 5, dtype=torch.float64, requires_grad=True)
+        h = torch.randn(rm.num_rows, 5, dtype=torch.float64, requires_grad=True)
+        w = torch.rand(T, K, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda a: permute(a, rm, "reference"), (x,))
+        assert torch.autograd.gradcheck(lambda a, b: unpermute_combine(a, b, rm, "reference"), (h, w))
+        if not triton_importable() or not DEVICES:
+            continue
+        dev = DEVICES[0]
+        rm = build_row_map(routing(T, K, E, drop=drop, idle=idle, device=dev), E, pad_to, align)
+        xs, hs, ws = (t.detach().float().to(dev).requires_grad_() for t in (x, h, w))
+        g_x, g_y = torch.randn(rm.num_rows, 5, device=dev), torch.randn(T, 5, device=dev)
+        grads = {}
+        for be in ("reference", "triton"):
+            gx, = torch.autograd.grad(permute(xs, rm, be), xs, g_x)
+            gh, gw = torch.autograd.grad(unpermute_combine(hs, ws, rm, be), (hs, ws), g_y)
+            grads[be] = (gx, gh, gw)
+        for a, b in zip(grads["reference"], grads["triton"]):
+            assert bits_equal(a, b)
+
+
+def grouped_reference(a, b, offsets):
+    """Per-segment fp64 matmuls: the exact product of the fp32 inputs (up to fp64 rounding)."""
+    bounds = [0] + offsets.tolist()
+    out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float64)
+    for e in range(b.shape[0]):
+        out[bounds[e]:bounds[e + 1]] = a[bounds[e]:bounds[e + 1]].double() @ b[e].double()
+    return out
+
+
+def close(got, want, what):
+    scale = max(want.abs().max().item(), 1.0) if want.numel() else 1.0
+    err = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+    assert err <= 1e-5 * scale, f"{what}: max error {err:.2e} (scale {scale:.1f})"
+
+
+GEMM_CASES = [  # segment lengths, K, N, rows past the last segment
+    ([5, 0, 7, 3], 32, 24, 0),
+    ([0, 0, 0], 16, 16, 4),  # M rows but no segment: output rows unspecified/zero, grads zero
+    ([1], 8, 8, 0),  # M = 1
+    ([0], 8, 8, 0),  # M = 0
+    ([17, 40, 0, 33, 2], 48, 40, 6),  # tiles crossing segment ends + a tail
+    ([3, 4], 33, 17, 0),  # odd sizes
+]
+
+
+def test_grouped_mm_triton_forward_backward():
+    need_triton()
+    for dev in DEVICES:
+        for lens, K, N, tail in GEMM_CASES:
+            offsets = torch.tensor(lens, device=dev).cumsum(0).to(torch.int32)
+            M = sum(lens) + tail
+            a = torch.randn(M, K, device=dev, requires_grad=True)
+            b = torch.randn(len(lens), N, K, device=dev).transpose(1, 2).requires_grad_()  # a transposed view
+            c = grouped_mm(a, b, offsets, backend="triton")
+            want = grouped_reference(a.detach().cpu(), b.detach().cpu(), offsets.cpu())
+            close(c.cpu(), want, f"forward {lens}")
+            g = torch.randn(M, N, device=dev)
+            ga, gb = torch.autograd.grad(c, (a, b), g)
+            a64, b64 = a.detach().cpu().double().requires_grad_(), b.detach().cpu().double().requires_grad_()
+            ra, rb = torch.autograd.grad(grouped_mm(a64, b64, offsets.cpu(), backend="reference"), (a64, b64), g.cpu().double())
+            n = sum(lens)
+            close(ga[:n].cpu(), ra[:n], f"grad a {lens}")
+            close(gb.cpu(), rb, f"grad b {lens}")
+            assert torch.equal(ga[n:], torch.zeros_like(ga[n:])), "rows past the segments get zero gradient"
+
+
+def test_grouped_mm_torch_backend_on_cpu():
+    """torch's grouped_mm (the CPU/bf16-CUDA path) against the reference, incl. a broadcast gradient."""
+    offsets = torch.tensor([5, 5, 12, 16], dtype=torch.int32)
+    a = torch.randn(16, 32, requires_grad=True)
+    b = torch.randn(4, 24, 32).transpose(1, 2).requires_grad_()
+    if not torch_grouped_mm_supports(a, b):
+        raise Skip("this torch has no CPU grouped_mm")
+    c = grouped_mm(a, b, offsets, backend="torch")
+    close(c, grouped_reference(a.detach(), b.detach(), offsets), "torch forward")
+    c.sum().backward()  # a stride-0 gradient: torch's own backward rejects it, ours must not
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    grouped_mm(a64, b64, offsets, backend="reference").sum().backward()
+    close(a.grad, a64.grad, "torch grad a")
+    close(b.grad, b64.grad, "torch grad b")
+    assert not torch_grouped_mm_supports(torch.randn(4, 33), torch.randn(2, 33, 8)), "misaligned strides"
+
+
+def test_grouped_swiglu_matches_per_expert_ffn():
+    from model.moe import FeedForward
+    torch.manual_seed(0)
+    lens, D, F_ = [6, 0, 9], 16, 12
+    experts = [FeedForward(D, F_) for _ in lens]
+    offsets = torch.tensor(lens).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(lens), D)
+    w_gu = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
+    w_d = torch.stack([e.down_proj.weight for e in experts])
+    want = torch.cat([experts[e](x[int(s):int(s) + n]) for e, (s, n) in enumerate(zip([0, 6, 6], lens))])
+    backends = ["reference", "torch"] + (["triton"] if triton_importable() else [])
+    for be in backends:
+        close(grouped_swiglu(x, w_gu, w_d, offsets, backend=be), want, be)
+    g = torch.randn(7, 2 * F_, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(SwiGLU.apply, (g,))
+
+
+def test_backend_choice_errors():
+    x = torch.randn(2, 2)
+    for bad in ("cuda", "", None):
+        try:
+            choose(bad, x, "gather_rows")
+        except ValueError as e:
+            assert "backend" in str(e)
+        else:
+            raise AssertionError(f"backend {bad!r} accepted")
+    try:
+        grouped_mm(torch.randn(3, 4), torch.randn(2, 5, 4), torch.tensor([1, 3], dtype=torch.int32))
+    except ValueError as e:
+        assert "do not fit" in str(e)
+    else:
+        raise AssertionError("mismatched shapes accepted")
+
+
+TESTS = [test_row_map_layout, test_gather_rows_bitwise, test_combine_rows_bitwise, test_hole_free_fast_path_is_the_same,
+         test_permute_combine_autograd, test_grouped_mm_triton_forward_backward, test_grouped_mm_torch_backend_on_cpu,
+         test_grouped_swiglu_matches_per_expert_ffn, test_backend_choice_errors]
+
+if __name__ == "__main__":
+    run(TESTS)

@@ -1,0 +1,219 @@
+"""The fused MoE path (moe_impl="fused") against the sorted layer, the bitwise reference.
+
+    python scripts/test_moe_fused.py
+
+Tolerance, fp32: forward and every gradient within 1e-5 absolute on outputs of size ~0.1-1 (the grouped
+GEMM sums each dot product in another order than per-expert nn.Linear, and the combine accumulates in
+fp32: differences are a few ulps, ~1e-7 measured). bf16 autocast: within 2e-2 (bf16 has 8 mantissa bits;
+both paths round the expert outputs to bf16 once, at different points).
+"""
+import warnings
+
+import torch
+
+from testlib import Skip, run  # noqa: F401
+from sync_count import count_syncs
+from model.model_minimind import MiniMindConfig, MOEFeedForward
+from model.moe_fused import _back_to_back, fused_experts_forward
+
+D = 32
+
+
+def pair(E, k, seed=0, **kw):
+    """(sorted layer, fused layer) with the same weights."""
+    torch.manual_seed(seed)
+    cfg = dict(hidden_size=D, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True,
+               num_experts=E, num_experts_per_tok=k, moe_intermediate_size=24, **kw)
+    ref = MOEFeedForward(MiniMindConfig(**cfg)).train()
+    fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).train()
+    fused.load_state_dict(ref.state_dict())
+    return ref, fused
+
+
+def fwd_bwd(mod, x, g):
+    xi = x.clone().requires_grad_()
+    mod.zero_grad(set_to_none=True)
+    y = mod(xi)
+    (y * g).sum().backward()
+    grads = {n: p.grad for n, p in mod.named_parameters()}
+    return y.detach(), xi.grad, grads
+
+
+def assert_close(a, b, tol, what):
+    if a is None or b is None:
+        assert a is None and b is None or (a is None and not b.abs().any()) or (b is None and not a.abs().any()), what
+        return
+    err = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+    assert err <= tol, f"{what}: max abs error {err:.2e} > {tol}"
+
+
+CONFIGS = [  # E, k, extra config
+    (1, 1, {}), (4, 1, {}), (4, 2, {}), (8, 2, {}), (4, 4, {}), (8, 3, {}),
+    (4, 2, {"capacity_factor": 0.5}),
+    (4, 2, {"capacity_factor": 0.75, "moe_drop_policy": "position", "moe_pad_to_capacity": True}),
+    (8, 2, {"moe_expert_alignment": 8}),
+    (4, 2, {"capacity_factor": 1.0, "moe_pad_to_capacity": True, "moe_expert_alignment": 4}),
+]
+
+
+def test_matches_sorted_fp32():
+    for E, k, kw in CONFIGS:
+        ref, fused = pair(E, k, **kw)
+        for S in (1, 7, 50):
+            x = torch.randn(2, S, D)
+            g = torch.randn(2, S, D)
+            ya, dxa, ga = fwd_bwd(ref, x, g)
+            yb, dxb, gb = fwd_bwd(fused, x, g)
+            what = f"E={E} k={k} {kw} S={S}"
+            assert_close(ya, yb, 1e-5, what + " forward")
+            assert_close(dxa, dxb, 1e-5, what + " grad x")
+            for n in ga:
+                assert_close(ga[n], gb[n], 1e-5, f"{what} grad {n}")
+            assert torch.equal(ref.last_tokens_per_expert, fused.last_tokens_per_expert), what
+            assert torch.equal(ref.aux_loss, fused.aux_loss), what
+
+
+def test_idle_experts_get_zero_grads():
+    """An expert with no tokens still gets a (zero) gradient in training (DDP needs every parameter)."""
+    ref, fused = pair(6, 1)
+    with torch.no_grad():
+        fused.gate.weight[:, 0] = 0.0
+        fused.gate.weight[5] = 0.0
+        fused.gate.weight[5, 0] = -1000.0
+    x = torch.randn(1, 20, D)
+    x[..., 0] = x[..., 0].abs() + 1.0
+    _, _, grads = fwd_bwd(fused, x, torch.randn(1, 20, D))
+    assert int(fused.last_tokens_per_expert[5]) == 0
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        g = grads[f"experts.5.{name}.weight"]
+        assert g is not None and not g.abs().any(), name
+
+
+def test_deterministic():
+    for E, k, kw in CONFIGS[:6]:
+        _, fused = pair(E, k, **kw)
+        x, g = torch.randn(3, 40, D), torch.randn(3, 40, D)
+        a, b = fwd_bwd(fused, x, g), fwd_bwd(fused, x, g)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert all(torch.equal(a[2][n], b[2][n]) for n in a[2])
+
+
+def test_zero_syncs():
+    """No sync-inducing call in the forward, in training and eval, with capacity, padding and alignment."""
+    for E, k, kw in CONFIGS + [(64, 8, {}), (16, 4, {"capacity_factor": 1.25, "moe_pad_to_capacity": True})]:
+        ref, fused = pair(E, k, **kw)
+        x = torch.randn(2, 30, D)
+        for train in (True, False):
+            fused.train(train)
+            _, syncs = count_syncs(fused, x)
+            assert syncs == 0, f"E={E} k={k} {kw} train={train}: {syncs} syncs"
+            ref.train(train)
+            assert count_syncs(ref, x)[1] == 1
+
+
+def test_empty_and_tiny_inputs():
+    ref, fused = pair(4, 2)
+    for shape in ((1, 0, D), (0, 5, D), (1, 1, D)):
+        x = torch.randn(*shape)
+        assert_close(ref(x).detach(), fused(x).detach(), 1e-5, str(shape))
+        xi = x.clone().requires_grad_()
+        fused(xi).sum().backward()
+        assert xi.grad.shape == x.shape
+
+
+def test_state_dict_and_packing():
+    """Same keys as the sorted layer; weights are views of two buffers and stay so through an optimizer
+    step, .to(dtype) and load_state_dict; a replaced weight falls back to copying, with one warning."""
+    ref, fused = pair(4, 2)
+    assert list(ref.state_dict()) == list(fused.state_dict())
+
+    def packed(mod):
+        gu = [w for ex in mod.experts for w in (ex.gate_proj.weight, ex.up_proj.weight)]
+        return _back_to_back(gu) and _back_to_back([ex.down_proj.weight for ex in mod.experts])
+
+    assert packed(fused)
+    opt = torch.optim.AdamW(fused.parameters(), lr=1e-2)
+    fused(torch.randn(1, 9, D)).sum().backward()
+    opt.step()
+    assert packed(fused)
+    fused.to(torch.float64)
+    assert packed(fused) and fused.experts[0].gate_proj.weight.dtype == torch.float64
+    fused.to(torch.float32)
+    fused.load_state_dict(ref.state_dict())
+    assert packed(fused)
+    x = torch.randn(1, 9, D)
+    want = ref(x)
+    fused.load_state_dict(ref.state_dict(), assign=True)  # new tensors: no longer back to back
+    assert not packed(fused)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_close(fused(x), want, 1e-5, "unpacked fallback")
+    assert any("not packed" in str(w.message) for w in caught)
+    fused.pack_expert_weights()
+    assert packed(fused)
+    assert_close(fused(x), want, 1e-5, "re-packed")
+
+
+def test_bf16_autocast_cpu():
+    ref, fused = pair(8, 2)
+    x = torch.randn(2, 16, D)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ya, yb = ref(x), fused(x)
+    assert ya.dtype == yb.dtype == x.dtype
+    assert_close(ya, yb, 2e-2, "bf16 autocast")
+
+
+def test_odd_sizes_fall_back():
+    """Sizes torch's grouped_mm cannot take (strides not 16-byte multiples) use the reference loop."""
+    torch.manual_seed(0)
+    cfg = dict(hidden_size=33, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True,
+               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=13)
+    ref = MOEFeedForward(MiniMindConfig(**cfg)).train()
+    fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).train()
+    fused.load_state_dict(ref.state_dict())
+    x, g = torch.randn(2, 11, 33), torch.randn(2, 11, 33)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = fwd_bwd(ref, x, g), fwd_bwd(fused, x, g)
+    assert_close(a[0], b[0], 1e-5, "odd forward")
+    assert_close(a[1], b[1], 1e-5, "odd grad x")
+
+
+def test_direct_call_with_dropped_pairs():
+    """fused_experts_forward with -1 entries (as the EP transport passes): those pairs contribute 0."""
+    ref, fused = pair(4, 2)
+    x = torch.randn(10, D)
+    idx = torch.tensor([[0, 1], [-1, 2], [3, -1], [-1, -1], [0, 3], [1, 2], [2, 3], [0, 2], [1, -1], [0, 1]])
+    w = torch.rand(10, 2)
+    from model.moe import sorted_experts_forward
+    want = sorted_experts_forward(ref.experts, x, idx.sort(-1)[0], w.gather(-1, idx.sort(-1)[1]), True)
+    got = fused_experts_forward(fused.experts, x, idx.sort(-1)[0], w.gather(-1, idx.sort(-1)[1]), True)
+    assert_close(got, want, 1e-5, "dropped pairs")
+    assert not got[3].abs().any()
+
+
+def test_cuda_matches_sorted():
+    if not torch.cuda.is_available():
+        raise Skip("needs CUDA")
+    for E, k, kw in CONFIGS[:6]:
+        ref, fused = pair(E, k, **kw)
+        ref.cuda(), fused.cuda()
+        x, g = torch.randn(4, 64, D, device="cuda"), torch.randn(4, 64, D, device="cuda")
+        a, b = fwd_bwd(ref, x, g), fwd_bwd(fused, x, g)
+        assert_close(a[0], b[0], 1e-5, "cuda fp32 forward")
+        for n in a[2]:
+            assert_close(a[2][n], b[2][n], 1e-5, f"cuda fp32 grad {n}")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            a, b = fwd_bwd(ref, x, g), fwd_bwd(fused, x, g)
+        assert_close(a[0], b[0], 2e-2, "cuda bf16 forward")
+        for n in a[2]:
+            assert_close(a[2][n], b[2][n], 5e-2, f"cuda bf16 grad {n}")
+        assert count_syncs(fused, x)[1] == 0
+
+
+TESTS = [test_matches_sorted_fp32, test_idle_experts_get_zero_grads, test_deterministic, test_zero_syncs,
+         test_empty_and_tiny_inputs, test_state_dict_and_packing, test_bf16_autocast_cpu, test_odd_sizes_fall_back,
+         test_direct_call_with_dropped_pairs, test_cuda_matches_sorted]
+
+if __name__ == "__main__":
+    run(TESTS)
