@@ -171,17 +171,28 @@ def _(a_MK, b_EKN, offsets_E):
     return a_MK.new_empty(a_MK.shape[0], b_EKN.shape[2])
 
 
-@torch.library.custom_op("minimind_kernels::segment_outer", mutates_args=())
-def _segment_outer_op(lhs_MX: torch.Tensor, rhs_MY: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def _segment_outer(lhs_MX, rhs_MY, offsets_E):
     """out[e] = lhs[rows of e]^T @ rhs[rows of e] -> [E, X, Y]."""
     if lhs_MX.device.type == "cpu":
         return _segment_outer_products_cpu(lhs_MX, rhs_MY, offsets_E)
     return _TORCH_GROUPED_MM(lhs_MX.t(), rhs_MY, offs=offsets_E)
 
 
+@torch.library.custom_op("minimind_kernels::segment_outer", mutates_args=())
+def _segment_outer_op(lhs_MX: torch.Tensor, rhs_MY: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    return _segment_outer(lhs_MX, rhs_MY, offsets_E)
+
+
 @_segment_outer_op.register_fake
 def _(lhs_MX, rhs_MY, offsets_E):
     return lhs_MX.new_empty(offsets_E.shape[0], lhs_MX.shape[1], rhs_MY.shape[1])
+
+
+def _grouped_mm_call(a_MK, b_EKN, offsets_E):
+    # The custom-op wrapper costs ~30 us of Python dispatch per call: only pay it when compiling.
+    if torch.compiler.is_compiling():
+        return _grouped_mm_op(a_MK, b_EKN, offsets_E)
+    return _TORCH_GROUPED_MM(a_MK, b_EKN, offs=offsets_E)
 
 
 class _TorchGroupedMM(torch.autograd.Function):
@@ -192,20 +203,20 @@ class _TorchGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a_MK, b_EKN, offsets_E):
         ctx.save_for_backward(a_MK, b_EKN, offsets_E)
-        return _grouped_mm_op(a_MK, b_EKN, offsets_E)
+        return _grouped_mm_call(a_MK, b_EKN, offsets_E)
 
     @staticmethod
     def backward(ctx, grad_MN):
         a_MK, b_EKN, offsets_E = ctx.saved_tensors
         grad_MN = grad_MN.contiguous()
-        grad_a = _grouped_mm_op(grad_MN, b_EKN.transpose(1, 2), offsets_E) if ctx.needs_input_grad[0] else None
+        grad_a = _grouped_mm_call(grad_MN, b_EKN.transpose(1, 2), offsets_E) if ctx.needs_input_grad[0] else None
         grad_b = None
         if ctx.needs_input_grad[1]:
             # When b is W^T for a row-major W [E, N, K] (nn.Linear layout), the gradient is made in W's
             # layout, so each expert's weight grad is a contiguous slice that autograd can keep (no copy).
             as_weight = b_EKN.stride(1) == 1
             lhs, rhs = (grad_MN, a_MK) if as_weight else (a_MK, grad_MN)
-            grad_b = _segment_outer_op(lhs, rhs, offsets_E)
+            grad_b = (_segment_outer_op if torch.compiler.is_compiling() else _segment_outer)(lhs, rhs, offsets_E)
             if as_weight:
                 grad_b = grad_b.transpose(1, 2)
         return grad_a, grad_b, None

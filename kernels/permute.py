@@ -199,6 +199,12 @@ def build_row_map(topk_idx_TK, num_experts, pad_to=None, alignment=1, may_drop=T
     T, K = topk_idx_TK.shape
     N, E, dev = T * K, num_experts, topk_idx_TK.device
     idx_N = topk_idx_TK.reshape(-1)
+    if not may_drop and pad_to is None and alignment == 1:  # the common dropless case: P = N, no holes
+        order_N = torch.argsort(idx_N, stable=True)
+        counts_E = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, idx_N, torch.ones_like(idx_N))
+        row_of_pair_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(N, device=dev))
+        return RowMap(row_of_pair_N.view(T, K), order_N, order_N.div(K, rounding_mode="floor"),
+                      torch.cumsum(counts_E, 0).to(torch.int32), counts_E, counts_E, has_holes=False)
     expert_N = torch.where(idx_N >= 0, idx_N, E)  # E = "no expert": sorts last, counted in slot E
     order_N = torch.argsort(expert_N, stable=True)
     counts_E1 = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, expert_N, torch.ones_like(expert_N))

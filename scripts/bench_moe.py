@@ -190,8 +190,10 @@ def main():
     summary = []
     for name, d, e, k, f in shapes:
         torch.manual_seed(0)
+        # Aux loss off: transformers' block computes none (its model does, from the router logits), nor
+        # does the masked loop, so every implementation does the same work.
         cfg = dict(hidden_size=d, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True,
-                   num_experts=e, num_experts_per_tok=k, moe_intermediate_size=f)
+                   num_experts=e, num_experts_per_tok=k, moe_intermediate_size=f, router_aux_loss_coef=0.0)
         moe = MOEFeedForward(MiniMindConfig(**cfg)).to(device).train()
         fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).to(device).train()
         fused.load_state_dict(moe.state_dict())

@@ -124,6 +124,9 @@ def test_hole_free_fast_path_is_the_same():
     idx = routing(40, 2, 8)
     rm = build_row_map(idx, 8, may_drop=False)
     assert not rm.has_holes
+    general = build_row_map(idx, 8)  # the general path's maps are the same
+    for f in ("row_of_pair_TK", "pair_of_row_P", "token_of_row_P", "offsets_E", "tokens_per_expert_E"):
+        assert torch.equal(getattr(rm, f), getattr(general, f)), f
     x, w = torch.randn(40, 16), torch.rand(40, 2)
     h = torch.randn(rm.num_rows, 16)
     assert bits_equal(gather_rows_reference(x, rm.token_of_row_P, has_holes=False),
