@@ -31,7 +31,16 @@ class MiniMindConfig(PreTrainedConfig):
         num_experts_per_tok: experts each token is routed to (top-k), 1 <= k <= E.
         moe_intermediate_size: SwiGLU width of one expert; None -> intermediate_size.
         norm_topk_prob: renormalise the k selected router probabilities to sum to 1.
-        router_aux_loss_coef: weight of MiniMind's load-balancing loss (0 = off).
+        router_aux_loss_coef: weight of the load-balancing loss (0 = off).
+        router_aux_loss_type: which balance loss (model/router.py; each per layer, averaged over layers):
+            "minimind" (MiniMind's, the default; coef * K when balanced), "switch" (Switch Transformer,
+            k-normalised: coef when balanced), "sequence" (DeepSeek-V3 sequence-wise), or "none".
+        router_z_loss_coef: weight of the router z-loss (ST-MoE; 0 = off).
+        router_bias_update_rate: aux-loss-free balancing (DeepSeek-V3): > 0 adds a per-layer fp32 buffer
+            `expert_bias` that only affects which experts are selected, moved by this much per optimizer
+            step towards balance (train/ updates it); 0 = off.
+        router_dtype: None (default) = the gate runs in autocast's dtype, as the reference; "float32" =
+            gate logits, softmax and top-k in fp32 under autocast (Megatron-LM's moe_router_dtype).
         capacity_factor: None = dropless (default); else each expert takes at most
             ceil(capacity_factor * T * K / E) of the T*K routed pairs of a batch, the rest are dropped.
         moe_drop_policy: which pairs an over-full expert keeps: "probs" (highest router weight) or
@@ -72,6 +81,10 @@ class MiniMindConfig(PreTrainedConfig):
     moe_pad_to_capacity: bool = False
     moe_expert_alignment: int = 1
     moe_impl: str = "sorted"
+    router_aux_loss_type: str = "minimind"
+    router_z_loss_coef: float = 0.0
+    router_bias_update_rate: float = 0.0
+    router_dtype: str | None = None
     initializer_range: float = 0.02
     pad_token_id: int | None = 0
     bos_token_id: int | None = None
@@ -118,6 +131,14 @@ class MiniMindConfig(PreTrainedConfig):
             raise ValueError("MiniMindConfig.moe_pad_to_capacity needs capacity_factor to be set")
         if self.moe_expert_alignment < 1:
             raise ValueError(f"MiniMindConfig.moe_expert_alignment must be >= 1, got {self.moe_expert_alignment}")
+        if self.router_aux_loss_type not in ("minimind", "switch", "sequence", "none"):
+            raise ValueError("MiniMindConfig.router_aux_loss_type must be 'minimind', 'switch', 'sequence' or "
+                             f"'none', got {self.router_aux_loss_type!r}")
+        for name in ("router_z_loss_coef", "router_bias_update_rate"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"MiniMindConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.router_dtype not in (None, "float32"):
+            raise ValueError(f"MiniMindConfig.router_dtype must be None or 'float32', got {self.router_dtype!r}")
         if self.moe_impl not in ("sorted", "fused"):
             raise ValueError(f"MiniMindConfig.moe_impl must be 'sorted' or 'fused', got {self.moe_impl!r}")
         super().__post_init__(**kwargs)

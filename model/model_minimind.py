@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from model.config import MiniMindConfig
 from model.moe import FeedForward, MOEFeedForward, minimind_aux_loss  # noqa: F401  (public re-exports)
+from model.router import layer_mean
 
 __all__ = ["MiniMindConfig", "FeedForward", "MOEFeedForward", "MiniMindForCausalLM", "MiniMindModel",
            "MiniMindCausalLMOutput"]
@@ -96,10 +97,12 @@ class MiniMindBlock(nn.Module):
         self.mlp = MOEFeedForward(config) if config.use_moe else FeedForward(config.hidden_size, config.intermediate_size)
         self.mlp_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, cos, sin, past_kv=None, use_cache=False):
+    def forward(self, x, cos, sin, past_kv=None, use_cache=False, token_mask=None):
         attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, past_kv, use_cache)
         x = x + attn_out
-        x = x + self.mlp_dropout(self.mlp(self.post_attention_layernorm(x)))
+        h = self.post_attention_layernorm(x)
+        h = self.mlp(h, token_mask) if isinstance(self.mlp, MOEFeedForward) and token_mask is not None else self.mlp(h)
+        x = x + self.mlp_dropout(h)
         return x, present
 
 
@@ -120,7 +123,9 @@ class MiniMindPreTrainedModel(PreTrainedModel):
 
 
 class MiniMindModel(MiniMindPreTrainedModel):
-    """Decoder stack. forward(input_ids [B, S] int64) -> hidden [B, S, D], presents, aux_loss (scalar)."""
+    """Decoder stack. forward(input_ids [B, S] int64, past_key_values, use_cache, token_mask [B, S] bool or
+    None) -> hidden [B, S, D], presents, aux_loss (scalar: the MoE layers' router losses averaged over
+    layers, so one layer's imbalance cannot offset another's and the scale does not grow with depth)."""
 
     def __init__(self, config: MiniMindConfig):
         super().__init__(config)
@@ -133,7 +138,7 @@ class MiniMindModel(MiniMindPreTrainedModel):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.post_init()
 
-    def forward(self, input_ids, past_key_values=None, use_cache=False):
+    def forward(self, input_ids, past_key_values=None, use_cache=False, token_mask=None):
         B, S = input_ids.shape
         start = past_key_values[0][0].shape[2] if past_key_values else 0
         if start + S > self.config.max_position_embeddings:
@@ -143,10 +148,9 @@ class MiniMindModel(MiniMindPreTrainedModel):
         h = self.dropout(self.embed_tokens(input_ids))
         presents = []
         for i, layer in enumerate(self.layers):
-            h, present = layer(h, cos, sin, past_key_values[i] if past_key_values else None, use_cache)
+            h, present = layer(h, cos, sin, past_key_values[i] if past_key_values else None, use_cache, token_mask)
             presents.append(present)
-        aux_loss = sum((layer.mlp.aux_loss for layer in self.layers if isinstance(layer.mlp, MOEFeedForward)),
-                       h.new_zeros((), dtype=torch.float32))
+        aux_loss = layer_mean((layer.mlp.aux_loss for layer in self.layers if isinstance(layer.mlp, MOEFeedForward)), h)
         return self.norm(h), (presents if use_cache else None), aux_loss
 
 
@@ -179,8 +183,11 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False, **_):
-        h, presents, aux_loss = self.model(input_ids, past_key_values, use_cache)
+    def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False, attention_mask=None, **_):
+        # attention_mask [B, S] (1 = token, 0 = padding): padding is kept out of every router statistic
+        # and sent to no expert. Attention stays causal; pad on the right so real tokens never see padding.
+        token_mask = None if attention_mask is None else attention_mask.bool()
+        h, presents, aux_loss = self.model(input_ids, past_key_values, use_cache, token_mask)
         logits = self.lm_head(h)
         loss = ce_loss = None
         if labels is not None:

@@ -13,12 +13,17 @@ kept as `scripts/moe_reference.py`), bit for bit, but
     the order the masked loop's `index_add_` calls produce, so the forward is bitwise identical.
 """
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from model.moe_fused import fused_experts_forward, pack_expert_weights
+from model.router import (AUX_LOSSES, expert_bias_update, minimind_aux_loss, router_z_loss,  # noqa: F401
+                          tokens_per_expert)
+
+_warned_no_router_grad = False
 
 
 class PermuteRows(torch.autograd.Function):
@@ -52,33 +57,22 @@ class FeedForward(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def minimind_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, coef: float):
-    """MiniMind's load-balancing loss: coef * E * sum_{k,e} load[k, e] * mean_t scores[t, e].
-
-    load[k, e] is the fraction of tokens whose k-th slot picked expert e (so the loss grows with K;
-    a balanced router gives coef * K). Written with `scatter_` instead of `F.one_hot` because on CPU
-    `one_hot` validates its input with two `.item()` host reads; the values and the reduction
-    (`mean(0)` over the same [T, K, E] tensor) are the same, so the result is bitwise MiniMind's.
-
-    Args: scores_TE fp32/bf16 router probabilities [T, E]; topk_idx_TK int64 [T, K].
-    Returns: scalar tensor in scores' dtype.
-    """
-    one_hot_TKE = scores_TE.new_zeros(*topk_idx_TK.shape, num_experts, dtype=torch.float32)
-    one_hot_TKE.scatter_(-1, topk_idx_TK.unsqueeze(-1), 1.0)
-    load_KE = one_hot_TKE.mean(0)
-    return (load_KE * scores_TE.mean(0)).sum() * num_experts * coef
-
-
 class MOEFeedForward(nn.Module):
     """Top-k softmax-routed mixture of SwiGLU experts (MiniMind / Qwen3-MoE style).
 
-    forward(x): x [B, S, D] float -> y [B, S, D] of x's dtype. After a training-mode call, `self.aux_loss`
-    holds the load-balancing loss (a scalar; zero in eval or when router_aux_loss_coef == 0).
+    forward(x, token_mask=None): x [B, S, D] float -> y [B, S, D] of x's dtype. token_mask [B, S] bool
+    (True = real token) marks padding: padded positions go to no expert (their FFN output is 0) and count
+    in no router statistic. After a training-mode call `self.aux_loss` holds the router loss of this
+    layer: the balance loss of type `router_aux_loss_type` plus the z-loss (a scalar; zero in eval).
 
-    Parameters and state_dict keys: `gate.weight` [E, D] and `experts.{e}.{gate,up,down}_proj.weight`.
-    In training every expert runs, possibly on an empty slice, so experts that got no tokens still get a
-    (zero) gradient, as DistributedDataParallel(find_unused_parameters=False) requires. In eval, empty
-    experts are skipped and their grads stay None.
+    Parameters and state_dict keys: `gate.weight` [E, D] and `experts.{e}.{gate,up,down}_proj.weight`,
+    plus the buffer `expert_bias` [E] fp32 only when aux-loss-free balancing is on
+    (router_bias_update_rate > 0). In training every expert runs, possibly on an empty slice, so experts
+    that got no tokens still get a (zero) gradient, as DistributedDataParallel(find_unused_parameters=False)
+    requires. In eval, empty experts are skipped and their grads stay None.
+
+    Telemetry: in training, `self.load_accum` sums the router's choices per expert (int64 [E], real tokens
+    only, before capacity dropping) until `pop_load()` hands them over (train/ does, once per step).
     """
 
     def __init__(self, config):
@@ -87,7 +81,13 @@ class MOEFeedForward(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = nn.ModuleList(
             FeedForward(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts))
+        if config.router_bias_update_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
         self.aux_loss = torch.zeros(())
+        self.z_loss = None  # the z-loss part of aux_loss (None when router_z_loss_coef == 0)
+        self.load_accum = None
         # Set by train/expert_parallel.py to shard the experts over ranks; None = all experts local.
         self.expert_parallel = None
         # Filled by every forward: [E] int64 routed (token, slot) pairs per expert, for telemetry.
@@ -104,6 +104,8 @@ class MOEFeedForward(nn.Module):
         out = super()._apply(fn, *args, **kwargs)
         if self.config.moe_impl == "fused":
             self.pack_expert_weights()
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()  # the bias stays fp32 under .half() / .bfloat16()
         return out
 
     @property
@@ -111,28 +113,86 @@ class MOEFeedForward(nn.Module):
         """The expert compute the config selects: sorted_experts_forward or fused_experts_forward."""
         return fused_experts_forward if self.config.moe_impl == "fused" else sorted_experts_forward
 
-    def route(self, x_TD):
+    def router_logits(self, x_TD):
+        """Gate logits [T, E]: in autocast's dtype (the reference), or fp32 with router_dtype="float32"
+        (Megatron-LM's moe_router_dtype: bf16 logits can flip near-tied top-k choices)."""
+        if self.config.router_dtype == "float32":
+            with torch.autocast(x_TD.device.type, enabled=False):
+                return F.linear(x_TD.float(), self.gate.weight.float())
+        return self.gate(x_TD)
+
+    def route(self, x_TD, logits_TE=None):
         """Router: softmax over expert logits, top-k, optional renormalisation.
 
         Runs in whatever dtype autocast gives the gate (bf16 logits, fp32 softmax under bf16 autocast),
-        exactly as the reference. Returns scores_TE, topk_weight_TK, topk_idx_TK (int64).
+        exactly as the reference, unless router_dtype="float32". With aux-loss-free balancing the top-k
+        choice uses scores + expert_bias, and the weights are the unbiased scores of the chosen experts.
+        Returns scores_TE, topk_weight_TK, topk_idx_TK (int64).
         """
-        scores_TE = F.softmax(self.gate(x_TD), dim=-1)
-        topk_weight_TK, topk_idx_TK = torch.topk(scores_TE, k=self.config.num_experts_per_tok, dim=-1, sorted=False)
+        scores_TE = F.softmax(self.router_logits(x_TD) if logits_TE is None else logits_TE, dim=-1)
+        K = self.config.num_experts_per_tok
+        if self.expert_bias is None:
+            topk_weight_TK, topk_idx_TK = torch.topk(scores_TE, k=K, dim=-1, sorted=False)
+        else:
+            _, topk_idx_TK = torch.topk(scores_TE.float() + self.expert_bias, k=K, dim=-1, sorted=False)
+            topk_weight_TK = scores_TE.gather(-1, topk_idx_TK)
         if self.config.norm_topk_prob:
             topk_weight_TK = topk_weight_TK / (topk_weight_TK.sum(dim=-1, keepdim=True) + 1e-20)
         return scores_TE, topk_weight_TK, topk_idx_TK
 
-    def forward(self, x):
+    def router_loss(self, logits_TE, scores_TE, topk_idx_TK, token_mask_T, B, S):
+        """This layer's balance loss (config.router_aux_loss_type) + z-loss; sets self.z_loss."""
+        cfg, E = self.config, self.config.num_experts
+        loss = scores_TE.new_zeros(())
+        if cfg.router_aux_loss_type != "none" and cfg.router_aux_loss_coef > 0:
+            if cfg.router_aux_loss_type == "sequence":
+                loss = AUX_LOSSES["sequence"](scores_TE.view(B, S, E), topk_idx_TK.view(B, S, -1), E,
+                                              cfg.router_aux_loss_coef,
+                                              None if token_mask_T is None else token_mask_T.view(B, S))
+            else:
+                loss = AUX_LOSSES[cfg.router_aux_loss_type](scores_TE, topk_idx_TK, E, cfg.router_aux_loss_coef,
+                                                            token_mask_T)
+        self.z_loss = None
+        if cfg.router_z_loss_coef > 0:
+            self.z_loss = router_z_loss(logits_TE, cfg.router_z_loss_coef, token_mask_T)
+            loss = loss + self.z_loss
+        return loss
+
+    def pop_load(self):
+        """Routed pairs per expert (int64 [E]) summed since the last call, then reset; None if none."""
+        load, self.load_accum = self.load_accum, None
+        return load
+
+    @torch.no_grad()
+    def update_expert_bias(self, load_E):
+        """Aux-loss-free balancing after an optimizer step: bias += rate * sign(mean load - load).
+        load_E: the step's pairs per expert over all data-parallel ranks (train/ sums them)."""
+        if self.expert_bias is not None:
+            expert_bias_update(self.expert_bias, load_E.to(self.expert_bias.device), self.config.router_bias_update_rate)
+
+    def forward(self, x, token_mask=None):
         B, S, D = x.shape
         E, K = self.config.num_experts, self.config.num_experts_per_tok
         x_TD = x.reshape(-1, D)
         T = x_TD.shape[0]
-        scores_TE, topk_weight_TK, topk_idx_TK = self.route(x_TD)
-        if self.training and self.config.router_aux_loss_coef > 0 and T > 0:
-            self.aux_loss = minimind_aux_loss(scores_TE, topk_idx_TK, E, self.config.router_aux_loss_coef)
+        token_mask_T = None if token_mask is None else token_mask.reshape(-1).to(device=x.device, dtype=torch.bool)
+        logits_TE = self.router_logits(x_TD)
+        scores_TE, topk_weight_TK, topk_idx_TK = self.route(x_TD, logits_TE)
+        if self.training and T > 0:
+            self._warn_if_router_gets_no_lm_gradient()
+            if self.config.router_aux_loss_type == "minimind" and token_mask_T is None and self.config.router_z_loss_coef == 0:
+                # MiniMind's exact computation (the acceptance test pins it bit for bit)
+                self.aux_loss = (minimind_aux_loss(scores_TE, topk_idx_TK, E, self.config.router_aux_loss_coef)
+                                 if self.config.router_aux_loss_coef > 0 else scores_TE.new_zeros(()))
+            else:
+                self.aux_loss = self.router_loss(logits_TE, scores_TE, topk_idx_TK, token_mask_T, B, S)
+            with torch.no_grad():
+                load = tokens_per_expert(topk_idx_TK, E, token_mask_T)
+                self.load_accum = load if self.load_accum is None else self.load_accum + load
         else:
             self.aux_loss = scores_TE.new_zeros(())
+        if token_mask_T is not None:  # padding goes to no expert: no compute, no capacity taken
+            topk_idx_TK = topk_idx_TK.masked_fill(~token_mask_T.unsqueeze(-1), -1)
 
         pad_to = None
         if self.config.capacity_factor is not None:
@@ -144,15 +204,25 @@ class MOEFeedForward(nn.Module):
         padding = None if pad_to is None and align == 1 else (pad_to, align)
         # Order each token's K slots by expert id: after the global stable sort below, slot j of a token
         # is then its j-th smallest expert, and the combine adds slots 0..K-1 in the masked loop's order.
+        # (-1 entries sort first; every path skips them.)
         topk_idx_TK, slot_order_TK = topk_idx_TK.sort(dim=-1)
         topk_weight_TK = topk_weight_TK.gather(-1, slot_order_TK)
         if self.expert_parallel is not None:  # experts sharded over ranks: the transport lives in train/
             return self.expert_parallel(self, x_TD, topk_idx_TK, topk_weight_TK, padding).view(B, S, D)
-        if self.config.moe_impl == "fused":  # without capacity the router's top-k never says "no expert"
+        if self.config.moe_impl == "fused":  # without capacity or a mask the top-k never says "no expert"
+            may_drop = self.config.capacity_factor is not None or token_mask_T is not None
             return fused_experts_forward(self.experts, x_TD, topk_idx_TK, topk_weight_TK, self.training, self,
-                                         padding=padding, may_drop=self.config.capacity_factor is not None).view(B, S, D)
+                                         padding=padding, may_drop=may_drop).view(B, S, D)
         return sorted_experts_forward(self.experts, x_TD, topk_idx_TK, topk_weight_TK, self.training,
                                       self, padding=padding).view(B, S, D)
+
+    def _warn_if_router_gets_no_lm_gradient(self):
+        global _warned_no_router_grad
+        if self.config.num_experts_per_tok == 1 and self.config.norm_topk_prob and not _warned_no_router_grad:
+            _warned_no_router_grad = True
+            warnings.warn("MoE with num_experts_per_tok=1 and norm_topk_prob=True: every combine weight is "
+                          "exactly 1, so the router gets no gradient from the language-model loss (only from "
+                          "the aux / z losses). Set norm_topk_prob=False or use k >= 2.", stacklevel=3)
 
 
 def apply_capacity(topk_idx_TK, topk_weight_TK, num_experts, capacity, policy):

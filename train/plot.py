@@ -26,3 +26,33 @@ def plot_loss_curve(records, path, unigram_entropy=None):
     fig.savefig(tmp)
     plt.close(fig)
     os.replace(tmp, path)
+
+
+def plot_expert_load(fraction_LE, path, title="share of routed tokens per expert"):
+    """Heatmap of layers x experts (fraction of each layer's routed pairs; 1/E everywhere = balanced).
+    fraction_LE: nested lists or an array [L, E]. Writes a PNG atomically."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    data = np.asarray(fraction_LE, dtype=float)
+    L, E = data.shape
+    fig, ax = plt.subplots(figsize=(min(2.5 + 0.45 * E, 16), 1.6 + 0.45 * L), dpi=110)
+    im = ax.imshow(data, cmap="viridis", aspect="auto", vmin=0.0, vmax=max(data.max(), 2.0 / E))
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_xticks(range(E))
+    ax.set_yticks(range(L))
+    if E <= 16:
+        for i in range(L):
+            for j in range(E):
+                ax.text(j, i, f"{data[i, j]:.2f}", ha="center", va="center", fontsize=7,
+                        color="white" if data[i, j] < 0.6 * data.max() else "black")
+    fig.colorbar(im, ax=ax, label=f"fraction (balanced = {1 / E:.3f})")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)

@@ -22,7 +22,8 @@ from train.trainer import run_cli, train  # noqa: E402
 
 MODEL_FLAGS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "use_moe",
                "num_experts", "top_k", "moe_intermediate_size", "aux_loss_coef", "dropout", "max_position_embeddings",
-               "capacity_factor", "drop_policy", "pad_to_capacity", "expert_alignment")
+               "capacity_factor", "drop_policy", "pad_to_capacity", "expert_alignment", "aux_loss_type", "z_loss_coef",
+               "bias_update_rate", "router_dtype")
 
 
 def build_parser():
@@ -54,6 +55,15 @@ def build_parser():
                    "(no host sync, grouped GEMM + Triton kernels on GPU); not part of the architecture: it may "
                    "differ on --resume / --init_from")
     g.add_argument("--aux_loss_coef", type=float, default=0.01, help="load-balancing loss weight")
+    g.add_argument("--aux_loss_type", default="minimind", choices=("minimind", "switch", "sequence", "none"),
+                   help="balance loss: MiniMind's (coef*k when balanced), Switch k-normalised (coef when balanced), "
+                   "DeepSeek-V3 per-sequence, or none (see model/router.py)")
+    g.add_argument("--z_loss_coef", type=float, default=0.0, help="router z-loss weight (ST-MoE; 0 = off)")
+    g.add_argument("--bias_update_rate", type=float, default=0.0,
+                   help="aux-loss-free balancing: per-expert selection bias moved this much per step (DeepSeek-V3; "
+                   "e.g. 1e-3; 0 = off). Combine with --aux_loss_type none or a small coef")
+    g.add_argument("--router_dtype", default=None, choices=("float32",),
+                   help="float32: router logits/softmax/top-k in fp32 under bf16/fp16 autocast (default: autocast's dtype)")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
     g.add_argument("--max_position_embeddings", type=int, default=2048, help="longest sequence the model supports")
     g = p.add_argument_group("optimisation")

@@ -25,7 +25,9 @@ from train.checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint, 
 from train.distributed import barrier, check_same_on_all_ranks, init_distributed, shutdown
 from train.expert_parallel import (clip_grad_norm_ep, expert_param_names, gather_experts, reduce_expert_grads)
 from train.expert_parallel import install as install_ep, uninstall as uninstall_ep
-from train.plot import plot_loss_curve
+from train.plot import plot_expert_load, plot_loss_curve
+from train.router_balance import LoadTelemetry, compact, step_router_load, wandb_fields
+from model.router import load_summary
 from train.schedule import lr_at
 
 
@@ -38,7 +40,9 @@ def build_config(args, vocab_size):
         moe_intermediate_size=args.moe_intermediate_size, intermediate_size=args.intermediate_size,
         router_aux_loss_coef=args.aux_loss_coef, capacity_factor=args.capacity_factor,
         moe_drop_policy=args.drop_policy, moe_pad_to_capacity=bool(args.pad_to_capacity),
-        moe_expert_alignment=args.expert_alignment, moe_impl=args.moe_impl)
+        moe_expert_alignment=args.expert_alignment, moe_impl=args.moe_impl, router_aux_loss_type=args.aux_loss_type,
+        router_z_loss_coef=args.z_loss_coef, router_bias_update_rate=args.bias_update_rate,
+        router_dtype=args.router_dtype)
 
 
 def resolve_device(args, local_rank=0):
@@ -78,14 +82,14 @@ def evaluate(model, windows, batch_size, autocast):
     return total / count
 
 
-def expert_load_summary(model):
-    """'load 1.3 1.1 ...': per layer, max/mean tokens per expert in the last forward (1.0 = balanced)."""
-    ratios = []
-    for layer in unwrap(model).model.layers:
-        tpe = getattr(layer.mlp, "last_tokens_per_expert", None)
-        if tpe is not None and int(tpe.sum()) > 0:
-            ratios.append(f"{float(tpe.max()) / float(tpe.float().mean()):.1f}")
-    return "load max/mean " + " ".join(ratios) if ratios else ""
+def micro_step(train_model, x, y, grad_accum, scaler, autocast):
+    """Forward + backward of one micro-batch. The whole loss (LM cross-entropy + the router losses) is
+    divided by grad_accum exactly once, so M micro-steps add up to one step's mean: the aux loss is not
+    multiplied by the number of micro-steps. Returns the detached (ce_loss, aux_loss) of the micro-batch."""
+    with autocast():
+        out = train_model(x, labels=y)
+    scaler.scale(out.loss / grad_accum).backward()
+    return out.ce_loss.detach(), out.aux_loss.detach()
 
 
 def _wandb_run(args, config):
@@ -242,7 +246,8 @@ def _train(args, ctx, log):
         with open(metrics_path, "a") as f:
             f.write(json.dumps(r) + "\n")
         if wandb_run is not None:
-            wandb_run.log({k: v for k, v in r.items() if k != "step"}, step=r["step"])
+            flat = {k: v for k, v in r.items() if k != "step" and not isinstance(v, list)}
+            wandb_run.log({**flat, **wandb_fields(r)}, step=r["step"])
 
     def checkpoint(step):
         if ctx.ep_size > 1:  # every rank gets the owners' experts: the file has the single-process layout
@@ -269,6 +274,7 @@ def _train(args, ctx, log):
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="pretrain",
                dynamic_ncols=True, disable=args.no_progress or not ctx.is_main, file=sys.stdout, mininterval=1.0)
     t_last, val, val_step, done = time.time(), None, None, start_step
+    telemetry = LoadTelemetry()
 
     def say(msg):  # a line above the progress bar, from rank 0 only
         if ctx.is_main:
@@ -284,11 +290,9 @@ def _train(args, ctx, log):
             # DDP all-reduces only on the last micro-step of an accumulation
             sync = contextlib.nullcontext() if micro == args.grad_accum - 1 or not ctx.distributed else train_model.no_sync()
             with sync:
-                with autocast():
-                    out = train_model(x, labels=y)
-                scaler.scale(out.loss / args.grad_accum).backward()
-            lm_loss += out.ce_loss.detach() / args.grad_accum
-            aux += out.aux_loss.detach() / args.grad_accum
+                ce, router = micro_step(train_model, x, y, args.grad_accum, scaler, autocast)
+            lm_loss += ce / args.grad_accum
+            aux += router / args.grad_accum
         scaler.unscale_(optimizer)
         if ctx.ep_size > 1:
             reduce_expert_grads(model, ctx.expert_dp_group, ctx.world_size)
@@ -299,6 +303,7 @@ def _train(args, ctx, log):
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
+        telemetry.add(step_router_load(model, ctx.distributed))  # + aux-loss-free bias update
         done = step + 1
 
         if done % args.log_interval == 0 or done == args.max_steps:
@@ -318,9 +323,11 @@ def _train(args, ctx, log):
             r = {"step": done, "train_loss": lm_loss_f, "aux_loss": float(aux), "lr": lr, "tok_per_s": tok_s}
             if grad_norm is not None:
                 r["grad_norm"] = float(grad_norm)
+            load_fields = telemetry.flush()
+            r.update(load_fields)
             record(r)
             bar.set_postfix_str(f"loss {lm_loss_f:.3f} lr {lr:.2e} {tok_s:,.0f} tok/s"
-                                + (f" | {expert_load_summary(model)}" if config.use_moe and args.show_load else ""))
+                                + (f" | {compact(load_fields)}" if load_fields and args.show_load else ""))
         if done % args.eval_interval == 0 or done == args.max_steps:
             val, val_step = evaluate(model, val_windows, args.batch_size, autocast), done
             record({"step": done, "val_loss": val})
@@ -330,6 +337,9 @@ def _train(args, ctx, log):
             checkpoint(done)
             if ctx.is_main:
                 plot_loss_curve(records, os.path.join(args.out_dir, "loss.png"), h_unigram)
+                if telemetry.total is not None:
+                    plot_expert_load(telemetry.run_fractions(), os.path.join(args.out_dir, "expert_load.png"),
+                                     f"share of routed tokens per expert, steps {start_step + 1}-{done}")
         if stopping:
             say(f"stopping after {args.stop_after} steps at step {done} (--stop_after); resume with --resume")
             break
@@ -349,6 +359,12 @@ def _train(args, ctx, log):
         + f"; unigram entropy of the validation tokens {h_unigram:.4f} "
         f"({'below' if val < h_unigram else 'NOT below'} it)")
     log(f"checkpoint: {ckpt_path}\nloss curve: {summary['loss_curve']}")
+    if telemetry.total is not None:
+        summary["expert_load"] = telemetry.run_fractions()
+        _, ratio, idle = load_summary(telemetry.total)
+        log(f"expert load over the run (max/mean per layer, 1.0 = balanced): "
+            f"{' '.join(f'{v:.2f}' for v in ratio.tolist())}; experts never used: {sum(idle.tolist())}; "
+            f"heatmap: {os.path.join(args.out_dir, 'expert_load.png')}")
     summary["ep_bytes"] = [(d.bytes_sent, d.bytes_k_copies) for d in
                            (getattr(m, "expert_parallel", None) for m in model.modules()) if d is not None]
     if ctx.ep_size > 1:  # the last checkpoint gathered every expert here: generate without the transport

@@ -1,0 +1,147 @@
+"""Router losses and load balancing for the MoE layer: pure functions, one per formula.
+
+Shape legend: T tokens, B sequences of S positions (T = B*S), E experts, K experts per token.
+`token_mask` (bool, True = a real token) excludes padding positions from every statistic: a padded
+position neither counts as load nor contributes router probability mass. None = every position is real.
+
+Every balance loss here is per layer; the model averages them over its MoE layers
+(`layer_mean`), so one layer's imbalance cannot cancel another's, as it does when the routing of all
+layers is concatenated before the loss is computed (the usual cause of "the aux loss looks balanced but
+an expert is dead"). Perfectly balanced routing gives exactly `coef` for the Switch and per-sequence
+losses, for every K; MiniMind's formula gives coef * K.
+"""
+import torch
+
+
+def _masked_mean(values_T_, token_mask_T):
+    """Mean over the real tokens (dim 0). values [T, ...]; token_mask [T] bool or None."""
+    if token_mask_T is None:
+        return values_T_.mean(0)
+    m = token_mask_T.to(values_T_.dtype).view(-1, *([1] * (values_T_.dim() - 1)))
+    return (values_T_ * m).sum(0) / m.sum().clamp(min=1)
+
+
+def minimind_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, coef: float,
+                      token_mask_T=None):
+    """MiniMind's load-balancing loss: coef * E * sum_{k,e} load[k, e] * mean_t scores[t, e].
+
+    load[k, e] is the fraction of tokens whose k-th slot picked expert e (so the loss grows with K;
+    a balanced router gives coef * K). Source: MiniMind's MOEFeedForward (jingyaogong/minimind), itself
+    the Switch Transformer loss applied per slot. Written with `scatter_` instead of `F.one_hot`
+    because on CPU `one_hot` validates its input with two `.item()` host reads; without a mask the values
+    and the reduction (`mean(0)` over the same [T, K, E] tensor) are MiniMind's, so the result is
+    bitwise its result (the user's acceptance test pins this).
+
+    Args: scores_TE fp32/bf16 router probabilities [T, E]; topk_idx_TK int64 [T, K]; token_mask_T
+        optional bool [T]. Returns: scalar tensor in scores' dtype.
+    """
+    one_hot_TKE = scores_TE.new_zeros(*topk_idx_TK.shape, num_experts, dtype=torch.float32)
+    one_hot_TKE.scatter_(-1, topk_idx_TK.unsqueeze(-1), 1.0)
+    if token_mask_T is None:
+        return (one_hot_TKE.mean(0) * scores_TE.mean(0)).sum() * num_experts * coef
+    load_KE = _masked_mean(one_hot_TKE, token_mask_T)
+    return (load_KE * _masked_mean(scores_TE, token_mask_T)).sum() * num_experts * coef
+
+
+def switch_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, coef: float,
+                    token_mask_T=None):
+    """Switch Transformer load-balancing loss, normalised for top-k:
+
+        coef * E * sum_e f_e * P_e,   f_e = (pairs routed to e) / (T * K),   P_e = mean_t scores[t, e]
+
+    sum_e f_e = 1 for every K, so perfectly balanced routing (f_e = 1/E) gives coef * sum_e P_e = coef
+    exactly, whatever K is. Sources: Fedus et al. 2021, "Switch Transformers", eq. 4-6 (K = 1); the
+    division by T*K instead of T is Megatron-LM's `switch_load_balancing_loss_func` for top-k.
+
+    Args as `minimind_aux_loss`. Returns: scalar fp32 tensor.
+    """
+    K = topk_idx_TK.shape[1]
+    one_hot_TKE = scores_TE.new_zeros(*topk_idx_TK.shape, num_experts, dtype=torch.float32)
+    one_hot_TKE.scatter_(-1, topk_idx_TK.unsqueeze(-1), 1.0)
+    f_E = _masked_mean(one_hot_TKE.sum(1), token_mask_T) / K
+    P_E = _masked_mean(scores_TE.float(), token_mask_T)
+    return coef * num_experts * (f_E * P_E).sum()
+
+
+def sequence_aux_loss(scores_BSE: torch.Tensor, topk_idx_BSK: torch.Tensor, num_experts: int, coef: float,
+                      token_mask_BS=None):
+    """Sequence-wise balance loss (DeepSeek-V3): balance within every sequence, then average.
+
+        coef * mean_b sum_e f[b, e] * P[b, e],
+        f[b, e] = E / (K * S_b) * (pairs of sequence b routed to e),   P[b, e] = mean_{t in b} s'[t, e]
+
+    with S_b the real tokens of sequence b and s' the router probabilities renormalised to sum to 1 (a
+    softmax router's already do). Balanced routing in every sequence gives coef. Source: DeepSeek-AI
+    2024, "DeepSeek-V3 Technical Report", eq. 17-20. A sequence with no real token is left out.
+
+    Args: scores_BSE [B, S, E]; topk_idx_BSK int64 [B, S, K]; token_mask_BS optional bool [B, S].
+    Returns: scalar fp32 tensor.
+    """
+    B, S, K = topk_idx_BSK.shape
+    one_hot = scores_BSE.new_zeros(B, S, K, num_experts, dtype=torch.float32)
+    one_hot.scatter_(-1, topk_idx_BSK.unsqueeze(-1), 1.0)
+    counts_BSE = one_hot.sum(2)
+    probs_BSE = scores_BSE.float() / scores_BSE.float().sum(-1, keepdim=True)
+    m_BS1 = (torch.ones(B, S, device=scores_BSE.device) if token_mask_BS is None
+             else token_mask_BS.float()).unsqueeze(-1)
+    real_B1 = m_BS1.sum(1)
+    f_BE = num_experts / K * (counts_BSE * m_BS1).sum(1) / real_B1.clamp(min=1)
+    P_BE = (probs_BSE * m_BS1).sum(1) / real_B1.clamp(min=1)
+    has_tokens_B = (real_B1.squeeze(-1) > 0).float()
+    per_seq_B = (f_BE * P_BE).sum(-1) * has_tokens_B
+    return coef * per_seq_B.sum() / has_tokens_B.sum().clamp(min=1)
+
+
+def router_z_loss(logits_TE: torch.Tensor, coef: float, token_mask_T=None):
+    """Router z-loss: coef * mean_t (log sum_e exp(logits[t, e]))^2, in fp32.
+
+    Keeps router logits small, so the softmax stays well conditioned in low precision. Source: Zoph et
+    al. 2022, "ST-MoE: Designing Stable and Transferable Sparse Expert Models", eq. 5.
+    """
+    z_T = torch.logsumexp(logits_TE.float(), dim=-1)
+    return coef * _masked_mean(z_T.square(), token_mask_T)
+
+
+AUX_LOSSES = {"minimind": minimind_aux_loss, "switch": switch_aux_loss, "sequence": sequence_aux_loss}
+
+
+def layer_mean(per_layer_losses, like):
+    """Average of the per-layer losses (a 0-dim fp32 zero when there are none)."""
+    losses = list(per_layer_losses)
+    if not losses:
+        return like.new_zeros((), dtype=torch.float32)
+    return sum(losses) / len(losses)
+
+
+def tokens_per_expert(topk_idx_TK: torch.Tensor, num_experts: int, token_mask_T=None):
+    """int64 [E]: routed (token, slot) pairs per expert over the real tokens; -1 entries are skipped."""
+    idx_N = topk_idx_TK.reshape(-1)
+    weight_N = (idx_N >= 0)
+    if token_mask_T is not None:
+        weight_N = weight_N & token_mask_T.reshape(-1, 1).expand_as(topk_idx_TK).reshape(-1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx_N.device)
+    counts.scatter_add_(0, torch.where(idx_N >= 0, idx_N, num_experts), weight_N.long())
+    return counts[:num_experts]
+
+
+def expert_bias_update(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float):
+    """Aux-loss-free balancing step: bias += rate * sign(mean load - load), in place; returns bias.
+
+    Overloaded experts get a lower selection bias, idle ones a higher one. The bias only enters the top-k
+    choice (scores + bias), never the combine weights, so it steers routing without a loss term. Source:
+    Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts", and DeepSeek-V3
+    (bias update speed gamma). load_E: pairs per expert since the last update (any numeric dtype).
+    """
+    load = load_E.float()
+    bias_E += rate * torch.sign(load.mean() - load)
+    return bias_E
+
+
+def load_summary(load_LE: torch.Tensor):
+    """Per layer: fraction of routed pairs per expert [L, E], max/mean load [L], experts with none [L]."""
+    load = load_LE.float()
+    total_L1 = load.sum(-1, keepdim=True).clamp(min=1)
+    fraction_LE = load / total_L1
+    max_over_mean_L = load.max(-1).values / load.mean(-1).clamp(min=1e-12)
+    idle_L = (load == 0).sum(-1)
+    return fraction_LE, max_over_mean_L, idle_L

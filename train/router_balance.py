@@ -1,0 +1,75 @@
+"""Per-step router bookkeeping in training: collect every MoE layer's expert load, sum it over the
+data-parallel ranks, apply the aux-loss-free bias update, and summarise it for the logs.
+
+Model code only counts (MOEFeedForward.load_accum, real tokens only); the collective lives here.
+"""
+import torch
+import torch.distributed as dist
+
+from model.moe import MOEFeedForward
+from model.router import load_summary
+
+
+def moe_layers(model):
+    return [m for m in model.modules() if isinstance(m, MOEFeedForward)]
+
+
+def step_router_load(model, distributed):
+    """After an optimizer step: pairs per expert of this step, int64 [L, E] summed over all ranks (each
+    rank routes its own tokens, also under EP), and each layer's expert bias moved by it. Runs no host
+    sync (the all-reduce and the update stay on the device). Returns None for a model without MoE."""
+    layers = moe_layers(model)
+    loads = [m.pop_load() for m in layers]
+    if not layers or any(load is None for load in loads):
+        return None
+    load_LE = torch.stack(loads)
+    if distributed:
+        dist.all_reduce(load_LE)
+    for m, load_E in zip(layers, load_LE):
+        m.update_expert_bias(load_E)
+    return load_LE
+
+
+class LoadTelemetry:
+    """Sums the per-step loads over a logging interval and over the run."""
+
+    def __init__(self):
+        self.interval = None
+        self.total = None
+
+    def add(self, load_LE):
+        if load_LE is None:
+            return
+        self.interval = load_LE.clone() if self.interval is None else self.interval + load_LE
+        self.total = load_LE.clone() if self.total is None else self.total + load_LE
+
+    def flush(self):
+        """Record fields for the interval just ended ({} without MoE), then start a new interval."""
+        if self.interval is None:
+            return {}
+        fraction, max_over_mean, idle = load_summary(self.interval)
+        self.interval = None
+        return {"expert_load": [[round(v, 4) for v in row] for row in fraction.tolist()],
+                "load_max_over_mean": [round(v, 3) for v in max_over_mean.tolist()],
+                "idle_experts": idle.tolist()}
+
+    def run_fractions(self):
+        return None if self.total is None else load_summary(self.total)[0].tolist()
+
+
+def compact(fields):
+    """'load max/mean 1.21 1.05 | idle 0 0' for the progress bar (one value per layer)."""
+    if not fields:
+        return ""
+    ratios = " ".join(f"{v:.2f}" for v in fields["load_max_over_mean"])
+    idle = " ".join(str(v) for v in fields["idle_experts"])
+    return f"load max/mean {ratios} | idle {idle}"
+
+
+def wandb_fields(fields):
+    """Flat per-layer scalars for wandb (it does not chart nested lists)."""
+    out = {}
+    for i, (r, n) in enumerate(zip(fields.get("load_max_over_mean", []), fields.get("idle_experts", []))):
+        out[f"router/layer{i}/max_over_mean"] = r
+        out[f"router/layer{i}/idle_experts"] = n
+    return out
