@@ -22,6 +22,7 @@ events). On CUDA, TFLOP/s counts the expert GEMMs (6*N*k*D*F per forward, 3x tha
 (k*N*3*D*F values), so it is skipped where that would not fit in --batched_mm_limit_gb.
 """
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -110,6 +111,24 @@ def time_once(fn, x, backward, device, autocast):
     return time.perf_counter() - t0
 
 
+@contextlib.contextmanager
+def quiet_fds():
+    """Silence the profiler's C++ start/stop chatter (written straight to fds 1 and 2)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved + [devnull]:
+            os.close(fd)
+
+
 def peak_bytes(fn, x, device, autocast):
     """Most bytes live during one fwd+bwd of fn(x), above what was live before."""
     xi = x.detach().requires_grad_(True)
@@ -127,7 +146,7 @@ def peak_bytes(fn, x, device, autocast):
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_fds(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
@@ -163,6 +182,7 @@ def main():
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     ptdtype = getattr(torch, args.dtype)
     warnings.filterwarnings("ignore", message=".*grouped_mm.*")
+    warnings.filterwarnings("ignore", message=".*no gradient from the language-model loss.*")  # small: k=1
     out_file = open(args.out, "a") if args.out else None
 
     def say(line=""):
