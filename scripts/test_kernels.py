@@ -259,9 +259,25 @@ def test_backend_choice_errors():
         raise AssertionError("mismatched shapes accepted")
 
 
+def test_kernels_compile_for_hopper():
+    """Every Triton kernel compiles to a cubin for sm_90 (H100/H200), fp32 and bf16, without a GPU
+    (scripts/check_triton_compile.py, in a process without the interpreter): CI then catches what the
+    interpreter lets through (loop-carried types, constexpr branches, dot precision flags)."""
+    if not triton_importable():
+        raise Skip("triton is not installed")
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "check_triton_compile.py")],
+                       capture_output=True, text=True, env=env, timeout=600)
+    if r.returncode == 2:
+        raise Skip(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+
+
 TESTS = [test_row_map_layout, test_gather_rows_bitwise, test_combine_rows_bitwise, test_hole_free_fast_path_is_the_same,
          test_permute_combine_autograd, test_grouped_mm_triton_forward_backward, test_grouped_mm_torch_backend_on_cpu,
-         test_grouped_swiglu_matches_per_expert_ffn, test_backend_choice_errors]
+         test_grouped_swiglu_matches_per_expert_ffn, test_backend_choice_errors, test_kernels_compile_for_hopper]
 
 if __name__ == "__main__":
     run(TESTS)
