@@ -129,26 +129,6 @@ def grouped_wgrad_triton(a_MK, g_MN, offsets_E):
     return out
 
 
-class _TritonGroupedMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a_MK, b_EKN, offsets_E):
-        ctx.save_for_backward(a_MK, b_EKN, offsets_E)
-        return grouped_mm_triton(a_MK, b_EKN, offsets_E)
-
-    @staticmethod
-    def backward(ctx, grad_MN):
-        a_MK, b_EKN, offsets_E = ctx.saved_tensors
-        grad_MN = grad_MN.contiguous()
-        grad_a = grouped_mm_triton(grad_MN, b_EKN.transpose(1, 2), offsets_E) if ctx.needs_input_grad[0] else None
-        grad_b = None
-        if ctx.needs_input_grad[1]:  # in the weight's own layout when b is W^T (see _TorchGroupedMM)
-            if b_EKN.stride(1) == 1:
-                grad_b = grouped_wgrad_triton(grad_MN, a_MK, offsets_E).to(b_EKN.dtype).transpose(1, 2)
-            else:
-                grad_b = grouped_wgrad_triton(a_MK, grad_MN, offsets_E).to(b_EKN.dtype)
-        return grad_a, grad_b, None
-
-
 def grouped_mm_reference(a_MK, b_EKN, offsets_E):
     """Per-segment matmuls in a Python loop (differentiable through autograd). One host read of offsets."""
     bounds = _bounds(offsets_E).tolist()
@@ -195,31 +175,42 @@ def _grouped_mm_call(a_MK, b_EKN, offsets_E):
     return _TORCH_GROUPED_MM(a_MK, b_EKN, offs=offsets_E)
 
 
-class _TorchGroupedMM(torch.autograd.Function):
-    """torch's grouped_mm with our own backward: its built-in one rejects a broadcast (stride-0)
-    gradient, e.g. from `.sum().backward()`. grad_a = grad @ b^T per segment, grad_b[e] = a_e^T @ grad_e
-    (torch's 2D x 2D grouped form, segments along the shared dimension)."""
+def _segment_outer_call(lhs_MX, rhs_MY, offsets_E):
+    return (_segment_outer_op if torch.compiler.is_compiling() else _segment_outer)(lhs_MX, rhs_MY, offsets_E)
+
+
+# backend -> (c = a @ b per segment, out[e] = lhs_e^T @ rhs_e per segment)
+_GROUPED_OPS = {"torch": (_grouped_mm_call, _segment_outer_call),
+                "triton": (lambda a, b, offs: grouped_mm_triton(a, b, offs),
+                           lambda lhs, rhs, offs: grouped_wgrad_triton(lhs, rhs, offs))}
+
+
+class _GroupedMM(torch.autograd.Function):
+    """Grouped GEMM with our own backward, for the "torch" and "triton" backends:
+    grad_a = grad @ b^T per segment, grad_b[e] = a_e^T @ grad_e. (torch's built-in backward of grouped_mm
+    rejects a broadcast, stride-0 gradient, e.g. from `.sum().backward()`.)"""
 
     @staticmethod
-    def forward(ctx, a_MK, b_EKN, offsets_E):
+    def forward(ctx, a_MK, b_EKN, offsets_E, backend):
+        ctx.backend = backend
         ctx.save_for_backward(a_MK, b_EKN, offsets_E)
-        return _grouped_mm_call(a_MK, b_EKN, offsets_E)
+        return _GROUPED_OPS[backend][0](a_MK, b_EKN, offsets_E)
 
     @staticmethod
     def backward(ctx, grad_MN):
         a_MK, b_EKN, offsets_E = ctx.saved_tensors
+        mm, outer = _GROUPED_OPS[ctx.backend]
         grad_MN = grad_MN.contiguous()
-        grad_a = _grouped_mm_call(grad_MN, b_EKN.transpose(1, 2), offsets_E) if ctx.needs_input_grad[0] else None
+        grad_a = mm(grad_MN, b_EKN.transpose(1, 2), offsets_E) if ctx.needs_input_grad[0] else None
         grad_b = None
         if ctx.needs_input_grad[1]:
             # When b is W^T for a row-major W [E, N, K] (nn.Linear layout), the gradient is made in W's
             # layout, so each expert's weight grad is a contiguous slice that autograd can keep (no copy).
-            as_weight = b_EKN.stride(1) == 1
-            lhs, rhs = (grad_MN, a_MK) if as_weight else (a_MK, grad_MN)
-            grad_b = (_segment_outer_op if torch.compiler.is_compiling() else _segment_outer)(lhs, rhs, offsets_E)
-            if as_weight:
-                grad_b = grad_b.transpose(1, 2)
-        return grad_a, grad_b, None
+            if b_EKN.stride(1) == 1:
+                grad_b = outer(grad_MN, a_MK, offsets_E).to(b_EKN.dtype).transpose(1, 2)
+            else:
+                grad_b = outer(a_MK, grad_MN, offsets_E).to(b_EKN.dtype)
+        return grad_a, grad_b, None, None
 
 
 def _segment_outer_products_cpu(lhs_MX, rhs_MY, offsets_E):
@@ -281,10 +272,8 @@ def grouped_mm(a_MK, b_EKN, offsets_E, backend="auto"):
         raise ValueError(f"grouped_mm: a {tuple(a_MK.shape)}, b {tuple(b_EKN.shape)}, offsets "
                          f"{tuple(offsets_E.shape)} do not fit ([M, K], [E, K, N], [E])")
     backend = resolve_backend(backend, a_MK, b_EKN)
-    if backend == "torch":
-        return _TorchGroupedMM.apply(a_MK, b_EKN, offsets_E.to(torch.int32))
-    if backend == "triton":
-        return _TritonGroupedMM.apply(a_MK, b_EKN, offsets_E.to(torch.int32))
+    if backend in ("torch", "triton"):
+        return _GroupedMM.apply(a_MK, b_EKN, offsets_E.to(torch.int32), backend)
     return grouped_mm_reference(a_MK, b_EKN, offsets_E)
 
 

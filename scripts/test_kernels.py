@@ -86,11 +86,16 @@ def test_row_map_layout():
                 assert (r == -1) if idx[t, j] < 0 else (got[r] == t * K + j)
 
 
+def case_maps(dev):
+    """(T, K, E, row map) for every routing case, on `dev`."""
+    for T, K, E, drop, idle, pad_to, align in CASES:
+        yield T, K, E, build_row_map(routing(T, K, E, drop=drop, idle=idle, device=dev), E, pad_to, align)
+
+
 def test_gather_rows_bitwise():
     need_triton()
     for dev in DEVICES:
-        for T, K, E, drop, idle, pad_to, align in CASES:
-            rm = build_row_map(routing(T, K, E, drop=drop, idle=idle, device=dev), E, pad_to, align)
+        for T, K, E, rm in case_maps(dev):
             for D in (1, 33, 64):
                 x = torch.randn(T, D, device=dev)
                 scale = torch.rand(rm.num_rows, device=dev)
@@ -105,8 +110,7 @@ def test_gather_rows_bitwise():
 def test_combine_rows_bitwise():
     need_triton()
     for dev in DEVICES:
-        for T, K, E, drop, idle, pad_to, align in CASES:
-            rm = build_row_map(routing(T, K, E, drop=drop, idle=idle, device=dev), E, pad_to, align)
+        for T, K, E, rm in case_maps(dev):
             for D in (1, 33, 64):
                 h = torch.randn(rm.num_rows, D, device=dev)
                 w = torch.rand(T, K, device=dev)
