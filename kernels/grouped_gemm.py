@@ -230,14 +230,18 @@ def _segment_outer_products_cpu(lhs_MX, rhs_MY, offsets_E):
 
 def _aligned16(t):
     size = t.element_size()
-    return t.data_ptr() % 16 == 0 and all((st * size) % 16 == 0 for n, st in zip(t.shape, t.stride()) if n > 1 and st != 1)
+    strides_ok = all((st * size) % 16 == 0 for n, st in zip(t.shape, t.stride()) if n > 1 and st != 1)
+    # data_ptr() is not traceable; under torch.compile the base address is the allocator's (aligned) one
+    return strides_ok and (torch.compiler.is_compiling() or t.data_ptr() % 16 == 0)
 
 
 def torch_grouped_mm_supports(a, b) -> bool:
-    """Whether torch's grouped_mm runs these operands: CPU fp32/bf16, CUDA bf16 on compute capability
-    >= 8.0; every non-unit stride and the base address a multiple of 16 bytes (the kernels' requirement,
-    e.g. D and F multiples of 4 in fp32, of 8 in bf16)."""
-    if _TORCH_GROUPED_MM is None or not (_aligned16(a) and _aligned16(b)):
+    """Whether torch's grouped_mm runs these operands, forward and backward: CPU fp32/bf16, CUDA bf16 on
+    compute capability >= 8.0; every non-unit stride, the output's row stride (it is the gradient's in
+    backward) and the base addresses multiples of 16 bytes (e.g. D and F multiples of 4 in fp32, of 8 in
+    bf16)."""
+    if (_TORCH_GROUPED_MM is None or not (_aligned16(a) and _aligned16(b))
+            or (b.shape[2] * a.element_size()) % 16 or (a.shape[1] * a.element_size()) % 16):
         return False
     if a.device.type == "cpu":
         return a.dtype in (torch.float32, torch.bfloat16)
@@ -249,15 +253,22 @@ def torch_grouped_mm_supports(a, b) -> bool:
 def resolve_backend(backend, a, b):
     if backend not in ("auto", "torch", "triton", "reference"):
         raise ValueError(f"grouped_mm backend must be auto, torch, triton or reference, got {backend!r}")
+    if backend == "triton" and not (triton_runs_on(a) and a.is_cuda):
+        raise RuntimeError(f"grouped_mm: the Triton backend needs CUDA tensors (got {a.device.type}); use "
+                           "backend='auto', 'torch' or 'reference'")
+    if backend == "torch" and not torch_grouped_mm_supports(a, b):
+        raise RuntimeError(f"grouped_mm: torch's grouped_mm cannot take {a.dtype} {tuple(a.shape)} x "
+                           f"{tuple(b.shape)} on {a.device.type} (dtype or 16-byte alignment); use backend='auto'")
     if backend != "auto":
         return backend
     if torch_grouped_mm_supports(a, b):
         return "torch"
     if triton_runs_on(a) and a.is_cuda:
         return "triton"
-    warn_once(f"grouped_mm-{a.device.type}-{a.dtype}",
-              f"grouped_mm: neither torch's grouped_mm nor Triton runs {a.dtype} on {a.device.type}; "
-              "using the per-expert PyTorch loop (one host sync per call)")
+    warn_once(f"grouped_mm-{a.device.type}-{a.dtype}-{a.shape[1]}-{b.shape[2]}",
+              f"grouped_mm: torch's grouped_mm cannot take {a.dtype} [*, {a.shape[1]}] x [*, {b.shape[1]}, "
+              f"{b.shape[2]}] on {a.device.type} (dtype, or rows not a multiple of 16 bytes) and Triton does not "
+              "run here; using the per-expert PyTorch loop (one host read of the offsets per call)")
     return "reference"
 
 
@@ -265,12 +276,18 @@ def grouped_mm(a_MK, b_EKN, offsets_E, backend="auto"):
     """Differentiable grouped GEMM: c[offsets[e-1]:offsets[e]] = a[offsets[e-1]:offsets[e]] @ b[e].
 
     Args: a_MK [M, K] and b_EKN [E, K, N] of one float dtype (b may be a transposed view); offsets_E
-        int32 [E] non-decreasing, offsets[-1] <= M, on a's device. backend: see the module docstring.
-    Returns: c [M, N] in a's dtype. Raises ValueError for mismatched shapes or an unknown backend.
+        int32/int64 [E] non-decreasing, offsets[-1] <= M, on a's device (not checked: that would need a
+        host read). backend: see the module docstring.
+    Returns: c [M, N] in a's dtype. Raises ValueError for mismatched shapes/dtypes or an unknown backend,
+        RuntimeError for a backend that cannot run these operands.
     """
     if a_MK.dim() != 2 or b_EKN.dim() != 3 or a_MK.shape[1] != b_EKN.shape[1] or offsets_E.shape[0] != b_EKN.shape[0]:
         raise ValueError(f"grouped_mm: a {tuple(a_MK.shape)}, b {tuple(b_EKN.shape)}, offsets "
                          f"{tuple(offsets_E.shape)} do not fit ([M, K], [E, K, N], [E])")
+    if a_MK.dtype != b_EKN.dtype or not a_MK.is_floating_point():
+        raise ValueError(f"grouped_mm: a and b must share one float dtype, got {a_MK.dtype} and {b_EKN.dtype}")
+    if offsets_E.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"grouped_mm: offsets must be int32 or int64, got {offsets_E.dtype}")
     backend = resolve_backend(backend, a_MK, b_EKN)
     if backend in ("torch", "triton"):
         return _GroupedMM.apply(a_MK, b_EKN, offsets_E.to(torch.int32), backend)
@@ -297,6 +314,8 @@ class SwiGLU(torch.autograd.Function):
         F_ = gate_up.shape[1] // 2
         gate, up = gate_up[:, :F_], gate_up[:, F_:]
         sig = torch.sigmoid(gate)
+        if torch.compiler.is_compiling():  # the compiler fuses these; it does not take out= views
+            return torch.cat([grad_PF * up * sig * (1 + gate * (1 - sig)), grad_PF * gate * sig], dim=1)
         grad = torch.empty_like(gate_up)
         torch.mul(grad_PF, gate * sig, out=grad[:, F_:])
         torch.mul(grad_PF * up, sig * (1 + gate * (1 - sig)), out=grad[:, :F_])

@@ -190,12 +190,16 @@ def build_row_map(topk_idx_TK, num_experts, pad_to=None, alignment=1, may_drop=T
     then up to a multiple of `alignment`. The buffer has a static row count P (N, N + E*(alignment-1), or
     E * padded capacity), so nothing depends on data-dependent shapes.
 
-    Args: topk_idx_TK int64 [T, K] in [-1, E) (-1 = no expert); num_experts E; pad_to int or None;
+    Args: topk_idx_TK integer [T, K] in [-1, E) (-1 = no expert; values are not range-checked, which
+        would need a host read); num_experts E; pad_to int or None;
         alignment int >= 1; may_drop: False promises topk_idx has no -1 (a router's top-k without
         capacity dropping). Returns: RowMap. Raises ValueError for alignment < 1 or pad_to < 0.
     """
-    if alignment < 1 or (pad_to is not None and pad_to < 0):
-        raise ValueError(f"alignment must be >= 1 and pad_to >= 0, got {alignment}, {pad_to}")
+    if not isinstance(alignment, int) or alignment < 1 or (pad_to is not None and (not isinstance(pad_to, int) or pad_to < 0)):
+        raise ValueError(f"alignment must be an int >= 1 and pad_to an int >= 0 or None, got {alignment!r}, {pad_to!r}")
+    if topk_idx_TK.dim() != 2 or topk_idx_TK.is_floating_point():
+        raise ValueError(f"topk_idx must be an integer [T, K] tensor, got {topk_idx_TK.dtype} {tuple(topk_idx_TK.shape)}")
+    topk_idx_TK = topk_idx_TK.long()
     T, K = topk_idx_TK.shape
     N, E, dev = T * K, num_experts, topk_idx_TK.device
     idx_N = topk_idx_TK.reshape(-1)
@@ -291,11 +295,18 @@ class UnpermuteCombine(torch.autograd.Function):
 
 
 def permute(x_TD, row_map, backend="auto"):
-    """Differentiable permute (see `Permute`). x_TD [T, D] -> [P, D] in x's dtype."""
+    """Differentiable permute (see `Permute`). x_TD [T, D] -> [P, D] in x's dtype.
+    Raises ValueError when x's rows do not match the row map's tokens."""
+    if x_TD.dim() != 2 or x_TD.shape[0] != row_map.row_of_pair_TK.shape[0]:
+        raise ValueError(f"permute: x {tuple(x_TD.shape)} does not fit the row map's "
+                         f"{row_map.row_of_pair_TK.shape[0]} tokens ([T, D] expected)")
     return Permute.apply(x_TD, row_map, backend)
 
 
 def unpermute_combine(h_PD, w_TK, row_map, backend="auto", out_dtype=None):
     """Differentiable unpermute + weighted combine (see `UnpermuteCombine`). -> [T, D] in out_dtype
     (None = h's dtype)."""
+    if w_TK.shape != row_map.row_of_pair_TK.shape or h_PD.dim() != 2 or h_PD.shape[0] != row_map.num_rows:
+        raise ValueError(f"unpermute_combine: h {tuple(h_PD.shape)} / w {tuple(w_TK.shape)} do not fit the row map "
+                         f"([{row_map.num_rows}, D] and {tuple(row_map.row_of_pair_TK.shape)} expected)")
     return UnpermuteCombine.apply(h_PD, w_TK, row_map, backend, out_dtype)

@@ -121,10 +121,8 @@ class MiniMindConfig(PreTrainedConfig):
             raise ValueError(f"MiniMindConfig.rope_theta must be > 0, got {self.rope_theta}")
         if self.rms_norm_eps <= 0:
             raise ValueError(f"MiniMindConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if self.router_aux_loss_coef < 0:
-            raise ValueError(f"MiniMindConfig.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"MiniMindConfig.capacity_factor must be > 0 or None, got {self.capacity_factor}")
+        if self.capacity_factor is not None and not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
+            raise ValueError(f"MiniMindConfig.capacity_factor must be finite and > 0, or None, got {self.capacity_factor}")
         if self.moe_drop_policy not in ("probs", "position"):
             raise ValueError(f"MiniMindConfig.moe_drop_policy must be 'probs' or 'position', got {self.moe_drop_policy!r}")
         if self.moe_pad_to_capacity and self.capacity_factor is None:
@@ -134,9 +132,11 @@ class MiniMindConfig(PreTrainedConfig):
         if self.router_aux_loss_type not in ("minimind", "switch", "sequence", "none"):
             raise ValueError("MiniMindConfig.router_aux_loss_type must be 'minimind', 'switch', 'sequence' or "
                              f"'none', got {self.router_aux_loss_type!r}")
-        for name in ("router_z_loss_coef", "router_bias_update_rate"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"MiniMindConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"MiniMindConfig.{name} must be finite and >= 0, got {getattr(self, name)}")
+        if self.router_bias_update_rate > 0 and not self.use_moe:
+            raise ValueError("MiniMindConfig.router_bias_update_rate > 0 needs use_moe=True (a dense model has no router)")
         if self.router_dtype not in (None, "float32"):
             raise ValueError(f"MiniMindConfig.router_dtype must be None or 'float32', got {self.router_dtype!r}")
         if self.moe_impl not in ("sorted", "fused"):

@@ -133,10 +133,18 @@ class MiniMindModel(MiniMindPreTrainedModel):
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(MiniMindBlock(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        cos, sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # RoPE tables: built on first use on the input's device, not buffers, so nothing can leave them
+        # stale (from_pretrained materialises non-persistent buffers from the meta device uninitialised).
+        self._rope = None
         self.post_init()
+
+    def rope(self, start, length, device):
+        """cos, sin [length, head_dim] fp32 for positions start..start+length-1."""
+        if self._rope is None or self._rope[0].device != device:
+            cfg = self.config
+            self._rope = tuple(t.to(device) for t in rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta))
+        cos, sin = self._rope
+        return cos[start:start + length], sin[start:start + length]
 
     def forward(self, input_ids, past_key_values=None, use_cache=False, token_mask=None):
         B, S = input_ids.shape
@@ -144,7 +152,7 @@ class MiniMindModel(MiniMindPreTrainedModel):
         if start + S > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {start + S} tokens exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
-        cos, sin = self.rope_cos[start:start + S], self.rope_sin[start:start + S]
+        cos, sin = self.rope(start, S, input_ids.device)
         h = self.dropout(self.embed_tokens(input_ids))
         presents = []
         for i, layer in enumerate(self.layers):
@@ -186,7 +194,13 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
     def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False, attention_mask=None, **_):
         # attention_mask [B, S] (1 = token, 0 = padding): padding is kept out of every router statistic
         # and sent to no expert. Attention stays causal; pad on the right so real tokens never see padding.
-        token_mask = None if attention_mask is None else attention_mask.bool()
+        token_mask = None
+        if attention_mask is not None:
+            B, S = input_ids.shape
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < S:
+                raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must be [batch, tokens] with at least "
+                                 f"the {S} new positions of input_ids {tuple(input_ids.shape)}")
+            token_mask = attention_mask[:, -S:].bool()  # HF style: the mask may also cover the cached prefix
         h, presents, aux_loss = self.model(input_ids, past_key_values, use_cache, token_mask)
         logits = self.lm_head(h)
         loss = ce_loss = None

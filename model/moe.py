@@ -108,6 +108,12 @@ class MOEFeedForward(nn.Module):
             self.expert_bias = self.expert_bias.float()  # the bias stays fp32 under .half() / .bfloat16()
         return out
 
+    def __getstate__(self):
+        # deepcopy / pickle: leave out the last forward's results (aux_loss is not a graph leaf)
+        state = dict(super().__getstate__())
+        state.update(aux_loss=torch.zeros(()), z_loss=None, load_accum=None, last_tokens_per_expert=None)
+        return state
+
     @property
     def experts_forward(self):
         """The expert compute the config selects: sorted_experts_forward or fused_experts_forward."""

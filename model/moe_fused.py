@@ -16,7 +16,7 @@ to rounding, not bitwise (tolerances in scripts/test_moe_fused.py). Two runs are
 Parameters stay the per-expert `experts.{e}.{gate,up,down}_proj.weight` of the sorted layer (same
 `state_dict`). `pack_expert_weights` re-homes them as views of two contiguous buffers, so the grouped GEMM
 reads all experts' weights without a per-forward copy; if something replaced them since (e.g.
-`load_state_dict(assign=True)`), the layer falls back to stacking copies and says so once.
+`load_state_dict(assign=True)`, `from_pretrained`, `copy.deepcopy`), the next forward packs them again.
 """
 import torch
 
@@ -50,20 +50,35 @@ def _back_to_back(weights):
 
 
 def _stack(weights):
+    if torch.compiler.is_compiling():  # data_ptr() is not traceable: let the compiler see a plain stack
+        return torch.stack(weights)
     if _back_to_back(weights):
         return _PackedStack.apply(*weights)
-    warn_once("moe-fused-unpacked", "fused MoE: expert weights are not packed (replaced since the layer was "
-              "built?); stacking copies every forward. Call MOEFeedForward.pack_expert_weights() to fix.")
+    warn_once("moe-fused-unpacked", "fused MoE: expert weights are not packed (mixed dtypes/devices, or replaced "
+              "inside inference_mode); stacking copies every forward. Call MOEFeedForward.pack_expert_weights().")
     return torch.stack(weights)
 
 
+def _weight_lists(experts):
+    return ([w for ex in experts for w in (ex.gate_proj.weight, ex.up_proj.weight)],
+            [ex.down_proj.weight for ex in experts])
+
+
 def expert_weight_stacks(experts):
-    """(w_gate_up_E2FD [E, 2F, D], w_down_EDF [E, D, F]) for `experts` (SwiGLU FeedForward modules)."""
+    """(w_gate_up_E2FD [E, 2F, D], w_down_EDF [E, D, F]) for `experts` (SwiGLU FeedForward modules).
+
+    Weights replaced since they were packed (from_pretrained, load_state_dict(assign=True), deepcopy,
+    pickling) are packed again here, once; inside inference_mode (new storage would become inference
+    tensors) they are stacked as copies instead.
+    """
     E = len(experts)
     F_, D = experts[0].gate_proj.weight.shape
-    gate_up = _stack([w for ex in experts for w in (ex.gate_proj.weight, ex.up_proj.weight)])
-    down = _stack([ex.down_proj.weight for ex in experts])
-    return gate_up.view(E, 2 * F_, D), down
+    gate_up, down = _weight_lists(experts)
+    if not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
+            or (_back_to_back(gate_up) and _back_to_back(down))):
+        pack_expert_weights(experts)
+        gate_up, down = _weight_lists(experts)
+    return _stack(gate_up).view(E, 2 * F_, D), _stack(down)
 
 
 @torch.no_grad()

@@ -21,9 +21,10 @@ from train.trainer import run_cli, train  # noqa: E402
 
 
 MODEL_FLAGS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "use_moe",
-               "num_experts", "top_k", "moe_intermediate_size", "aux_loss_coef", "dropout", "max_position_embeddings",
-               "capacity_factor", "drop_policy", "pad_to_capacity", "expert_alignment", "aux_loss_type", "z_loss_coef",
-               "bias_update_rate", "router_dtype")
+               "num_experts", "top_k", "moe_intermediate_size", "dropout", "max_position_embeddings",
+               "capacity_factor", "drop_policy", "pad_to_capacity", "expert_alignment", "bias_update_rate")
+# --moe_impl, --aux_loss_type, --aux_loss_coef, --z_loss_coef and --router_dtype are training choices: they
+# may change on --resume / --init_from (train/trainer.py TRAINING_FIELDS).
 
 
 def build_parser():

@@ -31,6 +31,17 @@ from model.router import load_summary
 from train.schedule import lr_at
 
 
+# Config fields that choose how to train or compute, not what the model is: on --resume / --init_from they
+# come from the flags (whose defaults on --resume are the checkpoint's own flags), not from the weights' config.
+TRAINING_FIELDS = {"moe_impl": "moe_impl", "router_aux_loss_type": "aux_loss_type",
+                   "router_aux_loss_coef": "aux_loss_coef", "router_z_loss_coef": "z_loss_coef",
+                   "router_dtype": "router_dtype"}
+
+
+def training_fields(args):
+    return {field: getattr(args, flag) for field, flag in TRAINING_FIELDS.items()}
+
+
 def build_config(args, vocab_size):
     return MiniMindConfig(
         vocab_size=vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
@@ -168,10 +179,9 @@ def _train(args, ctx, log):
         os.replace(tmp, tok_out)
 
     if resume is not None:  # the architecture comes from the checkpoint, never from flags
-        config = MiniMindConfig.from_dict({**resume["config"], "moe_impl": args.moe_impl})
+        config = MiniMindConfig.from_dict({**resume["config"], **training_fields(args)})
     elif init_model is not None:
-        config = init_model.config
-        config.moe_impl = args.moe_impl
+        config = MiniMindConfig.from_dict({**init_model.config.to_dict(), **training_fields(args)})
     else:
         config = build_config(args, len(tokenizer))
     if config.vocab_size < len(tokenizer):
