@@ -253,9 +253,9 @@ def torch_grouped_mm_supports(a, b) -> bool:
 def resolve_backend(backend, a, b):
     if backend not in ("auto", "torch", "triton", "reference"):
         raise ValueError(f"grouped_mm backend must be auto, torch, triton or reference, got {backend!r}")
-    if backend == "triton" and not (triton_runs_on(a) and a.is_cuda):
-        raise RuntimeError(f"grouped_mm: the Triton backend needs CUDA tensors (got {a.device.type}); use "
-                           "backend='auto', 'torch' or 'reference'")
+    if backend == "triton" and not triton_runs_on(a):
+        raise RuntimeError(f"grouped_mm: Triton cannot run on this {a.device.type} tensor (CPU needs "
+                           "TRITON_INTERPRET=1 before triton is imported); use backend='auto', 'torch' or 'reference'")
     if backend == "torch" and not torch_grouped_mm_supports(a, b):
         raise RuntimeError(f"grouped_mm: torch's grouped_mm cannot take {a.dtype} {tuple(a.shape)} x "
                            f"{tuple(b.shape)} on {a.device.type} (dtype or 16-byte alignment); use backend='auto'")

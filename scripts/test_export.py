@@ -204,8 +204,10 @@ def test_main_job_checkpoint_exports_and_generates():
         r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--ckpt", src, "--prompt",
                             "Return the", "--temperature", "0", "--max_new_tokens", "20"],
                            capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0 and len(r.stdout.strip()) > len("Return the"), r.stdout + r.stderr
-        texts.append(r.stdout.strip())
+        # 20 greedy tokens of a 40-step model may well be whitespace: count them, do not judge them
+        assert r.returncode == 0 and r.stdout.startswith("Return the") and len(r.stdout) > len("Return the") + 1, \
+            r.stdout + r.stderr
+        texts.append(r.stdout)
     assert texts[0] == texts[1], f"ours {texts[0]!r} vs transformers {texts[1]!r}"
     # and an imported copy trains on (fine-tuning path)
     train(parse_args(["--init_from", hf_dir, "--out_dir", os.path.join(_TMP, "ft"), "--max_steps", "3",

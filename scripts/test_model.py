@@ -23,7 +23,15 @@ def test_config_errors_name_the_field():
              (dict(num_attention_heads=8, num_key_value_heads=3), "num_key_value_heads"),
              (dict(num_experts=0), "num_experts"), (dict(dropout=1.5), "dropout"),
              (dict(hidden_size=60, num_attention_heads=4), "head_dim"),
-             (dict(router_aux_loss_coef=-1.0), "router_aux_loss_coef")]
+             (dict(router_aux_loss_coef=-1.0), "router_aux_loss_coef"),
+             (dict(router_aux_loss_coef=float("nan")), "router_aux_loss_coef"),
+             (dict(router_z_loss_coef=float("inf")), "router_z_loss_coef"),
+             (dict(use_moe=True, router_bias_update_rate=float("inf")), "router_bias_update_rate"),
+             (dict(router_bias_update_rate=0.1), "router_bias_update_rate"),  # dense: no router
+             (dict(use_moe=True, router_aux_loss_type="switchy"), "router_aux_loss_type"),
+             (dict(use_moe=True, router_dtype="bfloat16"), "router_dtype"),
+             (dict(use_moe=True, moe_impl="triton"), "moe_impl"),
+             (dict(use_moe=True, capacity_factor=float("inf")), "capacity_factor")]
     for kw, field in cases:
         try:
             MiniMindConfig(**kw)
@@ -37,6 +45,30 @@ def test_config_errors_name_the_field():
         assert "hidden_size" in str(e)
     else:
         raise AssertionError("a str hidden_size was accepted")
+
+
+def test_save_pretrained_roundtrip():
+    """MiniMindForCausalLM.save_pretrained -> from_pretrained gives the same logits (the RoPE tables are
+    rebuilt, not read from uninitialised buffers), for the sorted and the fused MoE path; attention_mask
+    must have the batch shape."""
+    import tempfile
+    for impl in ("sorted", "fused"):
+        torch.manual_seed(0)
+        model = MiniMindForCausalLM(MiniMindConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                                   num_attention_heads=2, num_key_value_heads=1, use_moe=True,
+                                                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                   moe_impl=impl)).eval()
+        ids = torch.randint(0, 64, (2, 9))
+        with tempfile.TemporaryDirectory() as d:
+            model.save_pretrained(d)
+            again = MiniMindForCausalLM.from_pretrained(d).eval()
+        assert torch.equal(model(ids).logits, again(ids).logits), impl
+    try:
+        model(ids, attention_mask=torch.ones(3, 9))
+    except ValueError as e:
+        assert "attention_mask" in str(e)
+    else:
+        raise AssertionError("a mis-shaped attention_mask was accepted")
 
 
 def test_config_defaults_and_roundtrip():
@@ -140,8 +172,8 @@ def test_overfit_one_batch():
     assert out.ce_loss.item() < 0.3 * first, f"{first:.3f} -> {out.ce_loss.item():.3f}"
 
 
-TESTS = [test_config_errors_name_the_field, test_config_defaults_and_roundtrip, test_forward_loss_and_aux,
-         test_tied_and_untied_embeddings, test_causal, test_kv_cache_matches_full_forward,
+TESTS = [test_config_errors_name_the_field, test_config_defaults_and_roundtrip, test_save_pretrained_roundtrip,
+         test_forward_loss_and_aux, test_tied_and_untied_embeddings, test_causal, test_kv_cache_matches_full_forward,
          test_generate_cache_equals_no_cache, test_generate_stops_at_eos_and_max_len, test_overfit_one_batch]
 
 if __name__ == "__main__":

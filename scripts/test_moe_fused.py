@@ -168,19 +168,26 @@ def test_bf16_autocast_cpu():
 
 
 def test_odd_sizes_fall_back():
-    """Sizes torch's grouped_mm cannot take (strides not 16-byte multiples) use the reference loop."""
-    torch.manual_seed(0)
-    cfg = dict(hidden_size=33, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True,
-               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=13)
-    ref = MOEFeedForward(MiniMindConfig(**cfg)).train()
-    fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).train()
-    fused.load_state_dict(ref.state_dict())
-    x, g = torch.randn(2, 11, 33), torch.randn(2, 11, 33)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        a, b = fwd_bwd(ref, x, g), fwd_bwd(fused, x, g)
-    assert_close(a[0], b[0], 1e-5, "odd forward")
-    assert_close(a[1], b[1], 1e-5, "odd grad x")
+    """Sizes torch's grouped_mm cannot take, in forward or only in backward (rows not 16-byte multiples:
+    D or F not a multiple of 4 in fp32, of 8 in bf16), use the reference loop; values and all grads agree."""
+    for D_, F_, dtype in ((33, 13, None), (32, 13, None), (33, 24, None), (36, 64, torch.bfloat16),
+                          (100, 64, torch.bfloat16)):
+        torch.manual_seed(0)
+        cfg = dict(hidden_size=D_, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True,
+                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=F_)
+        ref = MOEFeedForward(MiniMindConfig(**cfg)).train()
+        fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).train()
+        fused.load_state_dict(ref.state_dict())
+        x, g = torch.randn(2, 11, D_), torch.randn(2, 11, D_)
+        tol = 1e-5 if dtype is None else 5e-2
+        with warnings.catch_warnings(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            warnings.simplefilter("ignore")
+            a, b = fwd_bwd(ref, x, g), fwd_bwd(fused, x, g)
+        what = f"D={D_} F={F_} {dtype}"
+        assert_close(a[0], b[0], tol, what + " forward")
+        assert_close(a[1], b[1], tol, what + " grad x")
+        for n in a[2]:
+            assert_close(a[2][n], b[2][n], tol, f"{what} grad {n}")
 
 
 def test_direct_call_with_dropped_pairs():
