@@ -58,20 +58,23 @@ def losses(run_dir):
 
 
 def test_ddp_ep_matches_single_process():
-    """20 steps on 2 ranks (DDP x EP=2, 4 seqs each) vs one process (8 seqs): same data, losses agree;
-    every rank ends with bitwise-identical non-expert weights (checked on the saved per-rank states)."""
-    common = TINY + ["--data_path", data_file(), "--max_steps", "20", "--save_interval", "20"]
-    ep_dir, one_dir = os.path.join(_TMP, "ep2"), os.path.join(_TMP, "one")
-    launch(2, common + ["--batch_size", "4", "--ep_size", "2", "--out_dir", ep_dir])
-    single(common + ["--batch_size", "8", "--out_dir", one_dir])
-    a, b = losses(ep_dir), losses(one_dir)
-    assert sorted(a) == sorted(b) == list(range(1, 21))
-    # Differences come from (i) the aux loss, a nonlinear function of per-rank rather than global routing
-    # statistics, (ii) reassociated fp32 sums (per-rank partial GEMMs for the router/dense grads, DDP's
-    # average). Both are tiny per step and compound slowly over 20 steps.
-    worst = max(abs(a[s] - b[s]) / b[s] for s in a)
-    assert worst < 2e-3, f"loss curves differ by up to {worst:.2e} relative"
-    print(f"        max relative loss difference over 20 steps: {worst:.1e}")
+    """20 steps on 2 ranks (DDP x EP=2, 4 seqs each) vs one process (8 seqs): same data, losses agree.
+
+    Without the aux loss the only difference is reassociated fp32 sums (per-rank partial GEMMs for the
+    router/dense grads, DDP's average): tight bound. With it, each rank's aux loss is a nonlinear function
+    of its own routing statistics, not the global batch's (as in MiniMind and most DDP MoE code), which
+    changes the gradients slightly every step and compounds over 20 steps: looser bound."""
+    for coef, bound in (("0", 1e-5), ("0.01", 5e-3)):
+        common = TINY + ["--data_path", data_file(), "--max_steps", "20", "--save_interval", "20",
+                         "--aux_loss_coef", coef]
+        ep_dir, one_dir = os.path.join(_TMP, f"ep2_{coef}"), os.path.join(_TMP, f"one_{coef}")
+        launch(2, common + ["--batch_size", "4", "--ep_size", "2", "--out_dir", ep_dir])
+        single(common + ["--batch_size", "8", "--out_dir", one_dir])
+        a, b = losses(ep_dir), losses(one_dir)
+        assert sorted(a) == sorted(b) == list(range(1, 21))
+        worst = max(abs(a[s] - b[s]) / b[s] for s in a)
+        print(f"        aux coef {coef}: max relative loss difference over 20 steps: {worst:.1e}")
+        assert worst < bound, f"aux coef {coef}: loss curves differ by up to {worst:.2e} relative (> {bound})"
 
 
 def dense_state_worker(rank, world, argv):
