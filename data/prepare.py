@@ -1,6 +1,5 @@
 """One entry point from "a data path or nothing" to (tokenizer, train tokens, val tokens), cached."""
 import hashlib
-import json
 import os
 
 import numpy as np

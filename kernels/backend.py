@@ -8,9 +8,6 @@ GPU). Every public kernel function takes `backend` in {"auto", "triton", "refere
 import os
 import warnings
 
-BACKENDS = ("auto", "triton", "torch", "reference")
-
-
 def _probe_triton() -> bool:
     try:
         import triton  # noqa: F401

@@ -11,7 +11,6 @@ which transformers 4.x reads natively and 5.x fuses on load into `gate_up_proj` 
 """
 import re
 
-import torch
 
 from model.config import MiniMindConfig
 

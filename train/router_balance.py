@@ -6,12 +6,8 @@ Model code only counts (MOEFeedForward.load_accum, real tokens only); the collec
 import torch
 import torch.distributed as dist
 
-from model.moe import MOEFeedForward
 from model.router import load_summary
-
-
-def moe_layers(model):
-    return [m for m in model.modules() if isinstance(m, MOEFeedForward)]
+from train.expert_parallel import moe_layers
 
 
 def step_router_load(model, distributed):

@@ -21,7 +21,7 @@ from model.hf_adapter import is_hf_folder, load_hf_folder
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train.checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint, save_checkpoint, unwrap
+from train.checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint, save_checkpoint
 from train.distributed import barrier, check_same_on_all_ranks, init_distributed, shutdown
 from train.expert_parallel import (clip_grad_norm_ep, expert_param_names, gather_experts, reduce_expert_grads)
 from train.expert_parallel import install as install_ep, uninstall as uninstall_ep
