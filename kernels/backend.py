@@ -33,6 +33,18 @@ def triton_runs_on(tensor) -> bool:
     return triton_importable() and (tensor.is_cuda or (interpreting() and tensor.device.type == "cpu"))
 
 
+def cpu_values(t) -> list:
+    """The values of a CPU tensor as a Python list, for CPU kernels that loop over segment bounds.
+
+    On CPU this is a read of host memory, not a device sync (nothing runs asynchronously to wait for),
+    so callers stay sync-free. Raises ValueError for a tensor on any other device: there it would be a
+    device-to-host sync, which the zero-sync paths never make.
+    """
+    if t.device.type != "cpu":
+        raise ValueError(f"cpu_values: expected a CPU tensor, got one on {t.device} (reading it would sync)")
+    return t.numpy().tolist()
+
+
 _warned = set()
 
 

@@ -17,8 +17,9 @@ MoE recipe (MegaBlocks, Gale et al. 2022); the code here is our own.
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from kernels.backend import choose, triton_importable
+from kernels.backend import choose, triton_importable, triton_runs_on
 
 if triton_importable():
     import triton
@@ -123,9 +124,18 @@ def combine_rows(h_PD, row_TK, w_TK=None, backend="auto", out_dtype=None, has_ho
     Accumulates in fp32 in ascending j, starting from the j = 0 term (one rounding per multiply and per
     add; a row < 0 contributes an exact zero), then casts to
     out_dtype (None = h's dtype). Args: h_PD [P, D] float; row_TK int64 [T, K] in [-1, P); w_TK optional
-    [T, K] float (None = unit weights); has_holes: False promises row has no -1. Returns: [T, D].
+    [T, K] float (None = unit weights); has_holes: False promises row has no -1. backend: "auto",
+    "triton", "reference", or "embedding_bag" (CPU, unit weights, no holes, fp32/fp64: torch's fused
+    gather-and-sum kernel, which adds each bag's rows in index order, so it is bitwise the reference;
+    "auto" takes it there when Triton does not run). Returns: [T, D].
     """
     out_dtype = out_dtype or h_PD.dtype
+    if backend == "embedding_bag" or (backend == "auto" and not triton_runs_on(h_PD)
+                                      and _bag_sum_applies(h_PD, w_TK, has_holes, out_dtype)):
+        if not _bag_sum_applies(h_PD, w_TK, has_holes, out_dtype):
+            raise RuntimeError("combine_rows: the embedding_bag backend takes CPU fp32/fp64 rows, unit weights, "
+                               "no holes and out_dtype = h's dtype; use backend='auto'")
+        return F.embedding_bag(row_TK, h_PD, mode="sum")
     if choose(backend, h_PD, "combine_rows") == "reference":
         return combine_rows_reference(h_PD, row_TK, w_TK, out_dtype, has_holes)
     h_PD = h_PD.contiguous()
@@ -137,6 +147,13 @@ def combine_rows(h_PD, row_TK, w_TK=None, backend="auto", out_dtype=None, has_ho
             h_PD.stride(0), out.stride(0), HAS_WEIGHT=w_TK is not None, BLOCK_D=_block_d(D),
             **_launch_options(h_PD))
     return out
+
+
+def _bag_sum_applies(h_PD, w_TK, has_holes, out_dtype):
+    # embedding_bag accumulates fp32/fp64 rows in the rows' dtype, in index order: the reference's sum.
+    # (With weights it fuses multiply and add, one rounding instead of two: not bitwise the reference.)
+    return (w_TK is None and not has_holes and h_PD.device.type == "cpu" and out_dtype == h_PD.dtype
+            and h_PD.dtype in (torch.float32, torch.float64) and h_PD.shape[0] > 0)
 
 
 def combine_rows_reference(h_PD, row_TK, w_TK=None, out_dtype=None, has_holes=True, return_rows=False):
@@ -250,7 +267,8 @@ class Permute(torch.autograd.Function):
 
 
 class UnpermuteCombine(torch.autograd.Function):
-    """y_TD = sum_j w[t, j] * h[row_of_pair[t, j]] (fp32 accumulation, slots ascending).
+    """y_TD = sum_j w[t, j] * h[row_of_pair[t, j]] (fp32 accumulation, slots ascending; w None = unit
+    weights, the MoE layer's case: it applies the routing weights before the down projection).
     Backward: grad_h[p] = w[pair(p)] * grad_y[token(p)] (a scaled permute); grad_w[t, j] = <grad_y[t],
     h[row_of_pair[t, j]]> (0 for a dropped pair)."""
 
@@ -258,14 +276,16 @@ class UnpermuteCombine(torch.autograd.Function):
     def forward(ctx, h_PD, w_TK, row_map, backend, out_dtype):
         ctx.row_map, ctx.backend = row_map, backend
         ctx.rows_TKD = None
-        if choose(backend, h_PD, "combine_rows") == "reference":  # keep the gathered rows for grad_w
+        if (w_TK is not None and w_TK.requires_grad
+                and choose(backend, h_PD, "combine_rows") == "reference"):  # keep the gathered rows for grad_w
             out, ctx.rows_TKD = combine_rows_reference(h_PD, row_map.row_of_pair_TK, w_TK, out_dtype,
                                                        row_map.has_holes, return_rows=True)
         else:
             out = combine_rows(h_PD, row_map.row_of_pair_TK, w_TK, backend=backend, out_dtype=out_dtype,
                                has_holes=row_map.has_holes)
         ctx.h_dtype = h_PD.dtype
-        ctx.save_for_backward(h_PD if ctx.rows_TKD is None else None, w_TK)
+        ctx.has_weight = w_TK is not None
+        ctx.save_for_backward(h_PD if ctx.rows_TKD is None and w_TK is not None else None, w_TK)
         return out
 
     @staticmethod
@@ -274,14 +294,16 @@ class UnpermuteCombine(torch.autograd.Function):
         rm = ctx.row_map
         grad_h = grad_w = None
         if ctx.needs_input_grad[0]:
-            pair_P = rm.pair_of_row_P
-            if rm.has_holes:
-                scale_P = torch.where(pair_P >= 0, w_TK.reshape(-1)[pair_P.clamp(min=0)], 0.0)
-            else:
-                scale_P = w_TK.reshape(-1)[pair_P]
+            scale_P = None
+            if ctx.has_weight:
+                pair_P = rm.pair_of_row_P
+                if rm.has_holes:
+                    scale_P = torch.where(pair_P >= 0, w_TK.reshape(-1)[pair_P.clamp(min=0)], 0.0)
+                else:
+                    scale_P = w_TK.reshape(-1)[pair_P]
             grad_h = gather_rows(grad_TD, rm.token_of_row_P, scale_P, backend=ctx.backend, out_dtype=ctx.h_dtype,
                                  has_holes=rm.has_holes)
-        if ctx.needs_input_grad[1]:
+        if ctx.has_weight and ctx.needs_input_grad[1]:
             T, K = rm.row_of_pair_TK.shape
             h_TKD = ctx.rows_TKD
             if h_TKD is None:
@@ -304,9 +326,10 @@ def permute(x_TD, row_map, backend="auto"):
 
 
 def unpermute_combine(h_PD, w_TK, row_map, backend="auto", out_dtype=None):
-    """Differentiable unpermute + weighted combine (see `UnpermuteCombine`). -> [T, D] in out_dtype
-    (None = h's dtype)."""
-    if w_TK.shape != row_map.row_of_pair_TK.shape or h_PD.dim() != 2 or h_PD.shape[0] != row_map.num_rows:
-        raise ValueError(f"unpermute_combine: h {tuple(h_PD.shape)} / w {tuple(w_TK.shape)} do not fit the row map "
+    """Differentiable unpermute + weighted combine (see `UnpermuteCombine`); w_TK None = unit weights.
+    -> [T, D] in out_dtype (None = h's dtype)."""
+    if (w_TK is not None and w_TK.shape != row_map.row_of_pair_TK.shape) or h_PD.dim() != 2 or h_PD.shape[0] != row_map.num_rows:
+        raise ValueError(f"unpermute_combine: h {tuple(h_PD.shape)} / w "
+                         f"{None if w_TK is None else tuple(w_TK.shape)} do not fit the row map "
                          f"([{row_map.num_rows}, D] and {tuple(row_map.row_of_pair_TK.shape)} expected)")
     return UnpermuteCombine.apply(h_PD, w_TK, row_map, backend, out_dtype)

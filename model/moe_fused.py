@@ -20,7 +20,8 @@ reads all experts' weights without a per-forward copy; if something replaced the
 """
 import torch
 
-from kernels.backend import warn_once
+from kernels.backend import interpreting, warn_once
+from kernels.cpu_experts import cpu_experts, cpu_experts_supported
 from kernels.grouped_gemm import grouped_swiglu
 from kernels.permute import build_row_map, permute, unpermute_combine
 
@@ -73,12 +74,18 @@ def expert_weight_stacks(experts):
     """
     E = len(experts)
     F_, D = experts[0].gate_proj.weight.shape
+    repack_if_replaced(experts)
     gate_up, down = _weight_lists(experts)
-    if not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
-            or (_back_to_back(gate_up) and _back_to_back(down))):
-        pack_expert_weights(experts)
-        gate_up, down = _weight_lists(experts)
     return _stack(gate_up).view(E, 2 * F_, D), _stack(down)
+
+
+def repack_if_replaced(experts):
+    """Pack the expert weights again if something replaced them since (see expert_weight_stacks)."""
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        return
+    gate_up, down = _weight_lists(experts)
+    if not (_back_to_back(gate_up) and _back_to_back(down)):
+        pack_expert_weights(experts)
 
 
 @torch.no_grad()
@@ -101,8 +108,21 @@ def pack_expert_weights(experts):
         ex.down_proj.weight.data = down[e]
 
 
+class _CastExpert:
+    """An expert's weights cast to `dtype` (differentiable), shaped like a FeedForward for cpu_experts."""
+
+    class _W:
+        def __init__(self, weight):
+            self.weight = weight
+
+    def __init__(self, expert, dtype):
+        self.gate_proj = self._W(expert.gate_proj.weight.to(dtype))
+        self.up_proj = self._W(expert.up_proj.weight.to(dtype))
+        self.down_proj = self._W(expert.down_proj.weight.to(dtype))
+
+
 def fused_experts_forward(experts, x_TD, topk_idx_TK, topk_weight_TK, training=True, stats=None, counts=None,
-                          padding=None, may_drop=True, permute_backend="auto", gemm_backend="auto"):
+                          padding=None, may_drop=True, permute_backend="auto", gemm_backend="auto", impl="auto"):
     """Zero-sync dispatch -> grouped expert GEMM -> deterministic combine.
 
     Args (as `model.moe.sorted_experts_forward`, whose drop-in replacement this is):
@@ -115,7 +135,12 @@ def fused_experts_forward(experts, x_TD, topk_idx_TK, topk_weight_TK, training=T
         padding: None or (pad_to, alignment): rows per expert padded with zero rows (see build_row_map).
         may_drop: False promises topk_idx has no -1 (saves masking work in the PyTorch kernels).
         permute_backend: "auto" | "triton" | "reference" for permute and combine (kernels.permute).
-        gemm_backend: "auto" | "torch" | "triton" | "reference" for the grouped GEMM (kernels.grouped_gemm).
+        gemm_backend: "auto" | "onednn" | "torch" | "triton" | "reference" for the grouped GEMM
+            (kernels.grouped_gemm).
+        impl: "grouped" (permute -> grouped SwiGLU GEMM -> combine, built for GPUs), "cpu_experts"
+            (kernels.cpu_experts: one cache-sized chain per expert, for CPUs), or "auto": cpu_experts for
+            CPU tensors it supports, unless compiling (the grouped path traces without graph breaks) or
+            Triton runs in its CPU interpreter (TRITON_INTERPRET=1: the kernels under test), else grouped.
     Returns: y_TD [T, D] in x's dtype (expert GEMMs in the autocast dtype when autocast is on, as
         nn.Linear would run them; the combine accumulates in fp32).
     Raises ValueError / RuntimeError for an unknown or unusable backend.
@@ -127,10 +152,34 @@ def fused_experts_forward(experts, x_TD, topk_idx_TK, topk_weight_TK, training=T
         stats.last_tokens_per_expert = row_map.tokens_per_expert_E
         if padding is not None:
             stats.last_padded_counts = row_map.padded_tokens_per_expert_E
-    w_gate_up, w_down = expert_weight_stacks(experts)
     dev = x_TD.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_TD.dtype
+    if impl not in ("auto", "grouped", "cpu_experts"):
+        raise ValueError(f"fused MoE impl must be 'auto', 'grouped' or 'cpu_experts', got {impl!r}")
+    if impl == "auto":
+        x_probe = x_TD if x_TD.dtype == dtype else x_TD[:0].to(dtype)
+        use_cpu = (cpu_experts_supported(x_probe) and not torch.compiler.is_compiling() and not interpreting()
+                   and permute_backend == "auto" and gemm_backend in ("auto", "onednn"))
+        impl = "cpu_experts" if use_cpu else "grouped"
+    if impl == "grouped":
+        w_gate_up, w_down = expert_weight_stacks(experts)
+    else:
+        repack_if_replaced(experts)
+    # Each row's routing weight scales its SwiGLU output, before the down projection (linear, so the
+    # same sum up to rounding): the combine is then an unweighted sum, and the weights' gradient a dot
+    # product over F instead of D.
+    pair_P = row_map.pair_of_row_P
+    w_N = topk_weight_TK.reshape(-1)
+    if row_map.has_holes:  # padding rows and dropped pairs: weight 0 (their rows are zero anyway)
+        scale_P = torch.where(pair_P >= 0, w_N[pair_P.clamp(min=0)], 0.0)
+    else:
+        scale_P = w_N[pair_P]
     with torch.autocast(dev, enabled=False):  # the kernels take explicit dtypes
+        if impl == "cpu_experts":
+            if any(ex.gate_proj.weight.dtype != dtype for ex in experts):  # autocast: cast the weights
+                experts = [_CastExpert(ex, dtype) for ex in experts]
+            return cpu_experts(experts, x_TD.to(dtype), scale_P, row_map, out_dtype=x_TD.dtype)
         x_PD = permute(x_TD.to(dtype), row_map, permute_backend)
-        y_PD = grouped_swiglu(x_PD, w_gate_up.to(dtype), w_down.to(dtype), row_map.offsets_E, gemm_backend)
-        return unpermute_combine(y_PD, topk_weight_TK, row_map, permute_backend, out_dtype=x_TD.dtype)
+        y_PD = grouped_swiglu(x_PD, w_gate_up.to(dtype), w_down.to(dtype), row_map.offsets_E, gemm_backend,
+                              row_scale_P=scale_P)
+        return unpermute_combine(y_PD, None, row_map, permute_backend, out_dtype=x_TD.dtype)

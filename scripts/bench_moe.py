@@ -12,6 +12,11 @@ Implementations:
               transformers' Qwen3MoeSparseMoeBlock with each `experts_implementation` (same weights,
               converted to its fused gate_up layout)
   dense       the SwiGLU FFN of equal active FLOPs: width k*F, built from the first k experts' weights
+  dense-onednn
+              (CPU) the same dense FFN with each of its nn.Linear GEMMs (forward and backward) run by oneDNN,
+              the engine our CPU path uses: torch's own CPU matmul goes through MKL, which on some CPUs
+              (e.g. AMD EPYC) runs far below oneDNN, so this row shows how much of our lead over `dense`
+              is the GEMM engine and how much is the MoE layer itself
 
 Times are medians over rounds run round-robin (drift hits every implementation alike); "fwd" runs under
 torch.no_grad, "fwd+bwd" is a training step's forward and backward. Each time is printed as a ratio to
@@ -44,7 +49,7 @@ SHAPES = [  # name, hidden D, experts E, top-k, expert width F
     ("many-experts", 512, 64, 8, 256),  # fine-grained experts (F = D/2; Qwen3-MoE uses 0.375 D)
 ]
 PEAK_BF16_TFLOPS = {"H200": 989, "H100": 989, "H800": 989, "A100": 312, "A800": 312, "L40S": 362, "4090": 165}
-IMPLS = ["dense", "masked", "sorted", "fused", "hf-eager", "hf-grouped_mm", "hf-batched_mm"]
+IMPLS = ["dense", "dense-onednn", "masked", "sorted", "fused", "hf-eager", "hf-grouped_mm", "hf-batched_mm"]
 
 
 def dense_equivalent(moe):
@@ -58,6 +63,37 @@ def dense_equivalent(moe):
         dense.up_proj.weight.copy_(torch.cat([e.up_proj.weight for e in experts], 0))
         dense.down_proj.weight.copy_(torch.cat([e.down_proj.weight for e in experts], 1))
     return dense
+
+
+class _OneDNNLinearFn(torch.autograd.Function):
+    """y = x @ w^T with oneDNN (kernels.grouped_gemm's CPU engine), forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        from kernels.grouped_gemm import _onednn_linear
+        ctx.save_for_backward(x, w)
+        return _onednn_linear(x, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        from kernels.grouped_gemm import _onednn_linear
+        x, w = ctx.saved_tensors
+        g = g.contiguous()
+        return _onednn_linear(g, w.t()), _onednn_linear(g.t(), x.t())
+
+
+class DenseOneDNN(torch.nn.Module):
+    """`dense` with its three linears run by oneDNN (same weights, same autograd for the SwiGLU)."""
+
+    def __init__(self, dense):
+        super().__init__()
+        self.dense = dense
+
+    def forward(self, x):
+        x2 = x.reshape(-1, x.shape[-1])
+        lin = lambda t, m: _OneDNNLinearFn.apply(t, m.weight)  # noqa: E731
+        d = self.dense
+        return lin(torch.nn.functional.silu(lin(x2, d.gate_proj)) * lin(x2, d.up_proj), d.down_proj).view_as(x)
 
 
 def hf_block(moe, implementation):
@@ -217,13 +253,16 @@ def main():
         moe = MOEFeedForward(MiniMindConfig(**cfg)).to(device).train()
         fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).to(device).train()
         fused.load_state_dict(moe.state_dict())
+        from kernels.grouped_gemm import onednn_supports
+        onednn = device == "cpu" and onednn_supports(torch.ones(1), torch.ones(1))
         builders = {"dense": lambda: dense_equivalent(moe).to(device).train(),
+                    "dense-onednn": lambda: DenseOneDNN(dense_equivalent(moe)).to(device).train(),
                     "masked": lambda: (lambda t: reference_masked_forward(moe, t)),
                     "sorted": lambda: moe, "fused": lambda: fused,
                     "hf-eager": lambda: hf_block(moe, "eager").to(device).train(),
                     "hf-grouped_mm": lambda: hf_block(moe, "grouped_mm").to(device).train(),
                     "hf-batched_mm": lambda: hf_block(moe, "batched_mm").to(device).train()}
-        impls = {key: builders[key]() for key in wanted}
+        impls = {key: builders[key]() for key in wanted if key != "dense-onednn" or onednn}
         for n in token_counts:
             x = torch.randn(1, n, d, device=device)
             cell = dict(impls)
@@ -234,6 +273,9 @@ def main():
                 ref = impls["sorted"](x) if "sorted" in impls else None
                 if "masked" in impls:
                     assert torch.equal(impls["masked"](x), ref), "sorted != masked reference"
+                if "dense-onednn" in cell:
+                    err = (cell["dense-onednn"](x).float() - cell["dense"](x).float()).abs().max().item()
+                    assert err < (1e-4 if ptdtype == torch.float32 else 5e-2), f"dense-onednn differs by {err}"
                 for key in cell:
                     if key.startswith("hf") or key == "fused":
                         err = (cell[key](x).float() - ref.float()).abs().max().item()
@@ -262,6 +304,8 @@ def main():
                 for key, v in times.items():
                     med[key, backward] = statistics.median(v) * 1e3
             for key in wanted:
+                if key == "dense-onednn" and not onednn:
+                    continue
                 if key not in cell:
                     say(f"{key:<15}   skipped: per-pair weight copies need ~{batched_gb:.0f} GiB")
                     continue
@@ -275,13 +319,15 @@ def main():
             ours = min(med["sorted", True], med["fused", True]) if "fused" in cell and "sorted" in cell else None
             if ours is not None:
                 hf = {key: med[key, True] for key in cell if key.startswith("hf")}
-                summary.append((name, n, ours / med["dense", True], {key: v / ours for key, v in hf.items()}))
+                engine = ours / med["dense-onednn", True] if "dense-onednn" in cell else None
+                summary.append((name, n, ours / med["dense", True], engine, {key: v / ours for key, v in hf.items()}))
             say()
     if summary:
-        say("fwd+bwd summary: best of ours (sorted, fused) vs dense, and each transformers implementation's time "
-            "as a multiple of ours (> 1 = ours faster)")
-        for name, n, vs_dense, vs_hf in summary:
-            say(f"  {name:<13} N={n:<5} ours/dense {vs_dense:.2f}x   " +
+        say("fwd+bwd summary: best of ours (sorted, fused) vs dense (and vs dense-onednn, the same GEMM engine), "
+            "and each transformers implementation's time as a multiple of ours (> 1 = ours faster)")
+        for name, n, vs_dense, vs_engine, vs_hf in summary:
+            say(f"  {name:<13} N={n:<5} ours/dense {vs_dense:.2f}x" +
+                (f"  ours/dense-onednn {vs_engine:.2f}x" if vs_engine is not None else "") + "   " +
                 "  ".join(f"{key} {v:.2f}x" for key, v in vs_hf.items()))
     if out_file:
         out_file.close()

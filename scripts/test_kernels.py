@@ -3,9 +3,11 @@ this runs in CI without a GPU; on a CUDA machine the same checks also run on the
 
     python scripts/test_kernels.py          # sets TRITON_INTERPRET=1 itself before triton is imported
 
-permute / combine: bitwise (both are gathers plus the same fp32 multiply/add sequence).
-grouped GEMM: fp32 within 1e-5 relative to the largest |value|: the kernel accumulates each dot product
-over K in tiles in a different order than the reference's matmul (reassociation only; inputs are exact).
+permute / combine: bitwise (both are gathers plus the same fp32 multiply/add sequence); so is the CPU
+embedding_bag combine (a fused gather-and-sum that adds each bag's rows in index order).
+grouped GEMM (Triton, torch, oneDNN) and the CPU expert chains: fp32 within 1e-5 relative to the largest
+|value|: each accumulates dot products in another order than the reference's matmul (reassociation only;
+inputs are exact); bf16 within 2e-2 relative (8 mantissa bits, rounded at different points).
 """
 import os
 
@@ -14,8 +16,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 from testlib import Skip, run  # noqa: E402,F401
-from kernels.backend import choose, interpreting, triton_importable  # noqa: E402
-from kernels.grouped_gemm import SwiGLU, grouped_mm, grouped_swiglu, torch_grouped_mm_supports  # noqa: E402
+from kernels.backend import choose, cpu_values, interpreting, triton_importable  # noqa: E402
+from kernels.cpu_experts import cpu_experts, cpu_experts_supported  # noqa: E402
+from kernels.grouped_gemm import (ScaledSwiGLU, SwiGLU, grouped_mm, grouped_swiglu, onednn_supports,  # noqa: E402
+                                  torch_grouped_mm_supports)
 from kernels.permute import (build_row_map, combine_rows, combine_rows_reference, gather_rows,  # noqa: E402
                              gather_rows_reference, permute, unpermute_combine)
 
@@ -229,6 +233,143 @@ def test_grouped_mm_torch_backend_on_cpu():
     assert not torch_grouped_mm_supports(torch.randn(4, 33), torch.randn(2, 33, 8)), "misaligned strides"
 
 
+def test_grouped_mm_onednn_backend_on_cpu():
+    """The CPU oneDNN backend (one matmul per segment) against the fp64 reference: forward and both
+    grads over the GEMM cases (empty segments, M = 0 / 1, rows past the last segment, odd sizes), fp32
+    and (where the CPU has it) bf16."""
+    if not onednn_supports(torch.ones(1), torch.ones(1)):
+        raise Skip("this torch has no oneDNN CPU matmul")
+    for lens, K, N, tail in GEMM_CASES:
+        offsets = torch.tensor(lens).cumsum(0).to(torch.int32)
+        M = sum(lens) + tail
+        a = torch.randn(M, K, requires_grad=True)
+        b = torch.randn(len(lens), N, K).transpose(1, 2).requires_grad_()
+        c = grouped_mm(a, b, offsets, backend="onednn")
+        close(c, grouped_reference(a.detach(), b.detach(), offsets), f"onednn forward {lens}")
+        g = torch.randn(M, N)
+        ga, gb = torch.autograd.grad(c, (a, b), g)
+        a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+        ra, rb = torch.autograd.grad(grouped_mm(a64, b64, offsets, backend="reference"), (a64, b64), g.double())
+        n = sum(lens)
+        close(ga[:n], ra[:n], f"onednn grad a {lens}")
+        close(gb, rb, f"onednn grad b {lens}")
+        assert not ga[n:].any() and not c[n:].any(), "rows past the segments: zero output and gradient"
+    if onednn_supports(torch.ones(1, dtype=torch.bfloat16), torch.ones(1)):
+        a, b = torch.randn(20, 32), torch.randn(3, 32, 16)
+        offsets = torch.tensor([7, 7, 20], dtype=torch.int32)
+        got = grouped_mm(a.bfloat16(), b.bfloat16(), offsets, backend="onednn").double()
+        want = grouped_reference(a.bfloat16().float(), b.bfloat16().float(), offsets)
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max(), "bf16"
+    try:
+        grouped_mm(torch.randn(4, 4, dtype=torch.float64), torch.randn(1, 4, 4, dtype=torch.float64),
+                   torch.tensor([4], dtype=torch.int32), backend="onednn")
+    except RuntimeError as e:
+        assert "oneDNN" in str(e)
+    else:
+        raise AssertionError("fp64 accepted by the oneDNN backend")
+
+
+def test_embedding_bag_combine_is_the_reference():
+    """The CPU fast path of the unweighted combine (torch's embedding_bag) equals the reference bit for
+    bit, and is refused where it would not (weights, holes, other dtypes)."""
+    for T, K, E, drop, idle, pad_to, align in CASES:
+        rm = build_row_map(routing(T, K, E, drop=drop, idle=idle), E, pad_to, align)
+        for dtype in (torch.float32, torch.float64):
+            h = torch.randn(rm.num_rows, 37, dtype=dtype)
+            want = combine_rows_reference(h, rm.row_of_pair_TK, has_holes=rm.has_holes)
+            if rm.has_holes or rm.num_rows == 0:
+                try:
+                    combine_rows(h, rm.row_of_pair_TK, backend="embedding_bag", has_holes=rm.has_holes)
+                except RuntimeError:
+                    continue
+                raise AssertionError("embedding_bag combine accepted holes or an empty buffer")
+            assert bits_equal(combine_rows(h, rm.row_of_pair_TK, backend="embedding_bag", has_holes=False), want)
+    rm = build_row_map(routing(30, 3, 6), 6, may_drop=False)
+    h = torch.randn(rm.num_rows, 8)
+    for bad in (dict(w_TK=torch.rand(30, 3)), dict(out_dtype=torch.float64)):
+        try:
+            combine_rows(h, rm.row_of_pair_TK, backend="embedding_bag", has_holes=False, **bad)
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError(f"embedding_bag combine accepted {list(bad)}")
+
+
+def test_scaled_swiglu_gradients():
+    """SwiGLU with a per-row scale (the routing weight applied before the down projection): gradcheck
+    in fp64, and equal to the unscaled SwiGLU times the scale."""
+    gu = torch.randn(9, 8, dtype=torch.float64, requires_grad=True)
+    s = torch.rand(9, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(ScaledSwiGLU.apply, (gu, s))
+    assert torch.allclose(ScaledSwiGLU.apply(gu, s), SwiGLU.apply(gu) * s[:, None])
+
+
+def cpu_experts_reference(experts, x, scale_P, rm):
+    """Per expert, per routed row: scale * expert(x[token]), summed per token in fp64 (autograd)."""
+    y = torch.zeros(x.shape, dtype=torch.float64)
+    starts = [0] + rm.offsets_E.tolist()[:-1]
+    for e, (start, n) in enumerate(zip(starts, rm.tokens_per_expert_E.tolist())):
+        tok = rm.token_of_row_P[start:start + n]
+        h = experts[e](x[tok]).double() * scale_P[start:start + n, None].double()
+        y = y.index_add(0, tok, h)
+    return y
+
+
+def test_cpu_experts_chains():
+    """kernels.cpu_experts (the fused path's CPU expert compute) against a per-expert autograd
+    reference: output, grad x, grad of the row scales and every expert weight; over the row-map cases
+    (idle experts get zero weight grads, padding rows are skipped, dropped pairs add nothing), fp32 and
+    bf16; two runs bitwise identical."""
+    from model.moe import FeedForward
+    if not cpu_experts_supported(torch.ones(1)):
+        raise Skip("this torch has no oneDNN CPU matmul")
+    for T, K, E, drop, idle, pad_to, align in CASES:
+        torch.manual_seed(T + K + E)
+        experts = torch.nn.ModuleList(FeedForward(12, 20) for _ in range(E))
+        rm = build_row_map(routing(T, K, E, drop=drop, idle=idle), E, pad_to, align)
+        x = torch.randn(T, 12, requires_grad=True)
+        scale = torch.rand(rm.num_rows, requires_grad=True)
+        g = torch.randn(T, 12)
+        params = [x, scale, *experts.parameters()]
+        got = torch.autograd.grad(cpu_experts(experts, x, scale, rm), params, g, allow_unused=True)
+        y = cpu_experts(experts, x, scale, rm)
+        want = torch.autograd.grad(cpu_experts_reference(experts, x, scale, rm), params, g.double(),
+                                   allow_unused=True)
+        what = f"T={T} K={K} E={E} drop={drop} idle={idle} pad={pad_to} align={align}"
+        close(y, cpu_experts_reference(experts, x, scale, rm).detach(), what + " forward")
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert a is not None, f"{what}: gradient {i} missing (idle experts need zero grads)"
+            close(a, torch.zeros_like(a) if b is None else b, f"{what} grad {i}")
+        again = torch.autograd.grad(cpu_experts(experts, x, scale, rm), params, g, allow_unused=True)
+        assert all(bits_equal(a, b) for a, b in zip(got, again)), what + " rerun"
+    if cpu_experts_supported(torch.ones(1, dtype=torch.bfloat16)):
+        experts = torch.nn.ModuleList(FeedForward(16, 32) for _ in range(4)).bfloat16()
+        rm = build_row_map(routing(40, 2, 4), 4, may_drop=False)
+        x = torch.randn(40, 16).bfloat16()
+        scale = torch.rand(rm.num_rows)
+        got = cpu_experts(experts, x, scale, rm).double()
+        want = cpu_experts_reference(experts, x, scale, rm)
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max(), "bf16"
+    try:
+        cpu_experts(torch.nn.ModuleList([FeedForward(4, 4)]), torch.randn(2, 4, dtype=torch.float64),
+                    torch.ones(2), build_row_map(torch.zeros(2, 1, dtype=torch.long), 1))
+    except ValueError as e:
+        assert "cpu_experts" in str(e)
+    else:
+        raise AssertionError("fp64 accepted by cpu_experts")
+
+
+def test_cpu_values_refuses_device_tensors():
+    """The host read of CPU kernels' segment bounds refuses tensors on other devices (a real sync)."""
+    assert cpu_values(torch.tensor([3, 5])) == [3, 5]
+    try:
+        cpu_values(torch.empty(2, device="meta"))
+    except ValueError as e:
+        assert "CPU" in str(e)
+    else:
+        raise AssertionError("a non-CPU tensor was read")
+
+
 def test_grouped_swiglu_matches_per_expert_ffn():
     from model.moe import FeedForward
     torch.manual_seed(0)
@@ -239,7 +380,8 @@ def test_grouped_swiglu_matches_per_expert_ffn():
     w_gu = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
     w_d = torch.stack([e.down_proj.weight for e in experts])
     want = torch.cat([experts[e](x[int(s):int(s) + n]) for e, (s, n) in enumerate(zip([0, 6, 6], lens))])
-    backends = ["reference", "torch"] + (["triton"] if triton_importable() else [])
+    backends = ["reference", "torch"] + (["triton"] if triton_importable() else []) + (
+        ["onednn"] if onednn_supports(x, x) else [])
     for be in backends:
         close(grouped_swiglu(x, w_gu, w_d, offsets, backend=be), want, be)
     g = torch.randn(7, 2 * F_, dtype=torch.float64, requires_grad=True)
@@ -281,6 +423,8 @@ def test_kernels_compile_for_hopper():
 
 TESTS = [test_row_map_layout, test_gather_rows_bitwise, test_combine_rows_bitwise, test_hole_free_fast_path_is_the_same,
          test_permute_combine_autograd, test_grouped_mm_triton_forward_backward, test_grouped_mm_torch_backend_on_cpu,
+         test_grouped_mm_onednn_backend_on_cpu, test_embedding_bag_combine_is_the_reference, test_scaled_swiglu_gradients,
+         test_cpu_experts_chains, test_cpu_values_refuses_device_tensors,
          test_grouped_swiglu_matches_per_expert_ffn, test_backend_choice_errors, test_kernels_compile_for_hopper]
 
 if __name__ == "__main__":

@@ -2,11 +2,18 @@
 
     python scripts/test_moe_fused.py
 
+The fused path has two expert computes (model.moe_fused, `impl`): "grouped" (permute -> grouped GEMM ->
+combine, the GPU design) and "cpu_experts" (per-expert oneDNN chains, what "auto" picks on CPU); every
+equivalence test runs both.
+
 Tolerance, fp32: forward and every gradient within 1e-5 absolute on outputs of size ~0.1-1 (the grouped
-GEMM sums each dot product in another order than per-expert nn.Linear, and the combine accumulates in
-fp32: differences are a few ulps, ~1e-7 measured). bf16 autocast: within 2e-2 (bf16 has 8 mantissa bits;
+GEMM sums each dot product in another order than per-expert nn.Linear, the routing weight is applied
+before the down projection instead of after it, and the combine accumulates in fp32: differences are a
+few ulps, ~1e-7 measured). bf16 autocast: within 2e-2 (bf16 has 8 mantissa bits;
 both paths round the expert outputs to bf16 once, at different points).
 """
+import contextlib
+import functools
 import warnings
 
 import torch
@@ -15,8 +22,21 @@ from testlib import Skip, run  # noqa: F401
 from sync_count import count_syncs
 from model.model_minimind import MiniMindConfig, MOEFeedForward
 from model.moe_fused import _back_to_back, fused_experts_forward
+import model.moe as moe_module
 
 D = 32
+IMPLS = ("cpu_experts", "grouped")
+
+
+@contextlib.contextmanager
+def fused_impl(impl, **backends):
+    """Run the fused layer with a given expert compute (and kernel backends) instead of "auto"."""
+    original = moe_module.fused_experts_forward
+    moe_module.fused_experts_forward = functools.partial(original, impl=impl, **backends)
+    try:
+        yield
+    finally:
+        moe_module.fused_experts_forward = original
 
 
 def pair(E, k, seed=0, **kw):
@@ -57,14 +77,15 @@ CONFIGS = [  # E, k, extra config
 
 
 def test_matches_sorted_fp32():
-    for E, k, kw in CONFIGS:
+    for (E, k, kw), impl in ((c, i) for c in CONFIGS for i in IMPLS):
         ref, fused = pair(E, k, **kw)
         for S in (1, 7, 50):
             x = torch.randn(2, S, D)
             g = torch.randn(2, S, D)
             ya, dxa, ga = fwd_bwd(ref, x, g)
-            yb, dxb, gb = fwd_bwd(fused, x, g)
-            what = f"E={E} k={k} {kw} S={S}"
+            with fused_impl(impl):
+                yb, dxb, gb = fwd_bwd(fused, x, g)
+            what = f"{impl} E={E} k={k} {kw} S={S}"
             assert_close(ya, yb, 1e-5, what + " forward")
             assert_close(dxa, dxb, 1e-5, what + " grad x")
             for n in ga:
@@ -82,31 +103,39 @@ def test_idle_experts_get_zero_grads():
         fused.gate.weight[5, 0] = -1000.0
     x = torch.randn(1, 20, D)
     x[..., 0] = x[..., 0].abs() + 1.0
-    _, _, grads = fwd_bwd(fused, x, torch.randn(1, 20, D))
-    assert int(fused.last_tokens_per_expert[5]) == 0
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        g = grads[f"experts.5.{name}.weight"]
-        assert g is not None and not g.abs().any(), name
+    for impl in IMPLS:
+        with fused_impl(impl):
+            _, _, grads = fwd_bwd(fused, x, torch.randn(1, 20, D))
+        assert int(fused.last_tokens_per_expert[5]) == 0
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            g = grads[f"experts.5.{name}.weight"]
+            assert g is not None and not g.abs().any(), f"{impl} {name}"
 
 
 def test_deterministic():
-    for E, k, kw in CONFIGS[:6]:
+    for (E, k, kw), impl in ((c, i) for c in CONFIGS[:6] for i in IMPLS):
         _, fused = pair(E, k, **kw)
         x, g = torch.randn(3, 40, D), torch.randn(3, 40, D)
-        a, b = fwd_bwd(fused, x, g), fwd_bwd(fused, x, g)
+        with fused_impl(impl):
+            a, b = fwd_bwd(fused, x, g), fwd_bwd(fused, x, g)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         assert all(torch.equal(a[2][n], b[2][n]) for n in a[2])
 
 
 def test_zero_syncs():
-    """No sync-inducing call in the forward, in training and eval, with capacity, padding and alignment."""
+    """No sync-inducing call in the forward, in training and eval, with capacity, padding and alignment:
+    with the CPU expert chains (which read their segment bounds from CPU memory: not a sync), and with
+    the grouped path on torch's grouped_mm, whose offsets never leave the device (the CUDA design)."""
+    variants = [("cpu_experts", {}), ("grouped", {"gemm_backend": "torch", "permute_backend": "reference"})]
     for E, k, kw in CONFIGS + [(64, 8, {}), (16, 4, {"capacity_factor": 1.25, "moe_pad_to_capacity": True})]:
         ref, fused = pair(E, k, **kw)
         x = torch.randn(2, 30, D)
         for train in (True, False):
-            fused.train(train)
-            _, syncs = count_syncs(fused, x)
-            assert syncs == 0, f"E={E} k={k} {kw} train={train}: {syncs} syncs"
+            for impl, backends in variants:
+                fused.train(train)
+                with fused_impl(impl, **backends):
+                    _, syncs = count_syncs(fused, x)
+                assert syncs == 0, f"{impl} E={E} k={k} {kw} train={train}: {syncs} syncs"
             ref.train(train)
             assert count_syncs(ref, x)[1] == 1
 
@@ -160,16 +189,25 @@ def test_state_dict_and_packing():
 
 def test_bf16_autocast_cpu():
     ref, fused = pair(8, 2)
-    x = torch.randn(2, 16, D)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ya, yb = ref(x), fused(x)
-    assert ya.dtype == yb.dtype == x.dtype
-    assert_close(ya, yb, 2e-2, "bf16 autocast")
+    x, g = torch.randn(2, 16, D), torch.randn(2, 16, D)
+    for impl in IMPLS:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            a = fwd_bwd(ref, x, g)
+            with fused_impl(impl):
+                b = fwd_bwd(fused, x, g)
+        assert a[0].dtype == b[0].dtype == x.dtype
+        assert_close(a[0], b[0], 2e-2, f"{impl} bf16 autocast")
+        assert_close(a[1], b[1], 2e-2, f"{impl} bf16 autocast grad x")
+        for n in a[2]:
+            assert_close(a[2][n], b[2][n], 5e-2, f"{impl} bf16 autocast grad {n}")
 
 
 def test_odd_sizes_fall_back():
     """Sizes torch's grouped_mm cannot take, in forward or only in backward (rows not 16-byte multiples:
-    D or F not a multiple of 4 in fp32, of 8 in bf16), use the reference loop; values and all grads agree."""
+    D or F not a multiple of 4 in fp32, of 8 in bf16), use the reference loop in the grouped path when
+    oneDNN is not there (as on CUDA, where it never is); the CPU expert chains and the oneDNN grouped GEMM
+    take any size. Values and all grads agree in every variant."""
+    import kernels.grouped_gemm as G
     for D_, F_, dtype in ((33, 13, None), (32, 13, None), (33, 24, None), (36, 64, torch.bfloat16),
                           (100, 64, torch.bfloat16)):
         torch.manual_seed(0)
@@ -180,14 +218,22 @@ def test_odd_sizes_fall_back():
         fused.load_state_dict(ref.state_dict())
         x, g = torch.randn(2, 11, D_), torch.randn(2, 11, D_)
         tol = 1e-5 if dtype is None else 5e-2
-        with warnings.catch_warnings(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            warnings.simplefilter("ignore")
-            a, b = fwd_bwd(ref, x, g), fwd_bwd(fused, x, g)
-        what = f"D={D_} F={F_} {dtype}"
-        assert_close(a[0], b[0], tol, what + " forward")
-        assert_close(a[1], b[1], tol, what + " grad x")
-        for n in a[2]:
-            assert_close(a[2][n], b[2][n], tol, f"{what} grad {n}")
+        for variant in ("cpu_experts", "grouped", "grouped without oneDNN"):
+            supports = G.onednn_supports
+            if variant == "grouped without oneDNN":
+                G.onednn_supports = lambda a, b: False
+            try:
+                with (warnings.catch_warnings(), fused_impl(variant.split()[0]),
+                      torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)):
+                    warnings.simplefilter("ignore")
+                    a, b = fwd_bwd(ref, x, g), fwd_bwd(fused, x, g)
+            finally:
+                G.onednn_supports = supports
+            what = f"{variant} D={D_} F={F_} {dtype}"
+            assert_close(a[0], b[0], tol, what + " forward")
+            assert_close(a[1], b[1], tol, what + " grad x")
+            for n in a[2]:
+                assert_close(a[2][n], b[2][n], tol, f"{what} grad {n}")
 
 
 def test_direct_call_with_dropped_pairs():
@@ -198,9 +244,16 @@ def test_direct_call_with_dropped_pairs():
     w = torch.rand(10, 2)
     from model.moe import sorted_experts_forward
     want = sorted_experts_forward(ref.experts, x, idx.sort(-1)[0], w.gather(-1, idx.sort(-1)[1]), True)
-    got = fused_experts_forward(fused.experts, x, idx.sort(-1)[0], w.gather(-1, idx.sort(-1)[1]), True)
-    assert_close(got, want, 1e-5, "dropped pairs")
-    assert not got[3].abs().any()
+    for impl in IMPLS:
+        got = fused_experts_forward(fused.experts, x, idx.sort(-1)[0], w.gather(-1, idx.sort(-1)[1]), True, impl=impl)
+        assert_close(got, want, 1e-5, f"{impl} dropped pairs")
+        assert not got[3].abs().any()
+    try:
+        fused_experts_forward(fused.experts, x, idx, w, True, impl="fast")
+    except ValueError as e:
+        assert "impl" in str(e)
+    else:
+        raise AssertionError("unknown impl accepted")
 
 
 def test_compiles_without_graph_breaks():

@@ -1,0 +1,115 @@
+"""CPU expert compute for the fused MoE path: one chain per expert, everything on a cache-sized chunk.
+
+    for each expert e (ascending):   x_e = x[tokens of e]                    (gather)
+                                     gu_e = x_e @ W_gate_up[e]^T             (oneDNN)
+                                     h_e = silu(gate) * up * w_e             (SwiGLU, routing weight)
+                                     y[tokens of e] += h_e @ W_down[e]^T     (oneDNN, index_add)
+
+On GPUs the fused path materialises the expert-sorted buffer and runs grouped GEMMs over it (one
+launch per step, no host loop). On a CPU, kernel launches cost nothing and memory traffic is what
+hurts: each expert's rows here go through the whole chain while they sit in L2, and the [P, D]
+permuted buffers, the concatenations of per-segment GEMM outputs and the stacked weight gradients are
+never built. The backward runs the same chain in reverse; each expert's weight gradients are the GEMMs'
+own fresh outputs, handed to autograd as they are (no copy into a stacked buffer).
+
+Order of additions: y and grad x accumulate their per-expert contributions in ascending expert order,
+from zero, which for every token is the order of its slots (sorted by expert id): the same sums as the
+grouped path's combine. The GEMMs are oneDNN's (kernels.grouped_gemm "onednn" backend) and need the
+segment bounds on the host: a read of CPU memory (no device, nothing to wait for), so the layer stays
+free of device syncs. Padding rows of a padded row map are skipped (their output is discarded anyway).
+"""
+import torch
+
+from kernels.backend import cpu_values
+from kernels.grouped_gemm import _onednn_linear, onednn_supports, scaled_swiglu_backward, scaled_swiglu_forward
+
+
+def cpu_experts_supported(x_TD) -> bool:
+    """Whether cpu_experts runs on x's device and dtype (CPU, oneDNN available, fp32 / native bf16)."""
+    return onednn_supports(x_TD, x_TD)
+
+
+def _gate_up_weight(gate_FD, up_FD):
+    """[2F, D] = [gate; up] as a view when the two sit back to back (packed), else a copy."""
+    F_, D = gate_FD.shape
+    if (gate_FD.is_contiguous() and up_FD.is_contiguous() and up_FD.dtype == gate_FD.dtype
+            and up_FD.data_ptr() == gate_FD.data_ptr() + gate_FD.numel() * gate_FD.element_size()):
+        return gate_FD.as_strided((2 * F_, D), (D, 1))
+    return torch.cat([gate_FD, up_FD])
+
+
+class _CPUExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, scale_P, token_of_row_P, segments, out_dtype, *weights):
+        # segments: host list of (first row, real rows) per expert; weights: gate_0, up_0, down_0, gate_1, ...
+        T, D = x_TD.shape
+        acc = torch.promote_types(x_TD.dtype, torch.float32)
+        y_TD = torch.zeros(T, D, dtype=acc)
+        saved = []
+        for e, (start, n) in enumerate(segments):
+            if n == 0:
+                saved.append(None)
+                continue
+            gate, up, down = weights[3 * e: 3 * e + 3]
+            tok_n = token_of_row_P[start:start + n]
+            x_nD = x_TD.index_select(0, tok_n)
+            gu_n2F = _onednn_linear(x_nD, _gate_up_weight(gate, up))
+            h_nF, silu_nF = scaled_swiglu_forward(gu_n2F, scale_P[start:start + n])
+            y_TD.index_add_(0, tok_n, _onednn_linear(h_nF, down).to(acc))
+            saved.append((gu_n2F, silu_nF, h_nF))
+        ctx.segments, ctx.saved_chunks = segments, saved
+        ctx.save_for_backward(x_TD, scale_P, token_of_row_P, *weights)
+        return y_TD.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y_TD):
+        x_TD, scale_P, token_of_row_P, *weights = ctx.saved_tensors
+        T, D = x_TD.shape
+        acc = torch.promote_types(x_TD.dtype, torch.float32)
+        need_x, need_scale = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x_TD = torch.zeros(T, D, dtype=acc) if need_x else None
+        grad_scale_P = torch.zeros_like(scale_P) if need_scale else None
+        grad_y_TD = grad_y_TD.to(x_TD.dtype)
+        grad_w = []
+        for e, (start, n) in enumerate(ctx.segments):
+            gate, up, down = weights[3 * e: 3 * e + 3]
+            if n == 0:  # an idle expert still gets a (zero) gradient: DDP expects every parameter's
+                grad_w += [torch.zeros_like(gate), torch.zeros_like(up), torch.zeros_like(down)]
+                continue
+            gu_n2F, silu_nF, h_nF = ctx.saved_chunks[e]
+            tok_n = token_of_row_P[start:start + n]
+            gy_nD = grad_y_TD.index_select(0, tok_n)
+            grad_down = _onednn_linear(gy_nD.t(), h_nF.t())  # [D, F]
+            gh_nF = _onednn_linear(gy_nD, down.t())
+            ggu_n2F, gs_n = scaled_swiglu_backward(gh_nF, gu_n2F, silu_nF, scale_P[start:start + n], need_scale)
+            if need_scale:
+                grad_scale_P[start:start + n] = gs_n
+            grad_gu = _onednn_linear(ggu_n2F.t(), x_TD.index_select(0, tok_n).t())  # [2F, D]
+            F_ = gate.shape[0]
+            grad_w += [grad_gu[:F_], grad_gu[F_:], grad_down]
+            if need_x:
+                grad_x_TD.index_add_(0, tok_n, _onednn_linear(ggu_n2F, _gate_up_weight(gate, up).t()).to(acc))
+        ctx.saved_chunks = None
+        return (grad_x_TD.to(x_TD.dtype) if need_x else None, grad_scale_P, None, None, None, *grad_w)
+
+
+def cpu_experts(experts, x_TD, scale_P, row_map, out_dtype=None):
+    """y[t] = sum over t's routed pairs of w * expert_e(x[t]) on CPU, expert by expert (see module doc).
+
+    Args: experts: E SwiGLU FeedForward modules (weights in x's dtype); x_TD [T, D] CPU, fp32 (or bf16
+        where the CPU has native bf16); scale_P [P] routing weight of each row of the row map (fp32);
+        row_map: kernels.permute.RowMap of the routed pairs; out_dtype: None = x's dtype.
+    Returns: y_TD [T, D] (accumulated in fp32). Differentiable in x, scale_P and the expert weights.
+    Raises ValueError when the device, dtype or weights do not fit.
+    """
+    if not cpu_experts_supported(x_TD):
+        raise ValueError(f"cpu_experts: needs a CPU fp32 (or native-bf16) tensor and oneDNN, got {x_TD.dtype} "
+                         f"on {x_TD.device}")
+    weights = [w for ex in experts for w in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)]
+    if any(w.dtype != x_TD.dtype or w.device != x_TD.device for w in weights):
+        raise ValueError(f"cpu_experts: expert weights must be {x_TD.dtype} on {x_TD.device} like x")
+    ends = cpu_values(row_map.offsets_E)
+    counts = cpu_values(row_map.tokens_per_expert_E)
+    starts = [0] + ends[:-1]
+    segments = [(s, n) for s, n in zip(starts, counts)]  # real rows come first in each (padded) segment
+    return _CPUExperts.apply(x_TD, scale_P, row_map.token_of_row_P, segments, out_dtype or x_TD.dtype, *weights)
