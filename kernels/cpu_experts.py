@@ -10,7 +10,8 @@ launch per step, no host loop). On a CPU, kernel launches cost nothing and memor
 hurts: each expert's rows here go through the whole chain while they sit in L2, and the [P, D]
 permuted buffers, the concatenations of per-segment GEMM outputs and the stacked weight gradients are
 never built. The backward runs the same chain in reverse; each expert's weight gradients are the GEMMs'
-own fresh outputs, handed to autograd as they are (no copy into a stacked buffer).
+own fresh outputs, handed to autograd as they are (no copy into a stacked buffer). Each chain runs on
+its rows rounded up to a bucket with zero rows (see `_bucket`), so oneDNN sees a bounded set of shapes.
 
 Order of additions: y and grad x accumulate their per-expert contributions in ascending expert order,
 from zero, which for every token is the order of its slots (sorted by expert id): the same sums as the
@@ -19,6 +20,7 @@ segment bounds on the host: a read of CPU memory (no device, nothing to wait for
 free of device syncs. Padding rows of a padded row map are skipped (their output is discarded anyway).
 """
 import torch
+from torch.autograd.function import once_differentiable
 
 from kernels.backend import cpu_values
 from kernels.grouped_gemm import _onednn_linear, onednn_supports, scaled_swiglu_backward, scaled_swiglu_forward
@@ -38,6 +40,25 @@ def _gate_up_weight(gate_FD, up_FD):
     return torch.cat([gate_FD, up_FD])
 
 
+def _bucket(n):
+    """Rows to run an n-row chain with: n rounded up to 1/16 of its power of two (at most 6.25% zero
+    padding). oneDNN builds and caches one kernel per GEMM shape; exact row counts, new every step, would
+    keep building kernels and grow its cache to its capacity (measured: hundreds of MiB over a run)."""
+    if n <= 16:
+        return n
+    g = 1 << max(3, n.bit_length() - 5)
+    return -(-n // g) * g
+
+
+def _gather_padded(src_TD, tok_n, m):
+    """src[tok] in the first n rows of an [m, D] buffer, zeros below."""
+    n = tok_n.shape[0]
+    out = src_TD.new_empty(m, src_TD.shape[1])
+    torch.index_select(src_TD, 0, tok_n, out=out[:n])
+    out[n:].zero_()
+    return out
+
+
 class _CPUExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, scale_P, token_of_row_P, segments, out_dtype, *weights):
@@ -45,51 +66,69 @@ class _CPUExperts(torch.autograd.Function):
         T, D = x_TD.shape
         acc = torch.promote_types(x_TD.dtype, torch.float32)
         y_TD = torch.zeros(T, D, dtype=acc)
+        keep = any(ctx.needs_input_grad)  # under no_grad / inference nothing is kept past its chain
         saved = []
         for e, (start, n) in enumerate(segments):
             if n == 0:
-                saved.append(None)
                 continue
             gate, up, down = weights[3 * e: 3 * e + 3]
+            m = _bucket(n)
             tok_n = token_of_row_P[start:start + n]
-            x_nD = x_TD.index_select(0, tok_n)
-            gu_n2F = _onednn_linear(x_nD, _gate_up_weight(gate, up))
-            h_nF, silu_nF = scaled_swiglu_forward(gu_n2F, scale_P[start:start + n])
-            y_TD.index_add_(0, tok_n, _onednn_linear(h_nF, down).to(acc))
-            saved.append((gu_n2F, silu_nF, h_nF))
-        ctx.segments, ctx.saved_chunks = segments, saved
-        ctx.save_for_backward(x_TD, scale_P, token_of_row_P, *weights)
+            scale_m = scale_P.new_zeros(m)
+            scale_m[:n] = scale_P[start:start + n]
+            gu_m2F = _onednn_linear(_gather_padded(x_TD, tok_n, m), _gate_up_weight(gate, up))
+            h_mF, silu_mF = scaled_swiglu_forward(gu_m2F, scale_m)
+            y_TD.index_add_(0, tok_n, _onednn_linear(h_mF, down)[:n].to(acc))
+            if keep:
+                saved += [gu_m2F, silu_mF, h_mF, scale_m]
+        ctx.segments = segments
+        ctx.save_for_backward(x_TD, scale_P, token_of_row_P, *weights, *saved)
         return y_TD.to(out_dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_y_TD):
-        x_TD, scale_P, token_of_row_P, *weights = ctx.saved_tensors
+        x_TD, scale_P, token_of_row_P, *rest = ctx.saved_tensors
+        E = len(ctx.segments)
+        weights, saved = rest[:3 * E], rest[3 * E:]
         T, D = x_TD.shape
         acc = torch.promote_types(x_TD.dtype, torch.float32)
         need_x, need_scale = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x_TD = torch.zeros(T, D, dtype=acc) if need_x else None
         grad_scale_P = torch.zeros_like(scale_P) if need_scale else None
         grad_y_TD = grad_y_TD.to(x_TD.dtype)
-        grad_w = []
+        grad_w = [None] * (3 * E)
+        chunk = 0
         for e, (start, n) in enumerate(ctx.segments):
             gate, up, down = weights[3 * e: 3 * e + 3]
+            need_gu = ctx.needs_input_grad[5 + 3 * e] or ctx.needs_input_grad[6 + 3 * e]
+            need_down = ctx.needs_input_grad[7 + 3 * e]
             if n == 0:  # an idle expert still gets a (zero) gradient: DDP expects every parameter's
-                grad_w += [torch.zeros_like(gate), torch.zeros_like(up), torch.zeros_like(down)]
+                for i, w in enumerate((gate, up, down)):
+                    if ctx.needs_input_grad[5 + 3 * e + i]:
+                        grad_w[3 * e + i] = torch.zeros_like(w)
                 continue
-            gu_n2F, silu_nF, h_nF = ctx.saved_chunks[e]
+            gu_m2F, silu_mF, h_mF, scale_m = saved[4 * chunk: 4 * chunk + 4]
+            chunk += 1
+            m = gu_m2F.shape[0]
             tok_n = token_of_row_P[start:start + n]
-            gy_nD = grad_y_TD.index_select(0, tok_n)
-            grad_down = _onednn_linear(gy_nD.t(), h_nF.t())  # [D, F]
-            gh_nF = _onednn_linear(gy_nD, down.t())
-            ggu_n2F, gs_n = scaled_swiglu_backward(gh_nF, gu_n2F, silu_nF, scale_P[start:start + n], need_scale)
+            gy_mD = _gather_padded(grad_y_TD, tok_n, m)
+            if need_down:
+                grad_w[3 * e + 2] = _onednn_linear(gy_mD.t(), h_mF.t())  # [D, F]
+            if not (need_gu or need_x or need_scale):
+                continue
+            gh_mF = _onednn_linear(gy_mD, down.t())
+            ggu_m2F, gs_m = scaled_swiglu_backward(gh_mF, gu_m2F, silu_mF, scale_m, need_scale)
             if need_scale:
-                grad_scale_P[start:start + n] = gs_n
-            grad_gu = _onednn_linear(ggu_n2F.t(), x_TD.index_select(0, tok_n).t())  # [2F, D]
-            F_ = gate.shape[0]
-            grad_w += [grad_gu[:F_], grad_gu[F_:], grad_down]
+                grad_scale_P[start:start + n] = gs_m[:n]
+            if need_gu:
+                grad_gu = _onednn_linear(ggu_m2F.t(), _gather_padded(x_TD, tok_n, m).t())  # [2F, D]
+                F_ = gate.shape[0]
+                grad_w[3 * e] = grad_gu[:F_] if ctx.needs_input_grad[5 + 3 * e] else None
+                grad_w[3 * e + 1] = grad_gu[F_:] if ctx.needs_input_grad[6 + 3 * e] else None
             if need_x:
-                grad_x_TD.index_add_(0, tok_n, _onednn_linear(ggu_n2F, _gate_up_weight(gate, up).t()).to(acc))
-        ctx.saved_chunks = None
+                dx_mD = _onednn_linear(ggu_m2F, _gate_up_weight(gate, up).t())
+                grad_x_TD.index_add_(0, tok_n, dx_mD[:n].to(acc))
         return (grad_x_TD.to(x_TD.dtype) if need_x else None, grad_scale_P, None, None, None, *grad_w)
 
 

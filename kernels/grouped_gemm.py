@@ -21,6 +21,7 @@ by the MoE layer) for "torch", zero for the others.
 """
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from kernels.backend import cpu_values, triton_importable, triton_runs_on, warn_once
 
@@ -403,6 +404,7 @@ class SwiGLU(torch.autograd.Function):
         return silu_PF * gate_up_PF2[:, F_:]
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_PF):
         gate_up, silu_PF = ctx.saved_tensors
         F_ = gate_up.shape[1] // 2
@@ -462,6 +464,7 @@ class ScaledSwiGLU(torch.autograd.Function):
         return h_PF
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_PF):
         gate_up, silu_PF, scale_P = ctx.saved_tensors
         return scaled_swiglu_backward(grad_PF, gate_up, silu_PF, scale_P, ctx.needs_input_grad[1])

@@ -110,6 +110,8 @@ def gather_rows(x_TD, src_P, scale_P=None, backend="auto", out_dtype=None, has_h
 
 
 def gather_rows_reference(x_TD, src_P, scale_P=None, out_dtype=None, has_holes=True):
+    if x_TD.shape[0] == 0:  # no source rows: every output row is padding (src all -1)
+        return x_TD.new_zeros(src_P.shape[0], x_TD.shape[1], dtype=out_dtype or x_TD.dtype)
     out = x_TD.index_select(0, src_P.clamp(min=0) if has_holes else src_P)
     if scale_P is not None:
         acc = torch.promote_types(x_TD.dtype, torch.float32)  # fp32 (fp64 stays fp64, for gradcheck)

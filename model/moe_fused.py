@@ -170,7 +170,9 @@ def fused_experts_forward(experts, x_TD, topk_idx_TK, topk_weight_TK, training=T
     # product over F instead of D.
     pair_P = row_map.pair_of_row_P
     w_N = topk_weight_TK.reshape(-1)
-    if row_map.has_holes:  # padding rows and dropped pairs: weight 0 (their rows are zero anyway)
+    if w_N.numel() == 0:  # no pairs (e.g. an EP rank that received none): only padding rows, if any
+        scale_P = w_N.new_zeros(row_map.num_rows)
+    elif row_map.has_holes:  # padding rows and dropped pairs: weight 0 (their rows are zero anyway)
         scale_P = torch.where(pair_P >= 0, w_N[pair_P.clamp(min=0)], 0.0)
     else:
         scale_P = w_N[pair_P]

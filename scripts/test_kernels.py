@@ -323,7 +323,7 @@ def test_cpu_experts_chains():
     from model.moe import FeedForward
     if not cpu_experts_supported(torch.ones(1)):
         raise Skip("this torch has no oneDNN CPU matmul")
-    for T, K, E, drop, idle, pad_to, align in CASES:
+    for T, K, E, drop, idle, pad_to, align in CASES + [(200, 2, 3, 0.1, (), None, 1)]:  # rows > a bucket
         torch.manual_seed(T + K + E)
         experts = torch.nn.ModuleList(FeedForward(12, 20) for _ in range(E))
         rm = build_row_map(routing(T, K, E, drop=drop, idle=idle), E, pad_to, align)
@@ -357,6 +357,39 @@ def test_cpu_experts_chains():
         assert "cpu_experts" in str(e)
     else:
         raise AssertionError("fp64 accepted by cpu_experts")
+
+
+def test_cpu_experts_autograd_modes():
+    """Backward twice with retain_graph, frozen experts (no weight grads computed), no_grad (nothing kept),
+    and double backward refused with a clear error."""
+    from model.moe import FeedForward
+    if not cpu_experts_supported(torch.ones(1)):
+        raise Skip("this torch has no oneDNN CPU matmul")
+    from kernels.cpu_experts import _bucket
+    assert [_bucket(n) for n in (0, 1, 16, 17, 100, 512, 513, 1000)] == [0, 1, 16, 24, 104, 512, 544, 1024]
+    torch.manual_seed(0)
+    experts = torch.nn.ModuleList(FeedForward(8, 12) for _ in range(3))
+    rm = build_row_map(routing(50, 2, 3), 3, may_drop=False)
+    x = torch.randn(50, 8, requires_grad=True)
+    scale = torch.rand(rm.num_rows, requires_grad=True)
+    y = cpu_experts(experts, x, scale, rm)
+    g1 = torch.autograd.grad(y.sum(), (x, scale), retain_graph=True)
+    g2 = torch.autograd.grad(y.sum(), (x, scale))
+    assert all(bits_equal(a, b) for a, b in zip(g1, g2)), "second backward with retain_graph"
+    for p in experts.parameters():
+        p.requires_grad_(False)
+    gx, = torch.autograd.grad(cpu_experts(experts, x, scale, rm).sum(), x)
+    assert bits_equal(gx, g1[0]) and all(p.grad is None for p in experts.parameters())
+    with torch.no_grad():
+        assert not cpu_experts(experts, x, scale, rm).requires_grad
+    y = cpu_experts(experts, x, scale, rm)
+    gx, = torch.autograd.grad(y.sum(), x, create_graph=True)
+    try:
+        gx.sum().backward()
+    except RuntimeError as e:
+        assert "once_differentiable" in str(e) or "double backward" in str(e) or "does not require grad" in str(e), e
+    else:
+        raise AssertionError("double backward through cpu_experts did not raise")
 
 
 def test_cpu_values_refuses_device_tensors():
@@ -424,7 +457,7 @@ def test_kernels_compile_for_hopper():
 TESTS = [test_row_map_layout, test_gather_rows_bitwise, test_combine_rows_bitwise, test_hole_free_fast_path_is_the_same,
          test_permute_combine_autograd, test_grouped_mm_triton_forward_backward, test_grouped_mm_torch_backend_on_cpu,
          test_grouped_mm_onednn_backend_on_cpu, test_embedding_bag_combine_is_the_reference, test_scaled_swiglu_gradients,
-         test_cpu_experts_chains, test_cpu_values_refuses_device_tensors,
+         test_cpu_experts_chains, test_cpu_experts_autograd_modes, test_cpu_values_refuses_device_tensors,
          test_grouped_swiglu_matches_per_expert_ffn, test_backend_choice_errors, test_kernels_compile_for_hopper]
 
 if __name__ == "__main__":

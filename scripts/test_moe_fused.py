@@ -141,13 +141,21 @@ def test_zero_syncs():
 
 
 def test_empty_and_tiny_inputs():
-    ref, fused = pair(4, 2)
-    for shape in ((1, 0, D), (0, 5, D), (1, 1, D)):
-        x = torch.randn(*shape)
-        assert_close(ref(x).detach(), fused(x).detach(), 1e-5, str(shape))
-        xi = x.clone().requires_grad_()
-        fused(xi).sum().backward()
-        assert xi.grad.shape == x.shape
+    for kw in ({}, {"moe_expert_alignment": 4}, {"capacity_factor": 2.0, "moe_pad_to_capacity": True}):
+        ref, fused = pair(4, 2, **kw)
+        for shape, impl in ((s, i) for s in ((1, 0, D), (0, 5, D), (1, 1, D)) for i in IMPLS):
+            x = torch.randn(*shape)
+            with fused_impl(impl):
+                assert_close(ref(x).detach(), fused(x).detach(), 1e-5, f"{impl} {kw} {shape}")
+                xi = x.clone().requires_grad_()
+                fused(xi).sum().backward()
+            assert xi.grad.shape == x.shape
+    # an EP rank that received no pairs but pads every expert to an alignment: P > 0 rows, T = 0 tokens
+    _, fused = pair(4, 2)
+    for impl in IMPLS:
+        y = fused_experts_forward(fused.experts, torch.randn(0, D), torch.zeros(0, 2, dtype=torch.long),
+                                  torch.zeros(0, 2), True, padding=(None, 4), impl=impl)
+        assert y.shape == (0, D), impl
 
 
 def test_state_dict_and_packing():
