@@ -23,12 +23,12 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from kernels.backend import cpu_values
-from kernels.grouped_gemm import _onednn_linear, onednn_supports, scaled_swiglu_backward, scaled_swiglu_forward
+from kernels.grouped_gemm import _onednn_linear, onednn_runs, scaled_swiglu_backward, scaled_swiglu_forward
 
 
-def cpu_experts_supported(x_TD) -> bool:
-    """Whether cpu_experts runs on x's device and dtype (CPU, oneDNN available, fp32 / native bf16)."""
-    return onednn_supports(x_TD, x_TD)
+def cpu_experts_supported(device, dtype) -> bool:
+    """Whether cpu_experts runs on this device and compute dtype (CPU, oneDNN, fp32 / native bf16)."""
+    return onednn_runs(device, dtype)
 
 
 def _gate_up_weight(gate_FD, up_FD):
@@ -135,18 +135,20 @@ class _CPUExperts(torch.autograd.Function):
 def cpu_experts(experts, x_TD, scale_P, row_map, out_dtype=None):
     """y[t] = sum over t's routed pairs of w * expert_e(x[t]) on CPU, expert by expert (see module doc).
 
-    Args: experts: E SwiGLU FeedForward modules (weights in x's dtype); x_TD [T, D] CPU, fp32 (or bf16
-        where the CPU has native bf16); scale_P [P] routing weight of each row of the row map (fp32);
+    Args: experts: E SwiGLU FeedForward modules (weights of another dtype are cast to x's, as autocast
+        would; differentiably); x_TD [T, D] CPU, fp32 (or bf16 where the CPU has native bf16), the compute
+        dtype; scale_P [P] routing weight of each row of the row map (fp32);
         row_map: kernels.permute.RowMap of the routed pairs; out_dtype: None = x's dtype.
     Returns: y_TD [T, D] (accumulated in fp32). Differentiable in x, scale_P and the expert weights.
-    Raises ValueError when the device, dtype or weights do not fit.
+    Raises ValueError when the device or dtype do not fit.
     """
-    if not cpu_experts_supported(x_TD):
+    if not cpu_experts_supported(x_TD.device, x_TD.dtype):
         raise ValueError(f"cpu_experts: needs a CPU fp32 (or native-bf16) tensor and oneDNN, got {x_TD.dtype} "
                          f"on {x_TD.device}")
     weights = [w for ex in experts for w in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)]
-    if any(w.dtype != x_TD.dtype or w.device != x_TD.device for w in weights):
-        raise ValueError(f"cpu_experts: expert weights must be {x_TD.dtype} on {x_TD.device} like x")
+    if any(w.device != x_TD.device for w in weights):
+        raise ValueError(f"cpu_experts: expert weights must be on {x_TD.device} like x")
+    weights = [w if w.dtype == x_TD.dtype else w.to(x_TD.dtype) for w in weights]
     ends = cpu_values(row_map.offsets_E)
     counts = cpu_values(row_map.tokens_per_expert_E)
     starts = [0] + ends[:-1]

@@ -161,12 +161,17 @@ def _probe_onednn():
 _ONEDNN_LINEAR = _probe_onednn()
 
 
-def onednn_supports(a, b) -> bool:
-    """Whether the "onednn" backend runs these operands: CPU, this torch built with oneDNN, fp32 (or bf16
-    where the CPU has native bf16 instructions)."""
-    if _ONEDNN_LINEAR is None or a.device.type != "cpu" or b.device.type != "cpu":
+def onednn_runs(device, dtype) -> bool:
+    """Whether oneDNN matmuls run here: a CPU device, this torch built with oneDNN, fp32 (or bf16 where
+    the CPU has native bf16 instructions)."""
+    if _ONEDNN_LINEAR is None or torch.device(device).type != "cpu":
         return False
-    return a.dtype == torch.float32 or (a.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def onednn_supports(a, b) -> bool:
+    """Whether the "onednn" backend runs these operands (see onednn_runs)."""
+    return b.device.type == "cpu" and onednn_runs(a.device, a.dtype)
 
 
 def _onednn_linear(x_MK, w_NK):
@@ -254,19 +259,9 @@ def _eager_or_op(eager_fn, op):
     return lambda *args: (op if torch.compiler.is_compiling() else eager_fn)(*args)
 
 
-def _grouped_mm_call(a_MK, b_EKN, offsets_E):
-    # The custom-op wrapper costs ~30 us of Python dispatch per call: only pay it when compiling.
-    if torch.compiler.is_compiling():
-        return _grouped_mm_op(a_MK, b_EKN, offsets_E)
-    return _TORCH_GROUPED_MM(a_MK, b_EKN, offs=offsets_E)
-
-
-def _segment_outer_call(lhs_MX, rhs_MY, offsets_E):
-    return (_segment_outer_op if torch.compiler.is_compiling() else _segment_outer)(lhs_MX, rhs_MY, offsets_E)
-
-
 # backend -> (c = a @ b per segment, out[e] = lhs_e^T @ rhs_e per segment)
-_GROUPED_OPS = {"torch": (_grouped_mm_call, _segment_outer_call),
+_GROUPED_OPS = {"torch": (_eager_or_op(lambda a, b, offs: _TORCH_GROUPED_MM(a, b, offs=offs), _grouped_mm_op),
+                          _eager_or_op(_segment_outer, _segment_outer_op)),
                 "triton": (lambda a, b, offs: grouped_mm_triton(a, b, offs),
                            lambda lhs, rhs, offs: grouped_wgrad_triton(lhs, rhs, offs)),
                 "onednn": (_eager_or_op(_onednn_grouped_mm, _onednn_grouped_mm_op),

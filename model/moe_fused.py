@@ -108,19 +108,6 @@ def pack_expert_weights(experts):
         ex.down_proj.weight.data = down[e]
 
 
-class _CastExpert:
-    """An expert's weights cast to `dtype` (differentiable), shaped like a FeedForward for cpu_experts."""
-
-    class _W:
-        def __init__(self, weight):
-            self.weight = weight
-
-    def __init__(self, expert, dtype):
-        self.gate_proj = self._W(expert.gate_proj.weight.to(dtype))
-        self.up_proj = self._W(expert.up_proj.weight.to(dtype))
-        self.down_proj = self._W(expert.down_proj.weight.to(dtype))
-
-
 def fused_experts_forward(experts, x_TD, topk_idx_TK, topk_weight_TK, training=True, stats=None, counts=None,
                           padding=None, may_drop=True, permute_backend="auto", gemm_backend="auto", impl="auto"):
     """Zero-sync dispatch -> grouped expert GEMM -> deterministic combine.
@@ -157,9 +144,8 @@ def fused_experts_forward(experts, x_TD, topk_idx_TK, topk_weight_TK, training=T
     if impl not in ("auto", "grouped", "cpu_experts"):
         raise ValueError(f"fused MoE impl must be 'auto', 'grouped' or 'cpu_experts', got {impl!r}")
     if impl == "auto":
-        x_probe = x_TD if x_TD.dtype == dtype else x_TD[:0].to(dtype)
-        use_cpu = (cpu_experts_supported(x_probe) and not torch.compiler.is_compiling() and not interpreting()
-                   and permute_backend == "auto" and gemm_backend in ("auto", "onednn"))
+        use_cpu = (cpu_experts_supported(x_TD.device, dtype) and not torch.compiler.is_compiling()
+                   and not interpreting() and permute_backend == "auto" and gemm_backend in ("auto", "onednn"))
         impl = "cpu_experts" if use_cpu else "grouped"
     if impl == "grouped":
         w_gate_up, w_down = expert_weight_stacks(experts)
@@ -177,9 +163,7 @@ def fused_experts_forward(experts, x_TD, topk_idx_TK, topk_weight_TK, training=T
     else:
         scale_P = w_N[pair_P]
     with torch.autocast(dev, enabled=False):  # the kernels take explicit dtypes
-        if impl == "cpu_experts":
-            if any(ex.gate_proj.weight.dtype != dtype for ex in experts):  # autocast: cast the weights
-                experts = [_CastExpert(ex, dtype) for ex in experts]
+        if impl == "cpu_experts":  # (casts the weights to the autocast dtype itself)
             return cpu_experts(experts, x_TD.to(dtype), scale_P, row_map, out_dtype=x_TD.dtype)
         x_PD = permute(x_TD.to(dtype), row_map, permute_backend)
         y_PD = grouped_swiglu(x_PD, w_gate_up.to(dtype), w_down.to(dtype), row_map.offsets_E, gemm_backend,

@@ -254,8 +254,8 @@ def main():
         moe = MOEFeedForward(MiniMindConfig(**cfg)).to(device).train()
         fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).to(device).train()
         fused.load_state_dict(moe.state_dict())
-        from kernels.grouped_gemm import onednn_supports
-        onednn = device == "cpu" and onednn_supports(torch.ones(1), torch.ones(1))
+        from kernels.grouped_gemm import onednn_runs
+        onednn = onednn_runs(device, torch.float32)
         builders = {"dense": lambda: dense_equivalent(moe).to(device).train(),
                     "dense-onednn": lambda: DenseOneDNN(dense_equivalent(moe)).to(device).train(),
                     "masked": lambda: (lambda t: reference_masked_forward(moe, t)),

@@ -321,7 +321,7 @@ def test_cpu_experts_chains():
     (idle experts get zero weight grads, padding rows are skipped, dropped pairs add nothing), fp32 and
     bf16; two runs bitwise identical."""
     from model.moe import FeedForward
-    if not cpu_experts_supported(torch.ones(1)):
+    if not cpu_experts_supported("cpu", torch.float32):
         raise Skip("this torch has no oneDNN CPU matmul")
     for T, K, E, drop, idle, pad_to, align in CASES + [(200, 2, 3, 0.1, (), None, 1)]:  # rows > a bucket
         torch.manual_seed(T + K + E)
@@ -342,7 +342,7 @@ def test_cpu_experts_chains():
             close(a, torch.zeros_like(a) if b is None else b, f"{what} grad {i}")
         again = torch.autograd.grad(cpu_experts(experts, x, scale, rm), params, g, allow_unused=True)
         assert all(bits_equal(a, b) for a, b in zip(got, again)), what + " rerun"
-    if cpu_experts_supported(torch.ones(1, dtype=torch.bfloat16)):
+    if cpu_experts_supported("cpu", torch.bfloat16):
         experts = torch.nn.ModuleList(FeedForward(16, 32) for _ in range(4)).bfloat16()
         rm = build_row_map(routing(40, 2, 4), 4, may_drop=False)
         x = torch.randn(40, 16).bfloat16()
@@ -363,7 +363,7 @@ def test_cpu_experts_autograd_modes():
     """Backward twice with retain_graph, frozen experts (no weight grads computed), no_grad (nothing kept),
     and double backward refused with a clear error."""
     from model.moe import FeedForward
-    if not cpu_experts_supported(torch.ones(1)):
+    if not cpu_experts_supported("cpu", torch.float32):
         raise Skip("this torch has no oneDNN CPU matmul")
     from kernels.cpu_experts import _bucket
     assert [_bucket(n) for n in (0, 1, 16, 17, 100, 512, 513, 1000)] == [0, 1, 16, 24, 104, 512, 544, 1024]
