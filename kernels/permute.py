@@ -296,13 +296,7 @@ class UnpermuteCombine(torch.autograd.Function):
         rm = ctx.row_map
         grad_h = grad_w = None
         if ctx.needs_input_grad[0]:
-            scale_P = None
-            if ctx.has_weight:
-                pair_P = rm.pair_of_row_P
-                if rm.has_holes:
-                    scale_P = torch.where(pair_P >= 0, w_TK.reshape(-1)[pair_P.clamp(min=0)], 0.0)
-                else:
-                    scale_P = w_TK.reshape(-1)[pair_P]
+            scale_P = row_weights(w_TK, rm) if ctx.has_weight else None
             grad_h = gather_rows(grad_TD, rm.token_of_row_P, scale_P, backend=ctx.backend, out_dtype=ctx.h_dtype,
                                  has_holes=rm.has_holes)
         if ctx.has_weight and ctx.needs_input_grad[1]:
@@ -316,6 +310,17 @@ class UnpermuteCombine(torch.autograd.Function):
                 grad_w = grad_w.masked_fill_(rm.row_of_pair_TK < 0, 0)
             grad_w = grad_w.to(w_TK.dtype)
         return grad_h, grad_w, None, None, None
+
+
+def row_weights(w_TK, row_map):
+    """[P] weight of the pair in each row of the permuted buffer (0 for padding / unused rows);
+    differentiable in w_TK."""
+    w_N, pair_P = w_TK.reshape(-1), row_map.pair_of_row_P
+    if w_N.numel() == 0:  # no pairs (e.g. an EP rank that received none): only padding rows, if any
+        return w_N.new_zeros(pair_P.shape[0])
+    if row_map.has_holes:
+        return torch.where(pair_P >= 0, w_N[pair_P.clamp(min=0)], 0.0)
+    return w_N[pair_P]
 
 
 def permute(x_TD, row_map, backend="auto"):

@@ -23,7 +23,7 @@ import torch
 from kernels.backend import interpreting, warn_once
 from kernels.cpu_experts import cpu_experts, cpu_experts_supported
 from kernels.grouped_gemm import grouped_swiglu
-from kernels.permute import build_row_map, permute, unpermute_combine
+from kernels.permute import build_row_map, permute, row_weights, unpermute_combine
 
 
 class _PackedStack(torch.autograd.Function):
@@ -154,14 +154,7 @@ def fused_experts_forward(experts, x_TD, topk_idx_TK, topk_weight_TK, training=T
     # Each row's routing weight scales its SwiGLU output, before the down projection (linear, so the
     # same sum up to rounding): the combine is then an unweighted sum, and the weights' gradient a dot
     # product over F instead of D.
-    pair_P = row_map.pair_of_row_P
-    w_N = topk_weight_TK.reshape(-1)
-    if w_N.numel() == 0:  # no pairs (e.g. an EP rank that received none): only padding rows, if any
-        scale_P = w_N.new_zeros(row_map.num_rows)
-    elif row_map.has_holes:  # padding rows and dropped pairs: weight 0 (their rows are zero anyway)
-        scale_P = torch.where(pair_P >= 0, w_N[pair_P.clamp(min=0)], 0.0)
-    else:
-        scale_P = w_N[pair_P]
+    scale_P = row_weights(topk_weight_TK, row_map)  # padding rows and dropped pairs: 0
     with torch.autocast(dev, enabled=False):  # the kernels take explicit dtypes
         if impl == "cpu_experts":  # (casts the weights to the autocast dtype itself)
             return cpu_experts(experts, x_TD.to(dtype), scale_P, row_map, out_dtype=x_TD.dtype)
