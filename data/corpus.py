@@ -1,9 +1,10 @@
 """The default corpus: real English prose that every Python install carries.
 
-It is the docstrings of the standard library's `.py` files, read with `ast` (no module is imported), one
-document per module, plus the language reference topics of `pydoc_data.topics` (one document per topic).
-On CPython 3.11 that is ~2.2 MB in ~810 documents. The build is deterministic (sorted walk), cached
-under `data/cache/`, and every 20th document goes to the held-out validation split.
+It is the docstrings (module, class and function) of the standard library's `.py` files, read with `ast`
+(no module is imported), joined into one document per module, plus the language reference topics of
+`pydoc_data.topics` (one document per topic). On CPython 3.11.7 that is ~2.3 MB in 724 documents. The
+build is deterministic (sorted walk), cached under `data/cache/`, and every 20th document goes to the
+held-out validation split (688 train / 36 validation documents there).
 """
 import ast
 import hashlib
@@ -11,6 +12,8 @@ import json
 import os
 import sys
 import sysconfig
+
+from train.atomic import atomic_dir
 
 CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache")
 BUILDER_VERSION = 1  # bump when the extraction rules change, so old caches are not reused
@@ -64,20 +67,19 @@ def default_corpus(cache_dir=CACHE_DIR):
     """Build (once) and return {'train': path, 'val': path} of the default corpus as jsonl files.
 
     Each line is {"text": ...}, MiniMind's pretraining format, so the default corpus goes through the
-    same loader as user data. The cache key is the Python version and the builder version; the files
-    are written to a temp name and renamed, so an interrupted build never leaves a partial cache.
+    same loader as user data. The cache key is the Python version, the stdlib path and the builder
+    version; both files are written into a temp folder that is renamed into place, so an interrupted
+    build never leaves a partial cache.
     """
     key = hashlib.sha1(f"{sys.version}|{sysconfig.get_paths()['stdlib']}|{BUILDER_VERSION}".encode()).hexdigest()[:12]
     out = os.path.join(cache_dir, f"stdlib-docs-{key}")
     paths = {"train": os.path.join(out, "train.jsonl"), "val": os.path.join(out, "val.jsonl")}
     if all(os.path.exists(p) for p in paths.values()):
         return paths
-    os.makedirs(out, exist_ok=True)
-    tmp = {s: p + f".tmp{os.getpid()}" for s, p in paths.items()}
-    with open(tmp["train"], "w", encoding="utf-8") as ftrain, open(tmp["val"], "w", encoding="utf-8") as fval:
-        for i, doc in enumerate(iter_documents()):
-            f = fval if i % VAL_EVERY == VAL_EVERY - 1 else ftrain
-            f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
-    for s in paths:
-        os.replace(tmp[s], paths[s])
+    with atomic_dir(out) as tmp:  # both splits appear together or not at all
+        with open(os.path.join(tmp, "train.jsonl"), "w", encoding="utf-8") as ftrain, \
+                open(os.path.join(tmp, "val.jsonl"), "w", encoding="utf-8") as fval:
+            for i, doc in enumerate(iter_documents()):
+                f = fval if i % VAL_EVERY == VAL_EVERY - 1 else ftrain
+                f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
     return paths

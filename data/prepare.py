@@ -8,6 +8,7 @@ from data.corpus import CACHE_DIR, default_corpus
 from data.dataset import file_fingerprint, load_documents, split_documents, tokenize_documents
 from data.dataset import DataError
 from data.tokenizer import get_tokenizer
+from train.atomic import atomic_file
 
 
 def _texts(ds):
@@ -54,9 +55,8 @@ def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=
         if len(val) < len(train) // 100:  # too few documents to hold some out: use the stream's tail
             cut = len(train) - max(len(train) // 20, 2)
             train, val = train[:cut], train[cut:]
-        tmp = cache + f".tmp{os.getpid()}.npz"
-        np.savez(tmp, train=train, val=val)
-        os.replace(tmp, cache)
+        with atomic_file(cache) as f:
+            np.savez(f, train=train, val=val)
     log(f"data: {source}: {len(train_ds)} train / {len(val_ds)} val documents, "
         f"{len(train):,} train / {len(val):,} val tokens, tokenizer {tokenizer_dir} (vocab {len(tokenizer)})")
     return dict(tokenizer=tokenizer, tokenizer_dir=tokenizer_dir, train=train, val=val, source=source)

@@ -5,11 +5,11 @@ Special tokens (fixed ids): 0 `<|endoftext|>` (document separator, pad and pretr
 """
 import hashlib
 import os
-import shutil
-import tempfile
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from train.atomic import atomic_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_ID = 0
@@ -49,13 +49,8 @@ def train_tokenizer(texts, vocab_size=6400):
 
 def save_tokenizer(tokenizer, out_dir):
     """Write tokenizer files atomically: into a temp dir next to out_dir, then rename over it."""
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=".tok-")
-    tokenizer.save_pretrained(tmp)
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    with atomic_dir(out_dir) as tmp:
+        tokenizer.save_pretrained(tmp)
 
 
 def get_tokenizer(texts_fn, cache_root, fingerprint, vocab_size=6400):

@@ -4,9 +4,16 @@ The config is a `transformers.PreTrainedConfig`, so it saves to / loads from `co
 and is stored inside every checkpoint; resume and export read the architecture from there.
 """
 import math
+from dataclasses import field
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
+
+
+def _training(default):
+    """A field that says how to train or compute, not what function the model computes: it may change on
+    --resume / --init_from (the flag wins over the checkpoint) and the HF export has nothing to carry."""
+    return field(default=default, metadata={"training": True})
 
 
 @strict
@@ -52,6 +59,9 @@ class MiniMindConfig(PreTrainedConfig):
             grouped GEMM and Triton/PyTorch permute kernels; equal up to rounding; see model/moe_fused.py).
         initializer_range: std of the normal init of linear and embedding weights.
 
+    Fields declared with `_training(...)` (the router losses, moe_impl, moe_expert_alignment,
+    router_dtype) are training choices; `MiniMindConfig.training_fields()` lists them.
+
     Raises:
         ValueError: naming the field, when a value or a combination is invalid.
     """
@@ -75,20 +85,25 @@ class MiniMindConfig(PreTrainedConfig):
     num_experts_per_tok: int = 1
     moe_intermediate_size: int | None = None
     norm_topk_prob: bool = True
-    router_aux_loss_coef: float = 0.01
+    router_aux_loss_coef: float = _training(0.01)
     capacity_factor: float | None = None
     moe_drop_policy: str = "probs"
     moe_pad_to_capacity: bool = False
-    moe_expert_alignment: int = 1
-    moe_impl: str = "sorted"
-    router_aux_loss_type: str = "minimind"
-    router_z_loss_coef: float = 0.0
+    moe_expert_alignment: int = _training(1)
+    moe_impl: str = _training("sorted")
+    router_aux_loss_type: str = _training("minimind")
+    router_z_loss_coef: float = _training(0.0)
     router_bias_update_rate: float = 0.0
-    router_dtype: str | None = None
+    router_dtype: str | None = _training(None)
     initializer_range: float = 0.02
     pad_token_id: int | None = 0
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = 0
+
+    @classmethod
+    def training_fields(cls):
+        """Names of the fields that choose how to train or compute (see `_training`)."""
+        return tuple(n for n, f in cls.__dataclass_fields__.items() if f.metadata.get("training"))
 
     def __post_init__(self, **kwargs):
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

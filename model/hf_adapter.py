@@ -20,12 +20,10 @@ _SAME = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"
          "intermediate_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "initializer_range",
          "pad_token_id", "bos_token_id", "eos_token_id")
 _MOE_ONLY = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef")
-# moe_expert_alignment only pads GEMM rows with zeros and moe_impl only picks the kernels: the function
-# is unchanged, nothing to export.
-# The balance / z losses only shape training; an fp32 router computes the same function. The selection bias
-# of aux-loss-free balancing has no Qwen3-MoE counterpart: it is refused below when on.
-_HANDLED = set(_SAME) | set(_MOE_ONLY) | {"rope_theta", "dropout", "use_moe", "moe_expert_alignment", "moe_impl",
-                                          "router_aux_loss_type", "router_z_loss_coef", "router_dtype"}
+# Training fields (MiniMindConfig.training_fields(): the router losses, moe_impl, moe_expert_alignment,
+# router_dtype) do not change the function: nothing to export. The selection bias of aux-loss-free
+# balancing has no Qwen3-MoE counterpart: it is refused below when on.
+_HANDLED = set(_SAME) | set(_MOE_ONLY) | set(MiniMindConfig.training_fields()) | {"rope_theta", "dropout", "use_moe"}
 
 
 class ExportError(ValueError):

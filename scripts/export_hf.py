@@ -11,15 +11,14 @@ way); a mismatch aborts the export. Checkpoints with features the target cannot 
 """
 import argparse
 import os
-import shutil
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
 from model.hf_adapter import ExportError, to_hf_config, to_hf_state_dict  # noqa: E402
+from train.atomic import atomic_dir  # noqa: E402
 from train.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,10 +63,7 @@ def export(ckpt_path, out_dir, dtype="float32", tokenizer_dir=None, verify=True,
         raise FileNotFoundError(f"{tokenizer_dir}: tokenizer not found; pass --tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
 
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=".export-")
-    try:
+    with atomic_dir(out_dir) as tmp:  # verified before it replaces anything
         hf_config.save_pretrained(tmp)
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp)
@@ -81,12 +77,6 @@ def export(ckpt_path, out_dir, dtype="float32", tokenizer_dir=None, verify=True,
             if not diff <= tol:
                 raise ExportError(f"exported model disagrees with ours: max |logit diff| {diff:.3e} > {tol}")
             log(f"parity: max |logit diff| ours vs transformers = {diff:.2e} (tolerance {tol})")
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
     log(f"exported {hf_config.model_type} ({dtype}) to {out_dir}")
     return diff
 

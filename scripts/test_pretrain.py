@@ -104,9 +104,8 @@ def test_bad_inputs_fail_fast_with_clear_messages():
 
 
 def test_resume_refuses_a_changed_data_order():
-    run_dir = os.path.join(_TMP, "cont")  # written by test_resume_equals_continuous_run
-    if not os.path.exists(os.path.join(run_dir, "ckpt.pt")):
-        raise Skip("needs test_resume_equals_continuous_run's run")
+    run_dir = os.path.join(_TMP, "order")
+    train(parse_args(TINY + ["--data_path", text_file(), "--max_steps", "2", "--out_dir", run_dir]), log=quiet)
     r = _cli("--resume", run_dir, "--seq_len", "32", "--no_progress")
     assert r.returncode != 0 and "--seq_len cannot change on resume" in r.stderr, r.stderr[-1500:]
 

@@ -4,6 +4,8 @@ import os
 
 import torch
 
+from train.atomic import atomic_file
+
 CKPT_NAME = "ckpt.pt"
 
 
@@ -20,18 +22,8 @@ def unwrap(model):
 
 def atomic_torch_save(obj, path):
     """torch.save to `path` so that a crash at any moment leaves either the old file or the new one."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_file(path) as f:
+        torch.save(obj, f)
 
 
 def save_checkpoint(path, model, optimizer, step, data_state, args, extra=None):

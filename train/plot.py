@@ -1,5 +1,5 @@
 """Loss curve PNG next to the checkpoint (matplotlib, headless)."""
-import os
+from train.atomic import atomic_file
 
 
 def plot_loss_curve(records, path, unigram_entropy=None):
@@ -22,10 +22,9 @@ def plot_loss_curve(records, path, unigram_entropy=None):
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp)
+    with atomic_file(path) as f:
+        fig.savefig(f, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def plot_expert_load(fraction_LE, path, title="share of routed tokens per expert"):
@@ -52,7 +51,6 @@ def plot_expert_load(fraction_LE, path, title="share of routed tokens per expert
     fig.colorbar(im, ax=ax, label=f"fraction (balanced = {1 / E:.3f})")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp)
+    with atomic_file(path) as f:
+        fig.savefig(f, format="png")
     plt.close(fig)
-    os.replace(tmp, path)

@@ -1,7 +1,8 @@
-"""Per-step router bookkeeping in training: collect every MoE layer's expert load, sum it over the
-data-parallel ranks, apply the aux-loss-free bias update, and summarise it for the logs.
+"""The router's own optimizer step, and the expert-load telemetry built from the same counts.
 
-Model code only counts (MOEFeedForward.load_accum, real tokens only); the collective lives here.
+`update_router` runs after every optimizer step: it collects each MoE layer's routed pairs per expert
+(the model only counts them, real tokens only), sums them over the data-parallel ranks and moves the
+aux-loss-free selection bias. `LoadTelemetry` sums the loads it returns for the logs and the heatmap.
 """
 import torch
 import torch.distributed as dist
@@ -10,10 +11,11 @@ from model.router import load_summary
 from train.expert_parallel import moe_layers
 
 
-def step_router_load(model, distributed):
-    """After an optimizer step: pairs per expert of this step, int64 [L, E] summed over all ranks (each
-    rank routes its own tokens, also under EP), and each layer's expert bias moved by it. Runs no host
-    sync (the all-reduce and the update stay on the device). Returns None for a model without MoE."""
+def update_router(model, distributed):
+    """After an optimizer step: move each MoE layer's expert bias (aux-loss-free balancing; a no-op when
+    it is off) by the step's pairs per expert summed over all ranks (each rank routes its own tokens,
+    also under EP). Returns that load, int64 [L, E], for telemetry; None for a model without MoE.
+    Runs no host sync (the all-reduce and the update stay on the device)."""
     layers = moe_layers(model)
     loads = [m.pop_load() for m in layers]
     if not layers or any(load is None for load in loads):

@@ -1,126 +1,79 @@
-"""The training loop shared by every stage: model + data + optimizer + checkpoints + logging.
+"""The training loop every stage shares (nanoGPT's loop, split the way torchtitan splits it):
 
-A stage script (pretrain.py) only parses its flags and calls `train(args)`.
+    train(args)                  setup -> repeat { train_step -> after_step } -> finish
+      train_step(run, state)     one optimizer step: micro-steps (forward_backward, with accumulation)
+                                 -> gradient reduction (DDP / EP) -> clip -> optimizer step -> router update
+      after_step(run, state, r)  log, evaluate, save a checkpoint, stop early
+
+A stage (train/pretrain.py, train/stage.py) supplies only its flags, its data and its loss mask; the
+Run (train/setup.py) holds what is fixed for the run, TrainState what changes every step.
 """
 import contextlib
-import json
+import importlib
 import math
 import os
-import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
-from tqdm import tqdm
-
-from data.dataset import DataError, WindowBatches, fixed_windows, unigram_entropy
-from data.prepare import prepare_data
-from data.tokenizer import stop_token_ids
-from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.hf_adapter import is_hf_folder, load_hf_folder
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train.checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint, save_checkpoint
-from train.distributed import barrier, check_same_on_all_ranks, init_distributed, shutdown
-from train.expert_parallel import (clip_grad_norm_ep, expert_param_names, gather_experts, reduce_expert_grads)
-from train.expert_parallel import install as install_ep, uninstall as uninstall_ep
-from train.plot import plot_expert_load, plot_loss_curve
-from train.router_balance import LoadTelemetry, compact, step_router_load, wandb_fields
+from data.dataset import DataError
+from data.tokenizer import stop_token_ids
 from model.router import load_summary
+from train.atomic import atomic_write_text
+from train.checkpoint import CKPT_NAME, save_checkpoint
+from train.distributed import init_distributed, shutdown
+from train.expert_parallel import clip_grad_norm_ep, gather_experts, reduce_expert_grads
+from train.expert_parallel import uninstall as uninstall_ep
+from train.flags import saved_flags
+from train.metrics import Progress
+from train.plot import plot_expert_load, plot_loss_curve
+from train.router_balance import LoadTelemetry, update_router
 from train.schedule import lr_at
+from train.setup import resolve_device, setup
+from train.stage import IGNORE_INDEX
 
 
-# Config fields that choose how to train or compute, not what the model is: on --resume / --init_from they
-# come from the flags (whose defaults on --resume are the checkpoint's own flags), not from the weights' config.
-TRAINING_FIELDS = {"moe_impl": "moe_impl", "router_aux_loss_type": "aux_loss_type",
-                   "router_aux_loss_coef": "aux_loss_coef", "router_z_loss_coef": "z_loss_coef",
-                   "router_dtype": "router_dtype"}
+@dataclass
+class TrainState:
+    """What changes as the run goes: optimizer steps done, the current log interval, the last eval."""
+    step: int
+    start_step: int
+    interval_steps: int = 0
+    interval_start: float = field(default_factory=time.time)
+    last_val: tuple | None = None      # (step, val_loss) of the latest evaluation
+    telemetry: LoadTelemetry = field(default_factory=LoadTelemetry)
 
 
-def training_fields(args):
-    return {field: getattr(args, flag) for field, flag in TRAINING_FIELDS.items()}
-
-
-def build_config(args, vocab_size):
-    return MiniMindConfig(
-        vocab_size=vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
-        max_position_embeddings=args.max_position_embeddings, dropout=args.dropout,
-        use_moe=args.use_moe, num_experts=args.num_experts, num_experts_per_tok=args.top_k,
-        moe_intermediate_size=args.moe_intermediate_size, intermediate_size=args.intermediate_size,
-        router_aux_loss_coef=args.aux_loss_coef, capacity_factor=args.capacity_factor,
-        moe_drop_policy=args.drop_policy, moe_pad_to_capacity=bool(args.pad_to_capacity),
-        moe_expert_alignment=args.expert_alignment, moe_impl=args.moe_impl, router_aux_loss_type=args.aux_loss_type,
-        router_z_loss_coef=args.z_loss_coef, router_bias_update_rate=args.bias_update_rate,
-        router_dtype=args.router_dtype)
-
-
-def resolve_device(args, local_rank=0):
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda":
-        device = f"cuda:{local_rank}"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but CUDA is not available")
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-    return device, dtype
-
-
-def make_optimizer(model, args):
-    """AdamW; weight decay only on matrices (not norms), as nanoGPT / MiniMind."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=args.learning_rate, betas=(0.9, 0.95), eps=1e-8)
-
-
-@torch.no_grad()
-def evaluate(model, windows, batch_size, autocast):
-    """Mean LM cross-entropy (nats/token) over fixed validation windows [N, S+1]."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, len(windows), batch_size):
-        w = windows[i:i + batch_size]
-        with autocast():
-            out = model(w[:, :-1], labels=w[:, 1:])
-        n = w[:, 1:].numel()
-        total += out.ce_loss.item() * n
-        count += n
-    model.train(was_training)
-    return total / count
-
-
-def micro_step(train_model, x, y, grad_accum, scaler, autocast):
-    """Forward + backward of one micro-batch. The whole loss (LM cross-entropy + the router losses) is
-    divided by grad_accum exactly once, so M micro-steps add up to one step's mean: the aux loss is not
-    multiplied by the number of micro-steps. Returns the detached (ce_loss, aux_loss) of the micro-batch."""
-    with autocast():
-        out = train_model(x, labels=y)
-    scaler.scale(out.loss / grad_accum).backward()
-    return out.ce_loss.detach(), out.aux_loss.detach()
-
-
-def _wandb_run(args, config):
-    if not args.wandb:
-        return None
-    import wandb
-    logged_in = bool(os.environ.get("WANDB_API_KEY")) or os.path.exists(os.path.expanduser("~/.netrc")) and \
-        "api.wandb.ai" in open(os.path.expanduser("~/.netrc")).read()
-    mode = os.environ.get("WANDB_MODE") or ("online" if logged_in else "offline")
-    return wandb.init(project=args.wandb_project, mode=mode, dir=args.out_dir,
-                      config={**vars(args), "model": config.to_dict()})
+@dataclass
+class StepResult:
+    lr: float
+    ce_loss: torch.Tensor      # this rank's share of the global batch's mean LM loss (detached)
+    aux_loss: torch.Tensor     # this rank's router loss, averaged over its micro-steps (detached)
+    grad_norm: torch.Tensor | None
+    load_LE: torch.Tensor | None  # routed pairs per expert of this step, all ranks, int64 [L, E]
 
 
 def train(args, log=print):
-    """Run (or resume) a training job described by parsed args; single process, or every rank of a
-    torchrun launch (DDP, plus expert parallelism when args.ep_size > 1). Returns a summary dict."""
-    device_type = "cuda" if resolve_device(args)[0].startswith("cuda") else "cpu"
+    """Run (or resume) the training job of `args` (from a stage's parse_args); single process, or every
+    rank of a torchrun launch (DDP, plus expert parallelism when args.ep_size > 1). Returns a summary."""
+    stage = importlib.import_module(f"train.{args.stage}").STAGE
+    device_type, dtype = resolve_device(args)
     ctx = init_distributed(args.ep_size, device_type)
     try:
-        summary = _train(args, ctx, log if ctx.is_main else (lambda *_: None))
+        run = setup(stage, args, ctx, device_type, dtype, log if ctx.is_main else (lambda *_: None))
+        state = TrainState(step=run.start_step, start_step=run.start_step)
+        progress = Progress(stage.name, state.step, args.max_steps, ctx.is_main and not args.no_progress, run.log)
+        if state.step == 0:
+            evaluate_and_record(run, state, progress, first=True)
+        while state.step < args.max_steps:
+            result = train_step(run, state)
+            if after_step(run, state, result, progress):
+                break
+        progress.close()
+        summary = finish(run, state)
     except BaseException:
         shutdown(ctx, wait_for_peers=False)  # a peer may never reach the barrier after a one-rank error
         raise
@@ -128,268 +81,197 @@ def train(args, log=print):
     return summary
 
 
-def _train(args, ctx, log):
-    torch.manual_seed(args.seed)  # the same on every rank: identical initial weights everywhere
-    device, dtype = resolve_device(args, ctx.local_rank)
-    ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    device_type = "cuda" if device.startswith("cuda") else "cpu"
-    if device_type == "cuda":
-        torch.cuda.set_device(device)
-
-    def autocast():
-        if ptdtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type, dtype=ptdtype)
-
-    os.makedirs(args.out_dir, exist_ok=True)
-    ckpt_path = os.path.join(args.out_dir, CKPT_NAME)
-    resume = load_checkpoint(args.resume) if args.resume else None
-
-    init_model, source_dir = None, None
-    if resume is not None:
-        source_dir = os.path.dirname(os.path.abspath(args.resume))
-    elif args.init_from:  # start from trained weights (ours or an exported HF folder), fresh optimizer
-        if is_hf_folder(args.init_from):
-            init_model, source_dir = load_hf_folder(args.init_from), args.init_from
-        else:
-            init_ckpt = load_checkpoint(args.init_from)
-            init_model = model_from_checkpoint(init_ckpt)
-            source_dir = args.init_from if os.path.isdir(args.init_from) else os.path.dirname(os.path.abspath(args.init_from))
-    tokenizer_dir = args.tokenizer
-    if source_dir is not None and tokenizer_dir is None:  # the run's own tokenizer, even if the cache is gone
-        for cand in (os.path.join(source_dir, "tokenizer"), source_dir):
-            if os.path.exists(os.path.join(cand, "tokenizer.json")):
-                tokenizer_dir = cand
-                break
-        else:
-            if init_model is not None:  # a fresh tokenizer would not match the trained embeddings
-                raise ValueError(f"{args.init_from}: no tokenizer next to the weights; pass --tokenizer DIR")
-    if not ctx.is_main:  # rank 0 builds the caches first, the others then read them
-        barrier(ctx)
-    data = prepare_data(args.data_path, tokenizer_dir, args.vocab_size, log=log)
-    if ctx.is_main:
-        barrier(ctx)
-    tokenizer = data["tokenizer"]
-    tok_out = os.path.join(args.out_dir, "tokenizer")
-    if ctx.is_main and os.path.abspath(data["tokenizer_dir"]) != os.path.abspath(tok_out):
-        tmp = tok_out + f".tmp{os.getpid()}"
-        shutil.copytree(data["tokenizer_dir"], tmp, dirs_exist_ok=True)
-        if os.path.exists(tok_out):
-            shutil.rmtree(tok_out)
-        os.replace(tmp, tok_out)
-
-    if resume is not None:  # the architecture comes from the checkpoint, never from flags
-        config = MiniMindConfig.from_dict({**resume["config"], **training_fields(args)})
-    elif init_model is not None:
-        config = MiniMindConfig.from_dict({**init_model.config.to_dict(), **training_fields(args)})
-    else:
-        config = build_config(args, len(tokenizer))
-    if config.vocab_size < len(tokenizer):
-        raise ValueError(f"MiniMindConfig.vocab_size={config.vocab_size} is smaller than the tokenizer's "
-                         f"{len(tokenizer)} tokens")
-    if args.seq_len > config.max_position_embeddings:
-        raise ValueError(f"--seq_len {args.seq_len} exceeds max_position_embeddings={config.max_position_embeddings}")
-    if ctx.ep_size > 1 and (not config.use_moe or config.num_experts % ctx.ep_size):
-        raise ValueError(f"--ep_size {ctx.ep_size} must divide num_experts={config.num_experts} of an MoE model")
-    check_same_on_all_ranks(ctx, "the model config", config.to_dict())
-    check_same_on_all_ranks(ctx, "the training flags", {k: v for k, v in vars(args).items() if k != "device"})
-    model = MiniMindForCausalLM(config)
-    if init_model is not None:
-        model.load_state_dict(init_model.state_dict(), strict=True)
-        log(f"initialised weights from {args.init_from}")
-    model = model.to(device)
-    optimizer = make_optimizer(model, args)
-    # One global batch of batch_size x world windows per micro-step; rank r trains on its slice, so N
-    # ranks x B sequences see exactly the batches one process with N x B sequences sees.
-    loader = WindowBatches(data["train"], args.seq_len, args.batch_size * ctx.world_size, seed=args.seed,
-                           name="training data")
-    my_rows = slice(ctx.rank * args.batch_size, (ctx.rank + 1) * args.batch_size)
-    val_windows = fixed_windows(data["val"], args.seq_len, args.eval_tokens).to(device)
-    h_unigram = unigram_entropy(data["val"])
-
-    start_step, records = 0, []
-    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
-    if resume is not None:
-        if resume.get("train_tokens") not in (None, len(data["train"])):
-            raise ValueError(f"{args.resume}: the checkpoint was trained on {resume['train_tokens']:,} tokens but the "
-                             f"data now gives {len(data['train']):,}; resume needs the same data and tokenizer")
-        model.load_state_dict(resume["model"], strict=True)
-        optimizer.load_state_dict(resume["optimizer"])
-        loader.load_state_dict(resume["data"])
-        torch.set_rng_state(resume["rng"]["torch"])
-        if device_type == "cuda" and resume["rng"]["cuda"]:
-            torch.cuda.set_rng_state_all(resume["rng"]["cuda"])
-        start_step = resume["step"]
-        if os.path.exists(metrics_path):  # drop what was logged after the checkpoint we resume from
-            with open(metrics_path) as f:
-                records = [r for r in map(json.loads, f) if r["step"] <= start_step]
-        log(f"resumed from {args.resume} at step {start_step}")
-    if ctx.is_main:
-        with open(metrics_path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
-
-    n_params = sum(p.numel() for p in model.parameters())
-    n_active = n_params
-    if config.use_moe:
-        per_expert = 3 * config.hidden_size * config.moe_intermediate_size
-        n_active -= config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * per_expert
-    log(f"model: {n_params / 1e6:.2f}M params ({n_active / 1e6:.2f}M active), "
-        f"{'MoE E=%d k=%d' % (config.num_experts, config.num_experts_per_tok) if config.use_moe else 'dense'}, "
-        f"{config.num_hidden_layers} layers, D={config.hidden_size}; device {device}, {dtype}")
-
+def train_step(run, state):
+    """One optimizer step, in this order: micro-steps with gradient accumulation, gradient reduction
+    (DDP all-reduces the dense grads inside the last backward; EP reduces the expert grads here),
+    clipping, the optimizer step, then the router's own update (aux-loss-free expert bias)."""
+    args, ctx = run.args, run.ctx
+    lr = lr_at(state.step, args.max_steps, args.learning_rate, args.warmup_steps)
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr
+    batches = [run.data.train_batches.next() for _ in range(args.grad_accum)]  # global batches, on the CPU
+    n_global = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)  # supervised tokens, all ranks
+    ce = aux = 0.0
+    for i, (x, y) in enumerate(batches):
+        # DDP all-reduces only on the last micro-step of an accumulation
+        no_sync = ctx.distributed and i < len(batches) - 1
+        with run.train_model.no_sync() if no_sync else contextlib.nullcontext():
+            micro_ce, micro_aux = forward_backward(run, x[run.my_rows], y[run.my_rows], n_global)
+        ce, aux = ce + micro_ce, aux + micro_aux
+    run.scaler.unscale_(run.optimizer)
     if ctx.ep_size > 1:
-        install_ep(model, ctx.ep_group, config.num_experts)
-    train_model = model
-    if ctx.distributed:
-        if ctx.ep_size > 1:  # experts are sharded: their grads are reduced by reduce_expert_grads, not DDP
-            DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
-        train_model = DDP(model, device_ids=[ctx.local_rank] if device_type == "cuda" else None,
-                          find_unused_parameters=False)
-    if args.compile:
-        train_model = torch.compile(train_model)
-    wandb_run = _wandb_run(args, config) if ctx.is_main else None
+        reduce_expert_grads(run.model, ctx.expert_dp_group, ctx.world_size)
+    grad_norm = clip_gradients(run)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    load_LE = update_router(run.model, ctx.distributed)
+    state.step += 1
+    return StepResult(lr=lr, ce_loss=ce, aux_loss=aux, grad_norm=grad_norm, load_LE=load_LE)
 
-    def record(r):
-        if not ctx.is_main:
-            return
-        records.append(r)
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(r) + "\n")
-        if wandb_run is not None:
-            flat = {k: v for k, v in r.items() if k != "step" and not isinstance(v, list)}
-            wandb_run.log({**flat, **wandb_fields(r)}, step=r["step"])
 
-    def checkpoint(step):
-        if ctx.ep_size > 1:  # every rank gets the owners' experts: the file has the single-process layout
-            gather_experts(model, optimizer, ctx.ep_group)
-        if ctx.is_main:
-            save_checkpoint(ckpt_path, model, optimizer, step, loader.state_dict(), vars(args),
-                            extra={"train_tokens": len(data["train"]), "world_size": ctx.world_size,
-                                   "ep_size": ctx.ep_size})
-            config.save_pretrained(args.out_dir)
+def forward_backward(run, x, y, n_global):
+    """Forward + backward of one micro-batch (x, y: this rank's [B, S] rows, on the CPU).
 
-    first_val = None
-    if start_step == 0:
-        first_val = evaluate(model, val_windows, args.batch_size, autocast)
-        record({"step": 0, "val_loss": first_val})
-        log(f"step 0: val loss {first_val:.4f} (uniform over the vocab would be {math.log(config.vocab_size):.4f}; "
-            f"unigram entropy of the validation tokens {h_unigram:.4f})")
+    The LM loss is this micro-batch's share of the global batch's mean over supervised tokens:
+    ce_mean * n_local / n_global, times the world size because DDP averages gradients over ranks. So the
+    step's gradient is that of the global mean, whatever the accumulation, world size or mask. The
+    router loss is divided by grad_accum once per micro-step (it is a per-batch mean already).
+    Returns the detached (LM share / world size, router loss / grad_accum)."""
+    args, world = run.args, run.ctx.world_size
+    n_local = int((y != IGNORE_INDEX).sum())
+    x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+    with run.autocast():
+        out = run.train_model(x, labels=y)
+    # a micro-batch with nothing to predict adds a zero that still reaches every parameter (DDP needs it)
+    ce_share = out.ce_loss * (n_local * world / n_global) if n_local else out.logits.sum() * 0.0
+    aux = out.aux_loss / args.grad_accum
+    run.scaler.scale(ce_share + aux).backward()
+    return ce_share.detach() / world, aux.detach()
+
+
+def clip_gradients(run):
+    """Clip the global gradient norm to --grad_clip (over all shards under EP); returns the norm or None."""
+    if run.args.grad_clip <= 0:
+        return None
+    if run.ctx.ep_size > 1:
+        return clip_grad_norm_ep(run.model, run.args.grad_clip, run.ctx.ep_group)
+    return torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.args.grad_clip)
+
+
+def after_step(run, state, result, progress):
+    """Log, evaluate and save when due; returns True to stop early (--stop_after)."""
+    args = run.args
+    state.interval_steps += 1
+    state.telemetry.add(result.load_LE)
+    last = state.step == args.max_steps
+    fields = log_train(run, state, result) if state.step % args.log_interval == 0 or last else None
+    progress.update(fields, show_load=bool(args.show_load))
+    if state.step % args.eval_interval == 0 or last:
+        evaluate_and_record(run, state, progress)
+    stopping = bool(args.stop_after) and state.step - state.start_step >= args.stop_after
+    if state.step % args.save_interval == 0 or last or stopping:
+        save(run, state)
+    if stopping:
+        progress.say(f"stopping after {args.stop_after} steps at step {state.step} (--stop_after); resume with --resume")
+    return stopping
+
+
+def log_train(run, state, result):
+    """One metrics record for the log interval that ends now (losses of its last step, all ranks)."""
+    now = time.time()
+    tok_s = (run.args.batch_size * run.args.seq_len * run.args.grad_accum * run.ctx.world_size
+             * state.interval_steps / max(now - state.interval_start, 1e-9))
+    state.interval_steps, state.interval_start = 0, now
+    ce, aux = result.ce_loss, result.aux_loss
+    if run.ctx.distributed:  # the loss of the global batch, for logging
+        ce, aux = ce.clone(), aux.clone()
+        dist.all_reduce(ce)
+        dist.all_reduce(aux)
+        aux = aux / run.ctx.world_size
+    ce = float(ce)
+    if not math.isfinite(ce):
+        raise FloatingPointError(f"training loss is {ce} at step {state.step}; lower --learning_rate")
+    r = {"step": state.step, "train_loss": ce, "aux_loss": float(aux), "lr": result.lr, "tok_per_s": tok_s}
+    if result.grad_norm is not None:
+        r["grad_norm"] = float(result.grad_norm)
+    r.update(state.telemetry.flush())
+    run.metrics.record(r)
+    return r
+
+
+@torch.no_grad()
+def evaluate(run):
+    """Mean LM cross-entropy (nats per supervised token) over the stage's validation batches."""
+    was_training = run.model.training
+    run.model.eval()
+    total, count = 0.0, 0
+    for x, y in run.data.val_batches:
+        n = int((y != IGNORE_INDEX).sum())
+        if n:
+            with run.autocast():
+                out = run.model(x.to(run.device), labels=y.to(run.device))
+            total, count = total + out.ce_loss.item() * n, count + n
+    run.model.train(was_training)
+    return total / max(count, 1)
+
+
+def evaluate_and_record(run, state, progress, first=False):
+    val = evaluate(run)
+    state.last_val = (state.step, val)
+    run.metrics.record({"step": state.step, "val_loss": val})
+    if first:
+        run.log(f"step 0: val loss {val:.4f} (uniform over the vocab would be "
+                f"{math.log(run.config.vocab_size):.4f}; unigram entropy of the validation tokens "
+                f"{run.data.unigram_entropy:.4f})")
     else:
-        first_val = next((r["val_loss"] for r in records if r["step"] == 0 and "val_loss" in r), None)
+        progress.say(f"step {state.step}: val loss {val:.4f}")
 
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
-    # fp16 autocast needs loss scaling on CUDA; a disabled scaler is a no-op for fp32 / bf16
-    scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16 and device_type == "cuda")
-    model.train()
-    bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps, desc="pretrain",
-               dynamic_ncols=True, disable=args.no_progress or not ctx.is_main, file=sys.stdout, mininterval=1.0)
-    t_last, val, val_step, done = time.time(), None, None, start_step
-    telemetry = LoadTelemetry()
 
-    def say(msg):  # a line above the progress bar, from rank 0 only
-        if ctx.is_main:
-            bar.write(msg) if not bar.disable else log(msg)
-    for step in bar:
-        lr = lr_at(step, args.max_steps, args.learning_rate, args.warmup_steps)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        lm_loss = aux = 0.0
-        for micro in range(args.grad_accum):  # noqa: B007
-            x, y = loader.next()
-            x, y = x[my_rows].to(device, non_blocking=True), y[my_rows].to(device, non_blocking=True)
-            # DDP all-reduces only on the last micro-step of an accumulation
-            sync = contextlib.nullcontext() if micro == args.grad_accum - 1 or not ctx.distributed else train_model.no_sync()
-            with sync:
-                ce, router = micro_step(train_model, x, y, args.grad_accum, scaler, autocast)
-            lm_loss += ce / args.grad_accum
-            aux += router / args.grad_accum
-        scaler.unscale_(optimizer)
-        if ctx.ep_size > 1:
-            reduce_expert_grads(model, ctx.expert_dp_group, ctx.world_size)
-        grad_norm = None
-        if args.grad_clip > 0:
-            grad_norm = (clip_grad_norm_ep(model, args.grad_clip, ctx.ep_group) if ctx.ep_size > 1
-                         else torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        telemetry.add(step_router_load(model, ctx.distributed))  # + aux-loss-free bias update
-        done = step + 1
+def save(run, state):
+    """Checkpoint (single-process layout: under EP every rank first gets the owners' experts), config
+    and plots. Only rank 0 writes."""
+    if run.ctx.ep_size > 1:
+        gather_experts(run.model, run.optimizer, run.ctx.ep_group)
+    if not run.ctx.is_main:
+        return
+    out = run.args.out_dir
+    save_checkpoint(os.path.join(out, CKPT_NAME), run.model, run.optimizer, state.step,
+                    run.data.train_batches.state_dict(), saved_flags(run.args),
+                    extra={**run.data.identity, "world_size": run.ctx.world_size, "ep_size": run.ctx.ep_size})
+    atomic_write_text(os.path.join(out, "config.json"), run.config.to_json_string())
+    plot_loss_curve(run.metrics.records, os.path.join(out, "loss.png"), run.data.unigram_entropy)
+    if state.telemetry.total is not None:
+        plot_expert_load(state.telemetry.run_fractions(), os.path.join(out, "expert_load.png"),
+                         f"share of routed tokens per expert, steps {state.start_step + 1}-{state.step}")
 
-        if done % args.log_interval == 0 or done == args.max_steps:
-            now = time.time()
-            n_steps = args.log_interval if done % args.log_interval == 0 else done % args.log_interval
-            tok_s = tokens_per_step * n_steps / max(now - t_last, 1e-9)
-            t_last = now
-            if ctx.distributed:  # the loss of the global batch, for logging
-                lm_loss, aux = lm_loss.clone(), aux.clone()
-                dist.all_reduce(lm_loss)
-                dist.all_reduce(aux)
-                lm_loss, aux = lm_loss / ctx.world_size, aux / ctx.world_size
-                tok_s *= ctx.world_size
-            lm_loss_f = float(lm_loss)
-            if not math.isfinite(lm_loss_f):
-                raise FloatingPointError(f"training loss is {lm_loss_f} at step {done}; lower --learning_rate")
-            r = {"step": done, "train_loss": lm_loss_f, "aux_loss": float(aux), "lr": lr, "tok_per_s": tok_s}
-            if grad_norm is not None:
-                r["grad_norm"] = float(grad_norm)
-            load_fields = telemetry.flush()
-            r.update(load_fields)
-            record(r)
-            bar.set_postfix_str(f"loss {lm_loss_f:.3f} lr {lr:.2e} {tok_s:,.0f} tok/s"
-                                + (f" | {compact(load_fields)}" if load_fields and args.show_load else ""))
-        if done % args.eval_interval == 0 or done == args.max_steps:
-            val, val_step = evaluate(model, val_windows, args.batch_size, autocast), done
-            record({"step": done, "val_loss": val})
-            say(f"step {done}: val loss {val:.4f}")
-        stopping = bool(args.stop_after) and done - start_step >= args.stop_after
-        if done % args.save_interval == 0 or done == args.max_steps or stopping:
-            checkpoint(done)
-            if ctx.is_main:
-                plot_loss_curve(records, os.path.join(args.out_dir, "loss.png"), h_unigram)
-                if telemetry.total is not None:
-                    plot_expert_load(telemetry.run_fractions(), os.path.join(args.out_dir, "expert_load.png"),
-                                     f"share of routed tokens per expert, steps {start_step + 1}-{done}")
-        if stopping:
-            say(f"stopping after {args.stop_after} steps at step {done} (--stop_after); resume with --resume")
-            break
-    bar.close()
-    if val_step != done:  # stopped between evaluations, or nothing left to do
-        if start_step >= args.max_steps:
-            log(f"nothing to do: checkpoint is at step {start_step} >= --max_steps {args.max_steps}")
-        val = evaluate(model, val_windows, args.batch_size, autocast)
-    if wandb_run is not None:
-        wandb_run.finish()
 
-    summary = {"final_val_loss": val, "first_val_loss": first_val, "unigram_entropy": h_unigram,
-               "checkpoint": ckpt_path, "loss_curve": os.path.join(args.out_dir, "loss.png"),
-               "records": records}
-    log(f"final val loss {val:.4f}" + (f" vs step-0 {first_val:.4f} ({100 * (1 - val / first_val):.1f}% lower)"
-                                       if first_val else "")
-        + f"; unigram entropy of the validation tokens {h_unigram:.4f} "
-        f"({'below' if val < h_unigram else 'NOT below'} it)")
-    log(f"checkpoint: {ckpt_path}\nloss curve: {summary['loss_curve']}")
-    if telemetry.total is not None:
-        summary["expert_load"] = telemetry.run_fractions()
-        _, ratio, idle = load_summary(telemetry.total)
-        log(f"expert load over the run (max/mean per layer, 1.0 = balanced): "
-            f"{' '.join(f'{v:.2f}' for v in ratio.tolist())}; experts never used: {sum(idle.tolist())}; "
-            f"heatmap: {os.path.join(args.out_dir, 'expert_load.png')}")
-    summary["ep_bytes"] = [(d.bytes_sent, d.bytes_k_copies) for d in
-                           (getattr(m, "expert_parallel", None) for m in model.modules()) if d is not None]
-    if ctx.ep_size > 1:  # the last checkpoint gathered every expert here: generate without the transport
-        uninstall_ep(model)
-    if args.sample_tokens > 0 and ctx.is_main:
-        model.eval()
-        prompt = "The"
-        ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]], device=device)
-        g = torch.Generator(device=device).manual_seed(args.seed)
-        with autocast():
-            out = model.generate(ids, max_new_tokens=args.sample_tokens, temperature=0.8, top_k=40,
-                                 eos_token_id=stop_token_ids(tokenizer), generator=g)
-        summary["sample"] = tokenizer.decode(out[0].tolist(), skip_special_tokens=True)
-        log(f"sample: {summary['sample']!r}")
+def finish(run, state):
+    """Final evaluation (unless one just ran), the summary lines, and a short sample."""
+    args = run.args
+    if state.start_step >= args.max_steps:
+        run.log(f"nothing to do: checkpoint is at step {state.start_step} >= --max_steps {args.max_steps}")
+    if state.last_val is None or state.last_val[0] != state.step:
+        state.last_val = (state.step, evaluate(run))
+    run.metrics.close()
+    val, first = state.last_val[1], run.metrics.first("val_loss")
+    h = run.data.unigram_entropy
+    summary = {"final_val_loss": val, "first_val_loss": first, "unigram_entropy": h,
+               "checkpoint": os.path.join(args.out_dir, CKPT_NAME), "loss_curve": os.path.join(args.out_dir, "loss.png"),
+               "records": run.metrics.records, "ep_bytes": ep_bytes(run.model)}
+    run.log(f"final val loss {val:.4f}" + (f" vs step-0 {first:.4f} ({100 * (1 - val / first):.1f}% lower)" if first else "")
+            + (f"; unigram entropy of the validation tokens {h:.4f} ({'below' if val < h else 'NOT below'} it)"
+               if h is not None else ""))
+    run.log(f"checkpoint: {summary['checkpoint']}\nloss curve: {summary['loss_curve']}")
+    if state.telemetry.total is not None:
+        summary["expert_load"] = state.telemetry.run_fractions()
+        _, ratio, idle = load_summary(state.telemetry.total)
+        run.log(f"expert load over the run (max/mean per layer, 1.0 = balanced): "
+                f"{' '.join(f'{v:.2f}' for v in ratio.tolist())}; experts never used: {sum(idle.tolist())}; "
+                f"heatmap: {os.path.join(args.out_dir, 'expert_load.png')}")
+    if run.ctx.ep_size > 1:  # the last checkpoint gathered every expert here: sample without the transport
+        uninstall_ep(run.model)
+    if args.sample_tokens > 0 and run.ctx.is_main:
+        summary["sample"] = sample(run)
+        run.log(f"sample: {summary['sample']!r}")
     return summary
+
+
+def ep_bytes(model):
+    """(bytes sent, bytes one copy per routed pair would cost) of each EP dispatcher, [] without EP."""
+    return [(d.bytes_sent, d.bytes_k_copies) for d in
+            (getattr(m, "expert_parallel", None) for m in model.modules()) if d is not None]
+
+
+def sample(run):
+    tok = run.data.tokenizer
+    run.model.eval()
+    ids = torch.tensor([tok(run.stage.sample_prompt, add_special_tokens=False)["input_ids"]], device=run.device)
+    g = torch.Generator(device=run.device).manual_seed(run.args.seed)
+    with run.autocast():
+        out = run.model.generate(ids, max_new_tokens=run.args.sample_tokens, temperature=0.8, top_k=40,
+                                 eos_token_id=stop_token_ids(tok), generator=g)
+    return tok.decode(out[0].tolist(), skip_special_tokens=True)
 
 
 def run_cli(train_fn, args, log=print):

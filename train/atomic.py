@@ -1,0 +1,63 @@
+"""Atomic writes: every file and folder the project writes goes through one of these two helpers, so a
+crash or a kill at any moment leaves either the old version or the new one, never a torn file.
+
+    with atomic_file("run/metrics.jsonl", "w") as f:   # temp file in the same folder, fsync, os.replace
+        f.write(...)
+    with atomic_dir("exports/model") as tmp:           # temp folder next to it, renamed over it at the end
+        model.save_pretrained(tmp)
+
+The temp names start with a dot and carry the pid, so two processes never share one; an exception
+removes the temp and leaves the destination untouched.
+"""
+import contextlib
+import os
+import shutil
+import tempfile
+
+
+@contextlib.contextmanager
+def atomic_file(path, mode="wb", encoding=None):
+    """Open a temp file next to `path` for writing (`mode` "w" or "wb"); on a clean exit flush, fsync and
+    rename it over `path`. Parent folders are created. Raises whatever the write raised."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        with open(tmp, mode, encoding=encoding if "b" not in mode else None) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def atomic_write_text(path, text):
+    """Write `text` (UTF-8) to `path` atomically."""
+    with atomic_file(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+@contextlib.contextmanager
+def atomic_dir(path):
+    """Yield an empty temp folder next to `path`; on a clean exit it replaces `path` (an existing folder
+    is moved aside first and deleted after the rename). On an exception the temp folder is deleted."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private (0700); the result is an ordinary folder
+    try:
+        yield tmp
+        old = None
+        if os.path.exists(path):
+            old = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.old")
+            os.replace(path, os.path.join(old, "x"))
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
