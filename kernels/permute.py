@@ -4,18 +4,16 @@ sum of each token's K contributions), as Triton kernels beside plain-PyTorch ref
 Shape legend: T tokens, K experts per token, E experts, D row width, N = T*K routed (token, slot) pairs,
 P rows of the permuted buffer (N, or more when each expert's rows are padded to an alignment/capacity).
 
-Everything is driven by a `RowMap` built on the device without any host read, so the MoE layer that uses
-it makes no sync-inducing call. Both directions are gathers (each output row reads its inputs and writes
-itself once): no atomics, deterministic, and the combine adds a token's slots in a fixed order (slot 0,
-1, ..., K-1, accumulating in fp32 from zero), identically in the kernel and in the reference, so the two
-are bitwise equal. The backward of each is the other one: permute's is a combine with unit weights,
-combine's is a permute that scales each row by its pair's weight.
+Everything is driven by a row map (`model.dispatch.RowMap`, built on the device without any host read, so
+the MoE layer that uses it makes no sync-inducing call). Both directions are gathers (each output row
+reads its inputs and writes itself once): no atomics, deterministic, and the combine adds a token's slots
+in a fixed order (slot 0, 1, ..., K-1, accumulating in fp32 from zero), identically in the kernel and in
+the reference, so the two are bitwise equal. The backward of each is the other one: permute's is a
+combine with unit weights, combine's is a permute that scales each row by its pair's weight.
 
 The expert-sorted layout follows Megatron-LM's `moe_permute`/`moe_unpermute` and the "sorted grouped GEMM"
 MoE recipe (MegaBlocks, Gale et al. 2022); the code here is our own.
 """
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -173,84 +171,6 @@ def combine_rows_reference(h_PD, row_TK, w_TK=None, out_dtype=None, has_holes=Tr
         acc = acc + (v_TKD[:, j] if w_TK1 is None else v_TKD[:, j] * w_TK1[:, j])
     out = acc.to(out_dtype or h_PD.dtype)
     return (out, v_TKD) if return_rows else out
-
-
-@dataclass
-class RowMap:
-    """Where every routed pair sits in the expert-sorted buffer, and back. All tensors on the device.
-
-    row_of_pair_TK: int64 [T, K], row of pair (t, j) in the permuted buffer, -1 if it goes to no expert.
-    pair_of_row_P: int64 [P], t*K + j of the pair in row p, -1 for padding and unused tail rows.
-    token_of_row_P: int64 [P], t of row p, -1 for padding / tail.
-    offsets_E: int32 [E], cumulative (padded) row counts: expert e owns rows [offsets[e-1], offsets[e]).
-    tokens_per_expert_E: int64 [E], routed pairs per expert (before padding).
-    padded_tokens_per_expert_E: int64 [E], rows per expert including padding.
-    has_holes: whether any pair may be dropped (-1) or any row be padding (static, from the arguments).
-    """
-    row_of_pair_TK: torch.Tensor
-    pair_of_row_P: torch.Tensor
-    token_of_row_P: torch.Tensor
-    offsets_E: torch.Tensor
-    tokens_per_expert_E: torch.Tensor
-    padded_tokens_per_expert_E: torch.Tensor
-    has_holes: bool = True
-
-    @property
-    def num_rows(self):
-        return self.pair_of_row_P.shape[0]
-
-
-def build_row_map(topk_idx_TK, num_experts, pad_to=None, alignment=1, may_drop=True):
-    """Expert-sorted layout of the routed pairs, computed on the device with no host read.
-
-    Pairs go expert by expert (ascending id); within an expert in ascending (token, slot) order, which
-    is the order a per-expert masked loop gathers them in. Each expert's block may be padded with empty
-    rows: up to `pad_to` rows (only valid when no expert has more pairs, e.g. after capacity dropping),
-    then up to a multiple of `alignment`. The buffer has a static row count P (N, N + E*(alignment-1), or
-    E * padded capacity), so nothing depends on data-dependent shapes.
-
-    Args: topk_idx_TK integer [T, K] in [-1, E) (-1 = no expert; values are not range-checked, which
-        would need a host read); num_experts E; pad_to int or None;
-        alignment int >= 1; may_drop: False promises topk_idx has no -1 (a router's top-k without
-        capacity dropping). Returns: RowMap. Raises ValueError for alignment < 1 or pad_to < 0.
-    """
-    if not isinstance(alignment, int) or alignment < 1 or (pad_to is not None and (not isinstance(pad_to, int) or pad_to < 0)):
-        raise ValueError(f"alignment must be an int >= 1 and pad_to an int >= 0 or None, got {alignment!r}, {pad_to!r}")
-    if topk_idx_TK.dim() != 2 or topk_idx_TK.is_floating_point():
-        raise ValueError(f"topk_idx must be an integer [T, K] tensor, got {topk_idx_TK.dtype} {tuple(topk_idx_TK.shape)}")
-    topk_idx_TK = topk_idx_TK.long()
-    T, K = topk_idx_TK.shape
-    N, E, dev = T * K, num_experts, topk_idx_TK.device
-    idx_N = topk_idx_TK.reshape(-1)
-    if not may_drop and pad_to is None and alignment == 1:  # the common dropless case: P = N, no holes
-        order_N = torch.argsort(idx_N, stable=True)
-        counts_E = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, idx_N, torch.ones_like(idx_N))
-        row_of_pair_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(N, device=dev))
-        return RowMap(row_of_pair_N.view(T, K), order_N, order_N.div(K, rounding_mode="floor"),
-                      torch.cumsum(counts_E, 0).to(torch.int32), counts_E, counts_E, has_holes=False)
-    expert_N = torch.where(idx_N >= 0, idx_N, E)  # E = "no expert": sorts last, counted in slot E
-    order_N = torch.argsort(expert_N, stable=True)
-    counts_E1 = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, expert_N, torch.ones_like(expert_N))
-    tokens_per_expert = counts_E1[:E]
-    padded = tokens_per_expert if pad_to is None else torch.clamp(tokens_per_expert, min=pad_to)
-    padded = (padded + alignment - 1) // alignment * alignment
-    if pad_to is not None:
-        P = E * ((pad_to + alignment - 1) // alignment * alignment)
-    else:
-        P = N + E * (alignment - 1)
-    padded_end = torch.cumsum(padded, 0)
-    start_E1 = torch.cumsum(counts_E1, 0) - counts_E1
-    padded_start_E1 = torch.cat([padded_end - padded, padded_end.new_zeros(1)])  # slot E unused
-    sorted_expert_N = expert_N[order_N]
-    rank_N = torch.arange(N, device=dev) - start_E1[sorted_expert_N]
-    row_sorted_N = torch.where(sorted_expert_N < E, padded_start_E1[sorted_expert_N] + rank_N, -1)
-    row_of_pair_N = torch.empty_like(row_sorted_N).scatter_(0, order_N, row_sorted_N)
-    # Rows of dropped pairs are written to a scratch slot P that is cut off.
-    pair_of_row_P = torch.full((P + 1,), -1, dtype=torch.int64, device=dev).scatter_(
-        0, torch.where(row_sorted_N >= 0, row_sorted_N, P), order_N)[:P]
-    token_of_row_P = torch.where(pair_of_row_P >= 0, pair_of_row_P.div(K, rounding_mode="floor"), -1)
-    return RowMap(row_of_pair_N.view(T, K), pair_of_row_P, token_of_row_P, padded_end.to(torch.int32),
-                  tokens_per_expert, padded, has_holes=may_drop or P != N)
 
 
 class Permute(torch.autograd.Function):

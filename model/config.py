@@ -56,7 +56,7 @@ class MiniMindConfig(PreTrainedConfig):
         moe_expert_alignment: pad every expert's row count to a multiple of this (1 = no padding).
         moe_impl: how the MoE layer runs its experts (same parameters, same function): "sorted" (default;
             one host sync per layer, bitwise equal to the masked reference) or "fused" (no host sync,
-            grouped GEMM and Triton/PyTorch permute kernels; equal up to rounding; see model/moe_fused.py).
+            grouped GEMM and Triton/PyTorch permute kernels; equal up to rounding; see model/dispatch.py and model/experts.py).
         initializer_range: std of the normal init of linear and embedding weights.
 
     Fields declared with `_training(...)` (the router losses, moe_impl, moe_expert_alignment,

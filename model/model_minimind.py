@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 
 from model.config import MiniMindConfig
-from model.moe import FeedForward, MOEFeedForward, minimind_aux_loss  # noqa: F401  (public re-exports)
-from model.router import layer_mean
+from model.moe import FeedForward, MOEFeedForward  # noqa: F401  (public re-exports)
+from model.router import layer_mean, minimind_aux_loss  # noqa: F401  (minimind_aux_loss: public re-export)
 
 __all__ = ["MiniMindConfig", "FeedForward", "MOEFeedForward", "MiniMindForCausalLM", "MiniMindModel",
            "MiniMindCausalLMOutput"]

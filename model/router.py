@@ -105,6 +105,28 @@ def router_z_loss(logits_TE: torch.Tensor, coef: float, token_mask_T=None):
 AUX_LOSSES = {"minimind": minimind_aux_loss, "switch": switch_aux_loss, "sequence": sequence_aux_loss}
 
 
+def router_losses(config, logits_TE, scores_TE, topk_idx_TK, token_mask_T=None, num_sequences=1):
+    """One MoE layer's router losses as the config asks: (balance_loss, z_loss), each a scalar or None.
+
+    balance_loss: AUX_LOSSES[config.router_aux_loss_type] weighted by router_aux_loss_coef (None for type
+    "none" or coef 0); z_loss: router_z_loss weighted by router_z_loss_coef (None for coef 0).
+    Args: logits_TE [T, E] gate logits; scores_TE [T, E] router probabilities; topk_idx_TK int64 [T, K]
+        (the router's choice, before any capacity dropping); token_mask_T optional bool [T];
+        num_sequences B with T = B*S (the sequence-wise loss balances each sequence).
+    """
+    E, coef = config.num_experts, config.router_aux_loss_coef
+    balance = z = None
+    if config.router_aux_loss_type == "sequence" and coef > 0:
+        B = num_sequences
+        balance = sequence_aux_loss(scores_TE.view(B, -1, E), topk_idx_TK.view(B, -1, topk_idx_TK.shape[1]), E,
+                                    coef, None if token_mask_T is None else token_mask_T.view(B, -1))
+    elif config.router_aux_loss_type != "none" and coef > 0:
+        balance = AUX_LOSSES[config.router_aux_loss_type](scores_TE, topk_idx_TK, E, coef, token_mask_T)
+    if config.router_z_loss_coef > 0:
+        z = router_z_loss(logits_TE, config.router_z_loss_coef, token_mask_T)
+    return balance, z
+
+
 def layer_mean(per_layer_losses, like):
     """Average of the per-layer losses (a 0-dim fp32 zero when there are none)."""
     losses = list(per_layer_losses)
@@ -113,15 +135,24 @@ def layer_mean(per_layer_losses, like):
     return sum(losses) / len(losses)
 
 
-def tokens_per_expert(topk_idx_TK: torch.Tensor, num_experts: int, token_mask_T=None):
-    """int64 [E]: routed (token, slot) pairs per expert over the real tokens; -1 entries are skipped."""
-    idx_N = topk_idx_TK.reshape(-1)
-    weight_N = (idx_N >= 0)
+def tokens_per_expert(topk_idx_TK: torch.Tensor, num_experts: int, token_mask_T=None, count_dropped=False):
+    """Routed (token, slot) pairs per expert: the one place per-expert counts are computed (router load,
+    capacity, both local dispatchers, expert parallelism).
+
+    Args: topk_idx_TK int64 [T, K] in [-1, E) (-1 = no expert); num_experts E; token_mask_T optional bool
+        [T] (False = padding: its pairs count for no expert); count_dropped: also count the pairs that go
+        to no expert.
+    Returns: int64 [E] on topk_idx's device (no host read); with count_dropped [E + 1], the last entry
+        being the pairs with -1 or a masked token.
+    """
+    E = num_experts
+    slot_TK = topk_idx_TK.remainder(E + 1)  # -1 -> E, the slot of "no expert" (one op instead of where(>= 0))
     if token_mask_T is not None:
-        weight_N = weight_N & token_mask_T.reshape(-1, 1).expand_as(topk_idx_TK).reshape(-1)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx_N.device)
-    counts.scatter_add_(0, torch.where(idx_N >= 0, idx_N, num_experts), weight_N.long())
-    return counts[:num_experts]
+        slot_TK = torch.where(token_mask_T.reshape(-1, 1), slot_TK, E)
+    slot_N = slot_TK.reshape(-1)
+    counts_E1 = torch.zeros(E + 1, dtype=torch.int64, device=slot_N.device)
+    counts_E1.scatter_add_(0, slot_N, torch.ones_like(slot_N))
+    return counts_E1 if count_dropped else counts_E1[:E]
 
 
 def expert_bias_update(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float):

@@ -7,7 +7,11 @@
 Implementations:
   masked      MiniMind's per-expert masked loop (scripts/moe_reference.py), the bitwise reference
   sorted      ours, moe_impl="sorted": one host sync per layer, bitwise equal to masked
-  fused       ours, moe_impl="fused": zero syncs, grouped GEMM, Triton permute/combine on CUDA
+  fused       ours, moe_impl="fused": zero syncs, grouped GEMM, Triton permute/combine on CUDA; on CPU
+              its experts run as oneDNN chains (SwiGLUExperts impl "auto" -> "cpu_chains")
+  fused-grouped
+              (CPU, where the chains run) the same layer with experts.impl="grouped": permute ->
+              grouped GEMM on oneDNN -> combine, the row that tells whether the chains pay for themselves
   hf-eager, hf-grouped_mm, hf-batched_mm
               transformers' Qwen3MoeSparseMoeBlock with each `experts_implementation` (same weights,
               converted to its fused gate_up layout)
@@ -49,7 +53,8 @@ SHAPES = [  # name, hidden D, experts E, top-k, expert width F
     ("many-experts", 512, 64, 8, 256),  # fine-grained experts (F = D/2; Qwen3-MoE uses 0.375 D)
 ]
 PEAK_BF16_TFLOPS = {"H200": 989, "H100": 989, "H800": 989, "A100": 312, "A800": 312, "L40S": 362, "4090": 165}
-IMPLS = ["dense", "dense-onednn", "masked", "sorted", "fused", "hf-eager", "hf-grouped_mm", "hf-batched_mm"]
+IMPLS = ["dense", "dense-onednn", "masked", "sorted", "fused", "fused-grouped", "hf-eager", "hf-grouped_mm",
+         "hf-batched_mm"]
 
 
 def dense_equivalent(moe):
@@ -256,14 +261,19 @@ def main():
         fused.load_state_dict(moe.state_dict())
         from kernels.grouped_gemm import onednn_runs
         onednn = onednn_runs(device, torch.float32)
+        chains = fused.experts.gathers_own_rows(torch.empty(1, d, device=device))
+        grouped = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).to(device).train()
+        grouped.load_state_dict(moe.state_dict())
+        grouped.experts.impl = "grouped"
         builders = {"dense": lambda: dense_equivalent(moe).to(device).train(),
                     "dense-onednn": lambda: DenseOneDNN(dense_equivalent(moe)).to(device).train(),
                     "masked": lambda: (lambda t: reference_masked_forward(moe, t)),
-                    "sorted": lambda: moe, "fused": lambda: fused,
+                    "sorted": lambda: moe, "fused": lambda: fused, "fused-grouped": lambda: grouped,
                     "hf-eager": lambda: hf_block(moe, "eager").to(device).train(),
                     "hf-grouped_mm": lambda: hf_block(moe, "grouped_mm").to(device).train(),
                     "hf-batched_mm": lambda: hf_block(moe, "batched_mm").to(device).train()}
-        impls = {key: builders[key]() for key in wanted if key != "dense-onednn" or onednn}
+        impls = {key: builders[key]() for key in wanted
+                 if (key != "dense-onednn" or onednn) and (key != "fused-grouped" or chains)}
         for n in token_counts:
             x = torch.randn(1, n, d, device=device)
             cell = dict(impls)
@@ -271,14 +281,14 @@ def main():
             if "hf-batched_mm" in cell and batched_gb > args.batched_mm_limit_gb:
                 del cell["hf-batched_mm"]
             with torch.no_grad(), autocast():
-                ref = impls["sorted"](x) if "sorted" in impls else None
+                ref = moe(x)  # the sorted layer, whether or not it is timed
                 if "masked" in impls:
                     assert torch.equal(impls["masked"](x), ref), "sorted != masked reference"
                 if "dense-onednn" in cell:
                     err = (cell["dense-onednn"](x).float() - cell["dense"](x).float()).abs().max().item()
                     assert err < (1e-4 if ptdtype == torch.float32 else 5e-2), f"dense-onednn differs by {err}"
                 for key in cell:
-                    if key.startswith("hf") or key == "fused":
+                    if key.startswith("hf") or key.startswith("fused"):
                         err = (cell[key](x).float() - ref.float()).abs().max().item()
                         assert err < (1e-4 if ptdtype == torch.float32 else 5e-2), f"{key} differs by {err}"
             syncs = {key: count_syncs(fn, x)[1] for key, fn in cell.items()}
@@ -305,7 +315,7 @@ def main():
                 for key, v in times.items():
                     med[key, backward] = statistics.median(v) * 1e3
             for key in wanted:
-                if key == "dense-onednn" and not onednn:
+                if (key == "dense-onednn" and not onednn) or (key == "fused-grouped" and not chains):
                     continue
                 if key not in cell:
                     say(f"{key:<15}   skipped: per-pair weight copies need ~{batched_gb:.0f} GiB")
@@ -317,6 +327,9 @@ def main():
                     tflops = 3 * 6 * n * k * d * f / (fb * 1e-3) / 1e12
                     line += f"{tflops:>9.1f}" + (f"{100 * tflops / peak:>7.1f}%" if peak else f"{'n/a':>8}")
                 say(line)
+            if "fused-grouped" in cell and "fused" in cell:
+                say(f"cpu_chains: fused-grouped / fused = {med['fused-grouped', False] / med['fused', False]:.3f} fwd, "
+                    f"{med['fused-grouped', True] / med['fused', True]:.3f} fwd+bwd (> 1: the chains are faster)")
             ours = min(med["sorted", True], med["fused", True]) if "fused" in cell and "sorted" in cell else None
             if ours is not None:
                 hf = {key: med[key, True] for key in cell if key.startswith("hf")}

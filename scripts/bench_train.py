@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from moe_reference import reference_masked_forward  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, MOEFeedForward  # noqa: E402
-from model.moe import minimind_aux_loss  # noqa: E402
+from model.router import minimind_aux_loss  # noqa: E402
 
 
 def masked_forward(self, x):

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from testlib import ROOT, Skip, run, spawn_ranks as spawn  # noqa: F401
+from model.dispatch import SortedDispatcher
 from model.model_minimind import MiniMindConfig, MOEFeedForward
-from model.moe import sorted_experts_forward
 
 D = 32
 
@@ -43,6 +43,12 @@ def force(mod, name):
             mod.gate.weight[-1, 0] = -1000.0
 
 
+def dispatch_experts_combine(dispatcher, experts, x_TD, topk_idx_TK, topk_weight_TK):
+    """The MoE layer's steps 3-5 on given routing: x_TD [T, D] -> y_TD [T, D]."""
+    rows, tokens_per_expert, handle = dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
+    return dispatcher.combine(experts(rows, tokens_per_expert, handle), handle)
+
+
 @torch.no_grad()
 def grouped_by_rank_reference(mod, x, world):
     """Single-process forward that adds each token's expert outputs grouped by owner rank, as EP does:
@@ -50,13 +56,12 @@ def grouped_by_rank_reference(mod, x, world):
     (all tokens routed to it, ascending), so this differs from the plain layer only by float reassociation."""
     x_TD = x.reshape(-1, x.shape[-1])
     _, w, idx = mod.route(x_TD)
-    idx, order = idx.sort(-1)
-    w = w.gather(-1, order)
     per_rank = mod.config.num_experts // world
     y = torch.zeros_like(x_TD)
     for m in range(world):
         mine = idx.div(per_rank, rounding_mode="floor") == m
-        y = y + sorted_experts_forward(mod.experts, x_TD, torch.where(mine, idx, -1), w, True)
+        y = y + dispatch_experts_combine(SortedDispatcher(mod.config.num_experts), mod.experts, x_TD,
+                                         torch.where(mine, idx, -1), w)
     return y.view_as(x)
 
 
@@ -80,8 +85,9 @@ def ep_worker(rank, world, cases):
         x = scenario_inputs(name, world)[rank]
         up = torch.linspace(-1, 1, x.numel()).view_as(x)
         y, xg, grads = run_layer(mod, x, up)
-        d = mod.expert_parallel
-        results[(name, e, k)] = dict(y=y, xg=xg, grads=grads, tpe=mod.last_tokens_per_expert.clone(), owned=list(range(d.first_expert, d.first_expert + d.experts_per_rank)),
+        d = mod.dispatcher
+        results[(name, e, k)] = dict(y=y, xg=xg, grads=grads, tpe=mod.stats.tokens_per_expert.clone(),
+                                     owned=list(range(d.first_expert, d.first_expert + d.experts_per_rank)),
                                      bytes_sent=d.bytes_sent, bytes_k=d.bytes_k_copies)
     return results
 
@@ -160,19 +166,19 @@ def roundtrip_one(rank, k):
     g = torch.Generator().manual_seed(rank)
     T = 10 + 3 * rank
     x = torch.randn(T, D, generator=g, requires_grad=True)
-    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(T)]).sort(-1).values
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(T)])
     idx[0, 0] = -1  # a "no expert" entry: that token loses one share
     w = torch.full((T, k), 1.0 / k)
-    fake = torch.nn.Module()
-    fake.experts = torch.nn.ModuleList(torch.nn.Identity() for _ in range(e))
-    fake.experts_forward = sorted_experts_forward
-    fake.training = True
-    y = AllToAllDispatcher(dist.group.WORLD, e)(fake, x, idx, w)
+    ep = AllToAllDispatcher(dist.group.WORLD, e, SortedDispatcher(e))
+    rows, _, handle = ep.dispatch(x, idx, w)
+    y = ep.combine(rows, handle)  # identity experts: their output rows are their input rows
     up = torch.randn(T, D, generator=g)
     (y * up).sum().backward()
     share = 1.0 - (idx < 0).float().sum(-1, keepdim=True) / k
+    local = SortedDispatcher(e)
+    rows, _, handle = local.dispatch(x.detach(), idx, w)
     return dict(ok_y=torch.equal(y, x.detach() * share), ok_g=torch.equal(x.grad, up * share),
-                ref=torch.equal(y, sorted_experts_forward(fake.experts, x.detach(), idx, w, True)))
+                ref=torch.equal(y, local.combine(rows, handle)))
 
 
 def test_dispatch_combine_roundtrip():
@@ -204,7 +210,7 @@ def capacity_worker(rank, world):
                                             moe_intermediate_size=16, **kw)).train()
         install(mod, dist.group.WORLD, 4)
         x = scenario_inputs("uneven", world)[rank]
-        out.append((mod(x).detach(), mod.last_tokens_per_expert.clone()))
+        out.append((mod(x).detach(), mod.stats.tokens_per_expert.clone()))
     return out
 
 
@@ -239,7 +245,7 @@ def fused_worker(rank, world):
         install(mod, dist.group.WORLD, e)
         x = scenario_inputs(name, world)[rank]
         y, xg, grads = run_layer(mod, x, torch.linspace(-1, 1, x.numel()).view_as(x))
-        d = mod.expert_parallel
+        d = mod.dispatcher
         owned = {n: g for n, g in grads.items()
                  if n.startswith("experts.") and d.owns(int(n.split(".")[1]))}
         out[name, e, k] = dict(y=y, xg=xg, gate=grads["gate.weight"], owned=owned)

@@ -20,8 +20,9 @@ from kernels.backend import choose, cpu_values, interpreting, triton_importable 
 from kernels.cpu_experts import cpu_experts, cpu_experts_supported  # noqa: E402
 from kernels.grouped_gemm import (ScaledSwiGLU, SwiGLU, grouped_mm, grouped_swiglu, onednn_supports,  # noqa: E402
                                   torch_grouped_mm_supports)
-from kernels.permute import (build_row_map, combine_rows, combine_rows_reference, gather_rows,  # noqa: E402
-                             gather_rows_reference, permute, unpermute_combine)
+from kernels.permute import (combine_rows, combine_rows_reference, gather_rows, gather_rows_reference,  # noqa: E402
+                             permute, unpermute_combine)
+from model.dispatch import build_row_map  # noqa: E402  (the row maps the permute kernels and cpu_experts read)
 
 # Triton runs CPU tensors only in its interpreter, and the interpreter would also run CUDA tensors (on
 # the host): so interpreted runs test on CPU, and TRITON_INTERPRET=0 on a GPU machine tests the compiled
@@ -320,7 +321,7 @@ def test_cpu_experts_chains():
     reference: output, grad x, grad of the row scales and every expert weight; over the row-map cases
     (idle experts get zero weight grads, padding rows are skipped, dropped pairs add nothing), fp32 and
     bf16; two runs bitwise identical."""
-    from model.moe import FeedForward
+    from model.experts import FeedForward
     if not cpu_experts_supported("cpu", torch.float32):
         raise Skip("this torch has no oneDNN CPU matmul")
     for T, K, E, drop, idle, pad_to, align in CASES + [(200, 2, 3, 0.1, (), None, 1)]:  # rows > a bucket
@@ -362,7 +363,7 @@ def test_cpu_experts_chains():
 def test_cpu_experts_autograd_modes():
     """Backward twice with retain_graph, frozen experts (no weight grads computed), no_grad (nothing kept),
     and double backward refused with a clear error."""
-    from model.moe import FeedForward
+    from model.experts import FeedForward
     if not cpu_experts_supported("cpu", torch.float32):
         raise Skip("this torch has no oneDNN CPU matmul")
     from kernels.cpu_experts import _bucket
@@ -404,7 +405,7 @@ def test_cpu_values_refuses_device_tensors():
 
 
 def test_grouped_swiglu_matches_per_expert_ffn():
-    from model.moe import FeedForward
+    from model.experts import FeedForward
     torch.manual_seed(0)
     lens, D, F_ = [6, 0, 9], 16, 12
     experts = [FeedForward(D, F_) for _ in lens]

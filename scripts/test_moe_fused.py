@@ -2,9 +2,9 @@
 
     python scripts/test_moe_fused.py
 
-The fused path has two expert computes (model.moe_fused, `impl`): "grouped" (permute -> grouped GEMM ->
-combine, the GPU design) and "cpu_experts" (per-expert oneDNN chains, what "auto" picks on CPU); every
-equivalence test runs both.
+The fused layer (RowMapDispatcher + SwiGLUExperts) has two expert implementations (`layer.experts.impl`,
+model/experts.py): "grouped" (permute -> grouped GEMM -> combine, the GPU design) and "cpu_chains"
+(per-expert oneDNN chains, what "auto" picks on CPU); every equivalence test runs both.
 
 Tolerance, fp32: forward and every gradient within 1e-5 absolute on outputs of size ~0.1-1 (the grouped
 GEMM sums each dot product in another order than per-expert nn.Linear, the routing weight is applied
@@ -13,30 +13,37 @@ few ulps, ~1e-7 measured). bf16 autocast: within 2e-2 (bf16 has 8 mantissa bits;
 both paths round the expert outputs to bf16 once, at different points).
 """
 import contextlib
-import functools
 import warnings
 
 import torch
 
 from testlib import Skip, run  # noqa: F401
 from sync_count import count_syncs
+from model.dispatch import RowLayout, RowMapDispatcher, SortedDispatcher
+from model.experts import _back_to_back
 from model.model_minimind import MiniMindConfig, MOEFeedForward
-from model.moe_fused import _back_to_back, fused_experts_forward
-import model.moe as moe_module
 
 D = 32
-IMPLS = ("cpu_experts", "grouped")
+IMPLS = ("cpu_chains", "grouped")
 
 
 @contextlib.contextmanager
-def fused_impl(impl, **backends):
-    """Run the fused layer with a given expert compute (and kernel backends) instead of "auto"."""
-    original = moe_module.fused_experts_forward
-    moe_module.fused_experts_forward = functools.partial(original, impl=impl, **backends)
+def fused_impl(mod, impl, gemm_backend="auto", permute_backend="auto"):
+    """Run the fused layer `mod` with a given experts implementation and kernel backends (its public
+    attributes experts.impl, experts.gemm_backend, dispatcher.permute_backend), then restore them."""
+    saved = mod.experts.impl, mod.experts.gemm_backend, mod.dispatcher.permute_backend
+    mod.experts.impl, mod.experts.gemm_backend, mod.dispatcher.permute_backend = impl, gemm_backend, permute_backend
     try:
-        yield
+        yield mod
     finally:
-        moe_module.fused_experts_forward = original
+        mod.experts.impl, mod.experts.gemm_backend, mod.dispatcher.permute_backend = saved
+
+
+def dispatch_experts_combine(dispatcher, experts, x_TD, topk_idx_TK, topk_weight_TK, layout=None):
+    """The MoE layer's steps 3-5 on given routing: x_TD [T, D] -> y_TD [T, D]."""
+    permute = not experts.gathers_own_rows(x_TD)
+    rows, tokens_per_expert, handle = dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout, permute)
+    return dispatcher.combine(experts(rows, tokens_per_expert, handle), handle)
 
 
 def pair(E, k, seed=0, **kw):
@@ -83,14 +90,19 @@ def test_matches_sorted_fp32():
             x = torch.randn(2, S, D)
             g = torch.randn(2, S, D)
             ya, dxa, ga = fwd_bwd(ref, x, g)
-            with fused_impl(impl):
+            with fused_impl(fused, impl):
                 yb, dxb, gb = fwd_bwd(fused, x, g)
             what = f"{impl} E={E} k={k} {kw} S={S}"
             assert_close(ya, yb, 1e-5, what + " forward")
             assert_close(dxa, dxb, 1e-5, what + " grad x")
             for n in ga:
                 assert_close(ga[n], gb[n], 1e-5, f"{what} grad {n}")
-            assert torch.equal(ref.last_tokens_per_expert, fused.last_tokens_per_expert), what
+            assert torch.equal(ref.stats.tokens_per_expert, fused.stats.tokens_per_expert), what
+            pads = kw.get("moe_pad_to_capacity") or kw.get("moe_expert_alignment", 1) > 1
+            if pads:
+                assert ref.stats.padded_tokens_per_expert.tolist() == fused.stats.padded_tokens_per_expert.tolist(), what
+            else:
+                assert ref.stats.padded_tokens_per_expert is None and fused.stats.padded_tokens_per_expert is None
             assert torch.equal(ref.aux_loss, fused.aux_loss), what
 
 
@@ -104,9 +116,9 @@ def test_idle_experts_get_zero_grads():
     x = torch.randn(1, 20, D)
     x[..., 0] = x[..., 0].abs() + 1.0
     for impl in IMPLS:
-        with fused_impl(impl):
+        with fused_impl(fused, impl):
             _, _, grads = fwd_bwd(fused, x, torch.randn(1, 20, D))
-        assert int(fused.last_tokens_per_expert[5]) == 0
+        assert int(fused.stats.tokens_per_expert[5]) == 0
         for name in ("gate_proj", "up_proj", "down_proj"):
             g = grads[f"experts.5.{name}.weight"]
             assert g is not None and not g.abs().any(), f"{impl} {name}"
@@ -116,7 +128,7 @@ def test_deterministic():
     for (E, k, kw), impl in ((c, i) for c in CONFIGS[:6] for i in IMPLS):
         _, fused = pair(E, k, **kw)
         x, g = torch.randn(3, 40, D), torch.randn(3, 40, D)
-        with fused_impl(impl):
+        with fused_impl(fused, impl):
             a, b = fwd_bwd(fused, x, g), fwd_bwd(fused, x, g)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         assert all(torch.equal(a[2][n], b[2][n]) for n in a[2])
@@ -126,14 +138,14 @@ def test_zero_syncs():
     """No sync-inducing call in the forward, in training and eval, with capacity, padding and alignment:
     with the CPU expert chains (which read their segment bounds from CPU memory: not a sync), and with
     the grouped path on torch's grouped_mm, whose offsets never leave the device (the CUDA design)."""
-    variants = [("cpu_experts", {}), ("grouped", {"gemm_backend": "torch", "permute_backend": "reference"})]
+    variants = [("cpu_chains", {}), ("grouped", {"gemm_backend": "torch", "permute_backend": "reference"})]
     for E, k, kw in CONFIGS + [(64, 8, {}), (16, 4, {"capacity_factor": 1.25, "moe_pad_to_capacity": True})]:
         ref, fused = pair(E, k, **kw)
         x = torch.randn(2, 30, D)
         for train in (True, False):
             for impl, backends in variants:
                 fused.train(train)
-                with fused_impl(impl, **backends):
+                with fused_impl(fused, impl, **backends):
                     _, syncs = count_syncs(fused, x)
                 assert syncs == 0, f"{impl} E={E} k={k} {kw} train={train}: {syncs} syncs"
             ref.train(train)
@@ -145,7 +157,7 @@ def test_empty_and_tiny_inputs():
         ref, fused = pair(4, 2, **kw)
         for shape, impl in ((s, i) for s in ((1, 0, D), (0, 5, D), (1, 1, D)) for i in IMPLS):
             x = torch.randn(*shape)
-            with fused_impl(impl):
+            with fused_impl(fused, impl):
                 assert_close(ref(x).detach(), fused(x).detach(), 1e-5, f"{impl} {kw} {shape}")
                 xi = x.clone().requires_grad_()
                 fused(xi).sum().backward()
@@ -153,8 +165,9 @@ def test_empty_and_tiny_inputs():
     # an EP rank that received no pairs but pads every expert to an alignment: P > 0 rows, T = 0 tokens
     _, fused = pair(4, 2)
     for impl in IMPLS:
-        y = fused_experts_forward(fused.experts, torch.randn(0, D), torch.zeros(0, 2, dtype=torch.long),
-                                  torch.zeros(0, 2), True, padding=(None, 4), impl=impl)
+        with fused_impl(fused, impl):
+            y = dispatch_experts_combine(RowMapDispatcher(4), fused.experts, torch.randn(0, D),
+                                         torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), RowLayout(None, 4))
         assert y.shape == (0, D), impl
 
 
@@ -201,7 +214,7 @@ def test_bf16_autocast_cpu():
     for impl in IMPLS:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             a = fwd_bwd(ref, x, g)
-            with fused_impl(impl):
+            with fused_impl(fused, impl):
                 b = fwd_bwd(fused, x, g)
         assert a[0].dtype == b[0].dtype == x.dtype
         assert_close(a[0], b[0], 2e-2, f"{impl} bf16 autocast")
@@ -226,12 +239,12 @@ def test_odd_sizes_fall_back():
         fused.load_state_dict(ref.state_dict())
         x, g = torch.randn(2, 11, D_), torch.randn(2, 11, D_)
         tol = 1e-5 if dtype is None else 5e-2
-        for variant in ("cpu_experts", "grouped", "grouped without oneDNN"):
+        for variant in ("cpu_chains", "grouped", "grouped without oneDNN"):
             supports = G.onednn_supports
             if variant == "grouped without oneDNN":
                 G.onednn_supports = lambda a, b: False
             try:
-                with (warnings.catch_warnings(), fused_impl(variant.split()[0]),
+                with (warnings.catch_warnings(), fused_impl(fused, variant.split()[0]),
                       torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)):
                     warnings.simplefilter("ignore")
                     a, b = fwd_bwd(ref, x, g), fwd_bwd(fused, x, g)
@@ -245,23 +258,25 @@ def test_odd_sizes_fall_back():
 
 
 def test_direct_call_with_dropped_pairs():
-    """fused_experts_forward with -1 entries (as the EP transport passes): those pairs contribute 0."""
+    """The dispatchers and experts called directly with -1 entries (as the EP transport passes them, in
+    any slot order): those pairs contribute 0; sorted and row-map paths agree; an unknown impl is refused."""
     ref, fused = pair(4, 2)
     x = torch.randn(10, D)
-    idx = torch.tensor([[0, 1], [-1, 2], [3, -1], [-1, -1], [0, 3], [1, 2], [2, 3], [0, 2], [1, -1], [0, 1]])
+    idx = torch.tensor([[0, 1], [-1, 2], [3, -1], [-1, -1], [3, 0], [1, 2], [2, 3], [0, 2], [-1, 1], [1, 0]])
     w = torch.rand(10, 2)
-    from model.moe import sorted_experts_forward
-    want = sorted_experts_forward(ref.experts, x, idx.sort(-1)[0], w.gather(-1, idx.sort(-1)[1]), True)
+    want = dispatch_experts_combine(SortedDispatcher(4), ref.experts, x, idx, w)
     for impl in IMPLS:
-        got = fused_experts_forward(fused.experts, x, idx.sort(-1)[0], w.gather(-1, idx.sort(-1)[1]), True, impl=impl)
+        with fused_impl(fused, impl):
+            got = dispatch_experts_combine(RowMapDispatcher(4), fused.experts, x, idx, w)
         assert_close(got, want, 1e-5, f"{impl} dropped pairs")
         assert not got[3].abs().any()
-    try:
-        fused_experts_forward(fused.experts, x, idx, w, True, impl="fast")
-    except ValueError as e:
-        assert "impl" in str(e)
-    else:
-        raise AssertionError("unknown impl accepted")
+    for attr, bad in (("impl", "fast"), ("gemm_backend", "cuda")):
+        try:
+            setattr(fused.experts, attr, bad)
+        except ValueError as e:
+            assert attr in str(e)
+        else:
+            raise AssertionError(f"unknown {attr} accepted")
 
 
 def test_compiles_without_graph_breaks():

@@ -173,7 +173,7 @@ def test_single_sync_per_layer():
                     _, n = count_syncs(mod, x)
                     assert n <= 1, f"E={e} k={k} train={train} T={x.shape[1]}: {n} syncs"
                     _, n_ref = count_syncs(lambda t: reference_masked_forward(mod, t), x)
-                    active = int((mod.last_tokens_per_expert > 0).sum())
+                    active = int((mod.stats.tokens_per_expert > 0).sum())
                     assert n_ref == e + 2 * active, f"reference: {n_ref} syncs, expected E + 2*active"
     mod = build(seed=0, num_experts=4)
     with SyncCounter() as c:

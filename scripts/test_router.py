@@ -96,12 +96,12 @@ def test_padding_changes_no_loss_and_no_load():
             pad_routes = mod.route(x[0, 11:])[2]
         assert (pad_routes == 0).any(dim=-1).all(), "padding must route to expert 0 for this test to mean anything"
         y = mod(x, token_mask=mask)
-        loss_padded, z_padded, load_padded = mod.aux_loss.detach(), mod.z_loss, mod.pop_load()
+        loss_padded, z_padded, load_padded = mod.aux_loss.detach(), mod.stats.z_loss, mod.pop_load()
         if kw["router_aux_loss_type"] == "sequence":  # per sequence: the unpadded reference is each alone
             per_seq, loads = [], []
             for p in parts:
                 y_p = mod(p)
-                per_seq.append(mod.aux_loss.detach() - (mod.z_loss if mod.z_loss is not None else 0))
+                per_seq.append(mod.aux_loss.detach() - (mod.stats.z_loss if mod.stats.z_loss is not None else 0))
                 loads.append(mod.pop_load())
             want_loss = torch.stack(per_seq).mean()
             got_loss = loss_padded - (z_padded if z_padded is not None else 0)
@@ -149,11 +149,18 @@ def test_no_cancellation_across_layers():
 
 
 def router_grads_after(model, batch, grad_accum, repeats):
-    from train.trainer import micro_step
+    """The router grads after `repeats` micro-steps of the training loop (train.trainer.forward_backward,
+    single process) on `batch`, accumulated with --grad_accum `grad_accum`."""
+    from types import SimpleNamespace
+    from train.trainer import forward_backward
     model.zero_grad(set_to_none=True)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    run = SimpleNamespace(args=SimpleNamespace(grad_accum=grad_accum), ctx=SimpleNamespace(world_size=1),
+                          device=torch.device("cpu"), autocast=contextlib.nullcontext, train_model=model,
+                          scaler=torch.amp.GradScaler("cpu", enabled=False))
+    x, y = batch[:, :-1], batch[:, 1:]
+    n_global = int((y != -100).sum()) * repeats  # every micro-step's supervised tokens
     for _ in range(repeats):
-        micro_step(model, batch[:, :-1], batch[:, 1:], grad_accum, scaler, contextlib.nullcontext)
+        forward_backward(run, x, y, n_global)
     return [blk.mlp.gate.weight.grad.clone() for blk in model.model.layers]
 
 

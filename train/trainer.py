@@ -25,7 +25,7 @@ from model.router import load_summary
 from train.atomic import atomic_write_text
 from train.checkpoint import CKPT_NAME, save_checkpoint
 from train.distributed import init_distributed, shutdown
-from train.expert_parallel import clip_grad_norm_ep, gather_experts, reduce_expert_grads
+from train.expert_parallel import clip_grad_norm_ep, ep_dispatchers, gather_experts, reduce_expert_grads
 from train.expert_parallel import uninstall as uninstall_ep
 from train.flags import saved_flags
 from train.metrics import Progress
@@ -259,8 +259,7 @@ def finish(run, state):
 
 def ep_bytes(model):
     """(bytes sent, bytes one copy per routed pair would cost) of each EP dispatcher, [] without EP."""
-    return [(d.bytes_sent, d.bytes_k_copies) for d in
-            (getattr(m, "expert_parallel", None) for m in model.modules()) if d is not None]
+    return [(d.bytes_sent, d.bytes_k_copies) for d in ep_dispatchers(model)]
 
 
 def sample(run):
