@@ -100,7 +100,8 @@ def split_documents(ds, val_every=20):
 
 
 class WindowBatches:
-    """Batches of non-overlapping (seq_len + 1)-token windows from a token stream, reshuffled every epoch.
+    """Batches of (seq_len + 1)-token windows starting every seq_len tokens of a stream (neighbours share
+    one boundary token, so every token is predicted once per epoch), in an order reshuffled every epoch.
 
     `next()` returns x, y: [B, S] int64 with y = x shifted by one. The order is a pure function of
     (seed, epoch), so `state_dict()` = {"epoch", "cursor"} resumes exactly.

@@ -18,7 +18,7 @@ def _training(default):
 
 @strict
 class MiniMindConfig(PreTrainedConfig):
-    """Architecture of the MiniMind-style GPT (GQA + q/k RMSNorm + RoPE + SwiGLU, optional MoE FFN).
+    """Architecture (and the training choices stored with it) of the MiniMind-style GPT (GQA + q/k RMSNorm + RoPE + SwiGLU, optional MoE FFN).
 
     Fields (units in brackets):
         vocab_size: number of token ids.

@@ -37,8 +37,8 @@ class MoEStats:
         dropping, on the layer's device (under expert parallelism: this rank's tokens, global expert ids).
     padded_tokens_per_expert: int64 rows each expert ran on, padding rows included ([E]; under expert
         parallelism the rank's own experts); None without padding. On the host for the sorted path.
-    balance_loss, z_loss: this layer's router losses (scalars; None in eval or when off); `aux_loss` is
-        their sum.
+    balance_loss, z_loss: this layer's router losses (scalars; None in eval or when off); the layer's
+        `aux_loss` is their sum.
     """
     tokens_per_expert: torch.Tensor | None = None
     padded_tokens_per_expert: torch.Tensor | None = None

@@ -57,6 +57,24 @@ def test_tiny_run_learns_and_checkpoint_reloads():
     assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]
 
 
+def test_dense_model_trains_and_resume_keeps_a_damaged_log():
+    """--use_moe 0 trains (no router fields anywhere), and a torn last metrics line (a kill mid-write)
+    is skipped with a warning naming the file and line instead of blocking --resume."""
+    out_dir = os.path.join(_TMP, "dense")
+    r = _cli(*TINY, "--data_path", text_file(), "--use_moe", "0", "--max_steps", "4", "--log_interval", "2",
+             "--out_dir", out_dir)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    assert [x["step"] for x in rows if "train_loss" in x] == [2, 4] and not any("expert_load" in x for x in rows)
+    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 5, "train_lo')
+    r = _cli("--resume", "--out_dir", out_dir, "--max_steps", "6")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "metrics.jsonl:" in r.stderr and "skipping a damaged metrics record" in r.stderr, r.stderr[-2000:]
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    assert [x["step"] for x in rows if "train_loss" in x] == [2, 4, 6]
+
+
 def test_resume_equals_continuous_run():
     data = text_file()
     common = TINY + ["--data_path", data, "--max_steps", "12", "--eval_interval", "6", "--save_interval", "4",
@@ -142,6 +160,7 @@ def test_fused_impl_trains_like_sorted_and_switches_on_resume():
 
 
 TESTS = [test_tiny_run_learns_and_checkpoint_reloads, test_fused_impl_trains_like_sorted_and_switches_on_resume,
+         test_dense_model_trains_and_resume_keeps_a_damaged_log,
          test_resume_equals_continuous_run, test_bad_inputs_fail_fast_with_clear_messages, test_resume_refuses_a_changed_data_order,
          test_corrupt_checkpoint_is_refused]
 

@@ -1,5 +1,6 @@
-"""Atomic writes: every file and folder the project writes goes through one of these two helpers, so a
-crash or a kill at any moment leaves either the old version or the new one, never a torn file.
+"""Atomic writes: every file and folder the project writes whole goes through these helpers, so a crash
+or a kill at any moment leaves either the old version or the new one, never a torn file. (The one file
+written by appending, metrics.jsonl, gets one line per write; it is rewritten whole through here.)
 
     with atomic_file("run/metrics.jsonl", "w") as f:   # temp file in the same folder, fsync, os.replace
         f.write(...)
@@ -46,11 +47,13 @@ def atomic_dir(path):
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private (0700); the result is an ordinary folder
     try:
         yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        # mkdtemp makes the folder private (0700), and copytree copies a source folder's mode onto it:
+        # the result is an ordinary folder of this process's umask
+        os.chmod(tmp, 0o777 & ~umask)
         old = None
         if os.path.exists(path):
             old = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.old")

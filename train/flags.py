@@ -120,8 +120,9 @@ def build_parser(stage):
 
 
 def architecture_flags():
-    """Config fields with a flag that define the function (ignored on --resume / --init_from)."""
-    return [f for f in CONFIG_FIELDS - set(MiniMindConfig.training_fields()) if f != "vocab_size"]
+    """Config fields that define the function (their flags are ignored on --resume / --init_from; the
+    --vocab_size flag sizes a new tokenizer, which such a run does not train either)."""
+    return sorted(CONFIG_FIELDS - set(MiniMindConfig.training_fields()))
 
 
 def config_from_args(args, vocab_size):
@@ -181,7 +182,7 @@ def _merge_resume(parser, stage, args, argv):
         if getattr(args, k) != saved.get(k, getattr(args, k)):
             parser.error(f"--{k} cannot change on resume (checkpoint: {saved.get(k)!r}, now: {getattr(args, k)!r}): "
                          f"the saved data position refers to the original windows")
-    changed = [f"--{k}" for k in sorted(architecture_flags()) if k in saved and getattr(args, k) != saved[k]]
+    changed = [f"--{k}" for k in architecture_flags() if k in saved and getattr(args, k, saved[k]) != saved[k]]
     if changed:
         print(f"warning: {', '.join(changed)} ignored on resume: the architecture comes from the checkpoint",
               file=sys.stderr)
@@ -202,7 +203,7 @@ def _validate(parser, args):
         parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
     if args.init_from and not args.resume:
         defaults = vars(parser.parse_args([]))
-        ignored = [f"--{k}" for k in sorted(architecture_flags()) if k in defaults and getattr(args, k) != defaults[k]]
+        ignored = [f"--{k}" for k in architecture_flags() if k in defaults and getattr(args, k) != defaults[k]]
         if ignored:
             print(f"warning: {', '.join(ignored)} ignored with --init_from: the architecture comes from "
                   f"{args.init_from}", file=sys.stderr)

@@ -23,13 +23,13 @@ class MetricsLog:
         self.is_main, self.wandb_run = is_main, wandb_run
         self.records = []
         if resume_step is not None and os.path.exists(self.path):
-            with open(self.path) as f:
-                self.records = [r for r in map(json.loads, f) if r["step"] <= resume_step]
+            self.records = [r for r in read_records(self.path) if r["step"] <= resume_step]
         if is_main:
             with atomic_file(self.path, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(r) + "\n" for r in self.records)
 
     def record(self, r):
+        """Append one record (a dict with "step"); rank 0 only."""
         if not self.is_main:
             return
         self.records.append(r)
@@ -46,6 +46,26 @@ class MetricsLog:
     def close(self):
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def read_records(path):
+    """The records of a metrics.jsonl. A line that is not a JSON object with a "step" (a line torn by a
+    kill or a full disk, a blank line) is skipped with a warning that names the file and line: a damaged
+    log must not block a resume."""
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                if not isinstance(r, dict) or not isinstance(r.get("step"), int):
+                    raise ValueError("no integer \"step\"")
+            except ValueError as e:
+                print(f"warning: {path}:{n}: skipping a damaged metrics record ({e})", file=sys.stderr)
+                continue
+            records.append(r)
+    return records
 
 
 def open_wandb(args, config, out_dir):
@@ -72,7 +92,7 @@ class Progress:
     def update(self, fields=None, show_load=True):
         self.bar.update(1)
         if fields is not None:
-            load = compact(fields) if show_load else ""
+            load = compact(fields) if show_load and "load_max_over_mean" in fields else ""
             self.bar.set_postfix_str(f"loss {fields['train_loss']:.3f} lr {fields['lr']:.2e} "
                                      f"{fields['tok_per_s']:,.0f} tok/s" + (f" | {load}" if load else ""))
 

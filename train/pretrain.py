@@ -30,8 +30,9 @@ def add_data_flags(g):
 
 
 def load_data(args, tokenizer_dir, global_batch_size, log):
-    """Token streams of the corpus -> random (seq_len + 1)-token windows for training, the first
-    `eval_tokens` of the validation stream for evaluation."""
+    """Token streams of the corpus (data/prepare.py: corpus, tokenizer, token cache) -> shuffled
+    (seq_len + 1)-token windows for training, the first `eval_tokens` of the validation stream for
+    evaluation."""
     data = prepare_data(args.data_path, tokenizer_dir, args.vocab_size, log=log)
     windows = fixed_windows(data["val"], args.seq_len, args.eval_tokens)
     return StageData(
@@ -51,8 +52,8 @@ def parse_args(argv=None):
 
 
 def train(args, log=print):
-    return trainer.train(args, log=log)
+    return trainer.train(args, log=log, stage=STAGE)
 
 
 if __name__ == "__main__":
-    trainer.run_cli(trainer.train, parse_args())
+    trainer.run_cli(train, parse_args())

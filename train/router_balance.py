@@ -1,6 +1,6 @@
 """The router's own optimizer step, and the expert-load telemetry built from the same counts.
 
-`update_router` runs after every optimizer step: it collects each MoE layer's routed pairs per expert
+`router_step` runs after every optimizer step: it collects each MoE layer's routed pairs per expert
 (the model only counts them, real tokens only), sums them over the data-parallel ranks and moves the
 aux-loss-free selection bias. `LoadTelemetry` sums the loads it returns for the logs and the heatmap.
 """
@@ -11,11 +11,12 @@ from model.router import load_summary
 from train.expert_parallel import moe_layers
 
 
-def update_router(model, distributed):
-    """After an optimizer step: move each MoE layer's expert bias (aux-loss-free balancing; a no-op when
-    it is off) by the step's pairs per expert summed over all ranks (each rank routes its own tokens,
-    also under EP). Returns that load, int64 [L, E], for telemetry; None for a model without MoE.
-    Runs no host sync (the all-reduce and the update stay on the device)."""
+def router_step(model, distributed):
+    """The router's own step, after the optimizer step: collect each MoE layer's routed pairs per expert
+    counted since the last call (int64 [L, E]), sum them over all ranks (each rank routes its own tokens,
+    also under EP; one all-reduce per step), and move each layer's expert bias by them (aux-loss-free
+    balancing; only that part is a no-op when it is off). Returns the load for telemetry; None for a
+    model without MoE. Runs no host sync (the all-reduce and the update stay on the device)."""
     layers = moe_layers(model)
     loads = [m.pop_load() for m in layers]
     if not layers or any(load is None for load in loads):

@@ -61,7 +61,7 @@ def resolve_device(args):
     return device_type, dtype
 
 
-def setup(stage, args, ctx, device_type, dtype, log):
+def setup(stage, args, ctx, device_type, dtype_name, log):
     """Build the Run for `args` on this rank. Raises ValueError / DataError for bad input."""
     torch.manual_seed(args.seed)  # the same on every rank: identical initial weights everywhere
     device = (f"cuda:{ctx.local_rank}" if args.device in ("auto", "cuda") else args.device) if device_type == "cuda" else "cpu"
@@ -83,13 +83,13 @@ def setup(stage, args, ctx, device_type, dtype, log):
     model = model.to(device)
     optimizer = make_optimizer(model, args)
     start_step = restore(args, model, optimizer, data, device_type, log) if args.resume else 0
-    describe(model, config, device, dtype, log)
+    describe(model, config, device, dtype_name, log)
     train_model = wrap(model, args, ctx, device_type)
     metrics = MetricsLog(args.out_dir, start_step if args.resume else None, ctx.is_main,
                          open_wandb(args, config, args.out_dir) if ctx.is_main else None)
     # fp16 autocast needs loss scaling on CUDA; a disabled scaler is a no-op for fp32 / bf16
-    scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16" and device_type == "cuda")
-    return Run(args=args, stage=stage, ctx=ctx, device=device, dtype=DTYPES[dtype], config=config, data=data,
+    scaler = torch.amp.GradScaler(device_type, enabled=dtype_name == "float16" and device_type == "cuda")
+    return Run(args=args, stage=stage, ctx=ctx, device=device, dtype=DTYPES[dtype_name], config=config, data=data,
                model=model, train_model=train_model, optimizer=optimizer, scaler=scaler, metrics=metrics, log=log,
                start_step=start_step)
 
@@ -118,8 +118,8 @@ def weights_source(args):
 
 def copy_tokenizer(src, dst):
     if os.path.abspath(src) != os.path.abspath(dst):
-        with atomic_dir(dst) as tmp:
-            shutil.copytree(src, tmp, dirs_exist_ok=True)
+        with atomic_dir(dst) as tmp:  # (copyfile: the files get this process's umask, not the source's mode)
+            shutil.copytree(src, tmp, dirs_exist_ok=True, copy_function=shutil.copyfile)
 
 
 def build_config(args, init_model, n_tokens, ctx):

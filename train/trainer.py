@@ -30,7 +30,7 @@ from train.expert_parallel import uninstall as uninstall_ep
 from train.flags import saved_flags
 from train.metrics import Progress
 from train.plot import plot_expert_load, plot_loss_curve
-from train.router_balance import LoadTelemetry, update_router
+from train.router_balance import LoadTelemetry, router_step
 from train.schedule import lr_at
 from train.setup import resolve_device, setup
 from train.stage import IGNORE_INDEX
@@ -50,24 +50,27 @@ class TrainState:
 @dataclass
 class StepResult:
     lr: float
-    ce_loss: torch.Tensor      # this rank's share of the global batch's mean LM loss (detached)
-    aux_loss: torch.Tensor     # this rank's router loss, averaged over its micro-steps (detached)
+    # This rank's parts (detached): summed over the ranks they give the global batch's mean LM loss and
+    # the ranks' mean router loss (log_train all-reduces them).
+    ce_part: torch.Tensor
+    aux_part: torch.Tensor
     grad_norm: torch.Tensor | None
     load_LE: torch.Tensor | None  # routed pairs per expert of this step, all ranks, int64 [L, E]
 
 
-def train(args, log=print):
+def train(args, log=print, stage=None):
     """Run (or resume) the training job of `args` (from a stage's parse_args); single process, or every
-    rank of a torchrun launch (DDP, plus expert parallelism when args.ep_size > 1). Returns a summary."""
-    stage = importlib.import_module(f"train.{args.stage}").STAGE
-    device_type, dtype = resolve_device(args)
+    rank of a torchrun launch (DDP, plus expert parallelism when args.ep_size > 1). `stage` defaults to
+    `train.<args.stage>.STAGE`. Returns a summary dict."""
+    stage = stage or importlib.import_module(f"train.{args.stage}").STAGE
+    device_type, dtype_name = resolve_device(args)
     ctx = init_distributed(args.ep_size, device_type)
     try:
-        run = setup(stage, args, ctx, device_type, dtype, log if ctx.is_main else (lambda *_: None))
+        run = setup(stage, args, ctx, device_type, dtype_name, log if ctx.is_main else (lambda *_: None))
         state = TrainState(step=run.start_step, start_step=run.start_step)
-        progress = Progress(stage.name, state.step, args.max_steps, ctx.is_main and not args.no_progress, run.log)
         if state.step == 0:
-            evaluate_and_record(run, state, progress, first=True)
+            evaluate_and_record(run, state, None, first=True)
+        progress = Progress(stage.name, state.step, args.max_steps, ctx.is_main and not args.no_progress, run.log)
         while state.step < args.max_steps:
             result = train_step(run, state)
             if after_step(run, state, result, progress):
@@ -91,13 +94,13 @@ def train_step(run, state):
         g["lr"] = lr
     batches = [run.data.train_batches.next() for _ in range(args.grad_accum)]  # global batches, on the CPU
     n_global = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)  # supervised tokens, all ranks
-    ce = aux = 0.0
+    ce_part = aux_part = 0.0  # device tensors after the first micro-step (no host read per step)
     for i, (x, y) in enumerate(batches):
         # DDP all-reduces only on the last micro-step of an accumulation
         no_sync = ctx.distributed and i < len(batches) - 1
         with run.train_model.no_sync() if no_sync else contextlib.nullcontext():
             micro_ce, micro_aux = forward_backward(run, x[run.my_rows], y[run.my_rows], n_global)
-        ce, aux = ce + micro_ce, aux + micro_aux
+        ce_part, aux_part = ce_part + micro_ce, aux_part + micro_aux
     run.scaler.unscale_(run.optimizer)
     if ctx.ep_size > 1:
         reduce_expert_grads(run.model, ctx.expert_dp_group, ctx.world_size)
@@ -105,9 +108,9 @@ def train_step(run, state):
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
-    load_LE = update_router(run.model, ctx.distributed)
+    load_LE = router_step(run.model, ctx.distributed)
     state.step += 1
-    return StepResult(lr=lr, ce_loss=ce, aux_loss=aux, grad_norm=grad_norm, load_LE=load_LE)
+    return StepResult(lr=lr, ce_part=ce_part, aux_part=aux_part, grad_norm=grad_norm, load_LE=load_LE)
 
 
 def forward_backward(run, x, y, n_global):
@@ -116,8 +119,10 @@ def forward_backward(run, x, y, n_global):
     The LM loss is this micro-batch's share of the global batch's mean over supervised tokens:
     ce_mean * n_local / n_global, times the world size because DDP averages gradients over ranks. So the
     step's gradient is that of the global mean, whatever the accumulation, world size or mask. The
-    router loss is divided by grad_accum once per micro-step (it is a per-batch mean already).
-    Returns the detached (LM share / world size, router loss / grad_accum)."""
+    router loss is divided by grad_accum once per micro-step (it is a mean over the micro-batch already,
+    from this rank's own routing statistics, so it does depend on how the batch is split).
+    Returns this micro-batch's detached parts (LM share / world size, router loss / grad_accum / world
+    size): summed over micro-steps and ranks they give the logged losses."""
     args, world = run.args, run.ctx.world_size
     n_local = int((y != IGNORE_INDEX).sum())
     x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
@@ -127,7 +132,7 @@ def forward_backward(run, x, y, n_global):
     ce_share = out.ce_loss * (n_local * world / n_global) if n_local else out.logits.sum() * 0.0
     aux = out.aux_loss / args.grad_accum
     run.scaler.scale(ce_share + aux).backward()
-    return ce_share.detach() / world, aux.detach()
+    return ce_share.detach() / world, aux.detach() / world
 
 
 def clip_gradients(run):
@@ -163,12 +168,11 @@ def log_train(run, state, result):
     tok_s = (run.args.batch_size * run.args.seq_len * run.args.grad_accum * run.ctx.world_size
              * state.interval_steps / max(now - state.interval_start, 1e-9))
     state.interval_steps, state.interval_start = 0, now
-    ce, aux = result.ce_loss, result.aux_loss
-    if run.ctx.distributed:  # the loss of the global batch, for logging
-        ce, aux = ce.clone(), aux.clone()
-        dist.all_reduce(ce)
-        dist.all_reduce(aux)
-        aux = aux / run.ctx.world_size
+    ce, aux = result.ce_part, result.aux_part
+    if run.ctx.distributed:  # sum the ranks' parts: the losses of the global batch
+        parts = torch.stack([ce, aux])
+        dist.all_reduce(parts)
+        ce, aux = parts[0], parts[1]
     ce = float(ce)
     if not math.isfinite(ce):
         raise FloatingPointError(f"training loss is {ce} at step {state.step}; lower --learning_rate")
