@@ -8,12 +8,12 @@ and tokenizer/, so generate.py, export_hf.py and `pretrain.py --init_from` accep
 """
 import argparse
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model.hf_adapter import ExportError, load_hf_folder  # noqa: E402
+from train.atomic import atomic_dir, atomic_write_text  # noqa: E402
 from train.checkpoint import CKPT_NAME, save_checkpoint  # noqa: E402
 
 
@@ -24,12 +24,10 @@ def import_hf(hf_dir, out_dir, log=print):
     model = load_hf_folder(hf_dir)
     os.makedirs(out_dir, exist_ok=True)
     save_checkpoint(os.path.join(out_dir, CKPT_NAME), model, None, 0, None, {"imported_from": os.path.abspath(hf_dir)})
-    model.config.save_pretrained(out_dir)
+    atomic_write_text(os.path.join(out_dir, "config.json"), model.config.to_json_string())
     if os.path.exists(os.path.join(hf_dir, "tokenizer.json")) or os.path.exists(os.path.join(hf_dir, "tokenizer_config.json")):
-        tok_dir = os.path.join(out_dir, "tokenizer")
-        if os.path.exists(tok_dir):
-            shutil.rmtree(tok_dir)
-        AutoTokenizer.from_pretrained(hf_dir).save_pretrained(tok_dir)
+        with atomic_dir(os.path.join(out_dir, "tokenizer")) as tmp:
+            AutoTokenizer.from_pretrained(hf_dir).save_pretrained(tmp)
     else:
         log(f"warning: {hf_dir} has no tokenizer; pass --tokenizer when training or sampling from {out_dir}")
     log(f"imported {hf_dir} -> {out_dir}")
