@@ -81,8 +81,8 @@ def test_resume_equals_continuous_run():
                      "--grad_accum", "2"]
     a_dir, b_dir = os.path.join(_TMP, "cont"), os.path.join(_TMP, "resumed")
     train(parse_args(common + ["--out_dir", a_dir]), log=quiet)
-    train(parse_args(common + ["--out_dir", b_dir, "--stop_after", "5"]), log=quiet)
-    assert load_checkpoint(b_dir)["step"] == 5
+    train(parse_args(common + ["--out_dir", b_dir, "--stop_after", "3"]), log=quiet)  # mid log interval
+    assert load_checkpoint(b_dir)["step"] == 3
     train(parse_args(["--resume", "--out_dir", b_dir, "--no_progress"]), log=quiet)
     a, b = load_checkpoint(a_dir), load_checkpoint(b_dir)
     assert a["step"] == b["step"] == 12
@@ -90,8 +90,9 @@ def test_resume_equals_continuous_run():
         assert torch.equal(a["model"][k], b["model"][k]), f"{k} differs after resume"
     la = [json.loads(l) for l in open(os.path.join(a_dir, "metrics.jsonl"))]
     lb = [json.loads(l) for l in open(os.path.join(b_dir, "metrics.jsonl"))]
-    key = lambda rs: [(r["step"], r.get("train_loss"), r.get("val_loss")) for r in rs]  # noqa: E731
-    assert key(la) == key(lb), "logged losses differ between the continuous and the resumed run"
+    # everything but the timing, the expert-load telemetry of the interval the resume cuts included
+    key = lambda rs: [{k: v for k, v in r.items() if k != "tok_per_s"} for r in rs]  # noqa: E731
+    assert key(la) == key(lb), "logged records differ between the continuous and the resumed run"
 
 
 def _cli(*argv):

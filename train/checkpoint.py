@@ -1,5 +1,10 @@
 """Checkpoints: fp32 weights, optimizer, step, data position, RNG state, config and args in one file,
-written atomically (temp file in the same directory, fsync, `os.replace`), loaded strictly."""
+written atomically (temp file in the same directory, fsync, `os.replace`), loaded strictly.
+
+Every checkpoint carries a SHA-256 of its tensors (`checksum`), verified on every load: a flipped bit
+inside a tensor is reported, never loaded. (torch.load itself only notices damage to the container.)
+"""
+import hashlib
 import os
 
 import torch
@@ -40,7 +45,30 @@ def save_checkpoint(path, model, optimizer, step, data_state, args, extra=None):
         "args": dict(args),
     }
     state.update(extra or {})
+    state["checksum"] = tensor_checksum(state)
     atomic_torch_save(state, path)
+
+
+def _tensors(obj, prefix=""):
+    """(name, tensor) of every tensor inside nested dicts / lists / tuples, in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            yield from _tensors(obj[k], f"{prefix}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{prefix}/{i}")
+
+
+def tensor_checksum(state):
+    """SHA-256 (hex) over the names, dtypes, shapes and bytes of every tensor in `state` except itself."""
+    h = hashlib.sha256()
+    for name, t in _tensors({k: v for k, v in state.items() if k != "checksum"}):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def load_checkpoint(path):
@@ -53,9 +81,14 @@ def load_checkpoint(path):
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated or foreign file
         raise ValueError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(ckpt, dict):
+        raise ValueError(f"{path}: not a checkpoint (holds a {type(ckpt).__name__}, not a dict)")
     missing = {"model", "config"} - set(ckpt)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {sorted(missing)}")
+    if "checksum" in ckpt and tensor_checksum(ckpt) != ckpt["checksum"]:  # (checkpoints of older versions have none)
+        raise ValueError(f"{path}: checksum mismatch: the file is damaged (its tensors changed after it was "
+                         f"written); use another checkpoint")
     return ckpt
 
 

@@ -24,7 +24,7 @@ OLD_NAMES = {old: new for new, old in ALIASES.items()}
 # MiniMindConfig's own fields (not those it inherits from transformers' PreTrainedConfig, e.g. dtype)
 CONFIG_FIELDS = set(MiniMindConfig.__dataclass_fields__) - set(MiniMindConfig.__mro__[1].__dataclass_fields__)
 # Flags a resume never takes from the checkpoint: they describe this invocation, not the run.
-PER_INVOCATION = ("resume", "stop_after", "ep_size")
+PER_INVOCATION = ("resume", "stop_after", "ep_size", "overwrite")
 
 
 def _field_flag(group, field, **kw):
@@ -94,6 +94,8 @@ def add_run_flags(p, default_out_dir):
     g.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="resume from a checkpoint (path, or out_dir/ckpt.pt when given without a value); "
                         "architecture and unspecified flags come from the checkpoint")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start a new run in an --out_dir that holds another run's checkpoint (replacing it)")
     g.add_argument("--init_from", default=None,
                    help="start from these weights (a checkpoint/run dir, or an HF folder from export_hf.py); "
                         "architecture and tokenizer come from there, optimizer and step start fresh")

@@ -52,6 +52,14 @@ class LoadTelemetry:
                 "load_max_over_mean": [round(v, 3) for v in max_over_mean.tolist()],
                 "idle_experts": idle.tolist()}
 
+    def state_dict(self):
+        """The interval's and the run's sums (int64 [L, E] CPU tensors or None), for the checkpoint: a
+        resumed run logs the same loads as an uninterrupted one."""
+        return {k: None if v is None else v.cpu() for k, v in (("interval", self.interval), ("total", self.total))}
+
+    def load_state_dict(self, state):
+        self.interval, self.total = state.get("interval"), state.get("total")
+
     def run_fractions(self):
         return None if self.total is None else load_summary(self.total)[0].tolist()
 

@@ -18,6 +18,7 @@ from train.distributed import barrier, check_same_on_all_ranks
 from train.expert_parallel import expert_param_names, install as install_ep
 from train.flags import config_from_args, saved_flags, training_overrides
 from train.metrics import MetricsLog, open_wandb
+from train.run_dir import claim_run_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,6 +40,7 @@ class Run:
     metrics: MetricsLog
     log: object
     start_step: int = 0
+    lock: object = None      # rank 0's lock on out_dir (train/run_dir.py), released when the run ends
 
     def autocast(self):
         if self.dtype == torch.float32:
@@ -67,7 +69,7 @@ def setup(stage, args, ctx, device_type, dtype_name, log):
     device = (f"cuda:{ctx.local_rank}" if args.device in ("auto", "cuda") else args.device) if device_type == "cuda" else "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(device)
-    os.makedirs(args.out_dir, exist_ok=True)
+    lock = claim_run_dir(args.out_dir, bool(args.resume), args.overwrite, ctx.is_main)
     init_model, tokenizer_dir = weights_source(args)
     if not ctx.is_main:  # rank 0 builds the caches first, the others then read them
         barrier(ctx)
@@ -91,7 +93,7 @@ def setup(stage, args, ctx, device_type, dtype_name, log):
     scaler = torch.amp.GradScaler(device_type, enabled=dtype_name == "float16" and device_type == "cuda")
     return Run(args=args, stage=stage, ctx=ctx, device=device, dtype=DTYPES[dtype_name], config=config, data=data,
                model=model, train_model=train_model, optimizer=optimizer, scaler=scaler, metrics=metrics, log=log,
-               start_step=start_step)
+               start_step=start_step, lock=lock)
 
 
 def weights_source(args):

@@ -45,6 +45,7 @@ class TrainState:
     interval_start: float = field(default_factory=time.time)
     last_val: tuple | None = None      # (step, val_loss) of the latest evaluation
     telemetry: LoadTelemetry = field(default_factory=LoadTelemetry)
+    first_bad_step: torch.Tensor | None = None  # on the device: the first step with a non-finite loss/grad norm
 
 
 @dataclass
@@ -68,6 +69,8 @@ def train(args, log=print, stage=None):
     try:
         run = setup(stage, args, ctx, device_type, dtype_name, log if ctx.is_main else (lambda *_: None))
         state = TrainState(step=run.start_step, start_step=run.start_step)
+        if args.resume and args._checkpoint.get("router_load"):
+            state.telemetry.load_state_dict(args._checkpoint["router_load"])
         if state.step == 0:
             evaluate_and_record(run, state, None, first=True)
         progress = Progress(stage.name, state.step, args.max_steps, ctx.is_main and not args.no_progress, run.log)
@@ -149,17 +152,62 @@ def after_step(run, state, result, progress):
     args = run.args
     state.interval_steps += 1
     state.telemetry.add(result.load_LE)
+    track_finite(run, state, result)
     last = state.step == args.max_steps
-    fields = log_train(run, state, result) if state.step % args.log_interval == 0 or last else None
+    fields = None
+    if state.step % args.log_interval == 0 or last:
+        check_finite(run, state)
+        fields = log_train(run, state, result)
     progress.update(fields, show_load=bool(args.show_load))
     if state.step % args.eval_interval == 0 or last:
         evaluate_and_record(run, state, progress)
     stopping = bool(args.stop_after) and state.step - state.start_step >= args.stop_after
     if state.step % args.save_interval == 0 or last or stopping:
+        check_finite(run, state)
         save(run, state)
     if stopping:
         progress.say(f"stopping after {args.stop_after} steps at step {state.step} (--stop_after); resume with --resume")
     return stopping
+
+
+def track_finite(run, state, result):
+    """Remember the first step whose loss or gradient norm is not finite, on the device (no host sync per
+    step: check_finite reads it at log and save time). With fp16 loss scaling an inf gradient is expected
+    now and then (GradScaler skips that step itself), so only the loss counts there."""
+    value = result.ce_part + result.aux_part
+    if result.grad_norm is not None and not run.scaler.is_enabled():
+        value = value + result.grad_norm
+    if state.first_bad_step is None:
+        state.first_bad_step = torch.full((), torch.iinfo(torch.int64).max, device=value.device)
+    bad = ~torch.isfinite(value) & (state.first_bad_step > state.step)
+    state.first_bad_step = torch.where(bad, state.step, state.first_bad_step)
+
+
+def check_finite(run, state):
+    """Stop with FloatingPointError (one line, exit code 2 from the CLI) if some step so far had a non-finite
+    loss or gradient norm: the run stops before it logs or saves anything after it, so the checkpoint on
+    disk is the last good one. All ranks agree (the first bad step is reduced over them)."""
+    if state.first_bad_step is None:
+        return
+    bad = state.first_bad_step.clone()
+    if run.ctx.distributed:
+        dist.all_reduce(bad, op=dist.ReduceOp.MIN)
+    if int(bad) <= state.step:
+        raise FloatingPointError(
+            f"the loss or gradient norm became non-finite at step {int(bad)}; stopped at step {state.step} without "
+            f"saving (the last checkpoint in {run.args.out_dir} is untouched); lower --learning_rate or raise "
+            f"--warmup_steps, then --resume")
+
+
+def check_state_finite(run, state):
+    """Never write non-finite weights or optimizer state: FloatingPointError instead (every rank holds the
+    same full state here, so all ranks decide alike). One host read per save."""
+    tensors = [*run.model.parameters(), *run.model.buffers(),
+               *(v for s in run.optimizer.state.values() for v in s.values() if torch.is_tensor(v))]
+    if not bool(torch.stack([torch.isfinite(t).all() for t in tensors if t.is_floating_point()]).all()):
+        raise FloatingPointError(
+            f"the weights or optimizer state are not finite after step {state.step}; stopped without saving (the "
+            f"last checkpoint in {run.args.out_dir} is untouched); lower --learning_rate, then --resume")
 
 
 def log_train(run, state, result):
@@ -174,8 +222,6 @@ def log_train(run, state, result):
         dist.all_reduce(parts)
         ce, aux = parts[0], parts[1]
     ce = float(ce)
-    if not math.isfinite(ce):
-        raise FloatingPointError(f"training loss is {ce} at step {state.step}; lower --learning_rate")
     r = {"step": state.step, "train_loss": ce, "aux_loss": float(aux), "lr": result.lr, "tok_per_s": tok_s}
     if result.grad_norm is not None:
         r["grad_norm"] = float(result.grad_norm)
@@ -217,12 +263,14 @@ def save(run, state):
     and plots. Only rank 0 writes."""
     if run.ctx.ep_size > 1:
         gather_experts(run.model, run.optimizer, run.ctx.ep_group)
+    check_state_finite(run, state)
     if not run.ctx.is_main:
         return
     out = run.args.out_dir
     save_checkpoint(os.path.join(out, CKPT_NAME), run.model, run.optimizer, state.step,
                     run.data.train_batches.state_dict(), saved_flags(run.args),
-                    extra={**run.data.identity, "world_size": run.ctx.world_size, "ep_size": run.ctx.ep_size})
+                    extra={**run.data.identity, "world_size": run.ctx.world_size, "ep_size": run.ctx.ep_size,
+                           "router_load": state.telemetry.state_dict()})
     atomic_write_text(os.path.join(out, "config.json"), run.config.to_json_string())
     plot_loss_curve(run.metrics.records, os.path.join(out, "loss.png"), run.data.unigram_entropy)
     if state.telemetry.total is not None:
@@ -282,6 +330,6 @@ def run_cli(train_fn, args, log=print):
     from huggingface_hub.errors import StrictDataclassError
     try:
         return train_fn(args, log=log)
-    except (DataError, ValueError, OSError, StrictDataclassError) as e:
+    except (DataError, ValueError, OSError, StrictDataclassError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
