@@ -38,7 +38,7 @@ def data_file():
 def cli(*argv, script="train/pretrain.py", wait=True):
     cmd = [sys.executable, os.path.join(ROOT, script), *argv]
     if not wait:
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=_TMP)
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=_TMP)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=_TMP)
 
 
@@ -117,7 +117,39 @@ def test_damaged_checkpoint_is_refused_by_every_entry_point():
             f"{script} {argv}:\n{r.stderr[-2000:]}"
 
 
+def _wait_for_training(proc, out, min_records=2):
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + 300
+    while not (os.path.exists(metrics) and sum("train_loss" in l for l in open(metrics)) >= min_records):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else "slow"
+        time.sleep(0.05)
+
+
+def test_stop_signals_save_and_resume_bitwise():
+    """SIGTERM / SIGINT mid-run: the step finishes, a checkpoint is written (no save interval was due), the
+    run exits 0 with the resume command; resuming gives the weights of an uninterrupted run, bit for bit."""
+    common = [*TINY, "--data_path", data_file(), "--max_steps", "100000", "--log_interval", "1",
+              "--save_interval", "100000", "--eval_interval", "100000"]
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        out = os.path.join(_TMP, f"signal_{sig.name}")
+        proc = cli(*common, "--out_dir", out, wait=False)
+        _wait_for_training(proc, out)
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-2000:]
+        assert f"({sig.name})" in stdout and f"--resume --out_dir {out}" in stdout, stdout[-2000:]
+        k = load_checkpoint(out)["step"]
+        assert cli("--resume", "--out_dir", out, "--stop_after", "3").returncode == 0
+        ref = os.path.join(_TMP, f"signal_ref_{sig.name}")
+        assert cli(*common, "--out_dir", ref, "--stop_after", str(k + 3)).returncode == 0
+        a, b = load_checkpoint(out), load_checkpoint(ref)
+        assert a["step"] == b["step"] == k + 3
+        for name in a["model"]:
+            assert torch.equal(a["model"][name], b["model"][name]), f"{sig.name}: {name} differs after resume"
+
+
 TESTS = [test_divergence_stops_cleanly_and_keeps_the_last_good_checkpoint,
+         test_stop_signals_save_and_resume_bitwise,
          test_occupied_directory_is_refused_unless_resume_or_overwrite,
          test_one_run_per_directory_and_a_killed_run_leaves_no_lock_or_temp,
          test_damaged_checkpoint_is_refused_by_every_entry_point]

@@ -84,13 +84,13 @@ def setup(stage, args, ctx, device_type, dtype_name, log):
         log(f"initialised weights from {args.init_from}")
     model = model.to(device)
     optimizer = make_optimizer(model, args)
-    start_step = restore(args, model, optimizer, data, device_type, log) if args.resume else 0
+    # fp16 autocast needs loss scaling on CUDA; a disabled scaler is a no-op for fp32 / bf16
+    scaler = torch.amp.GradScaler(device_type, enabled=dtype_name == "float16" and device_type == "cuda")
+    start_step = restore(args, model, optimizer, scaler, data, device_type, log) if args.resume else 0
     describe(model, config, device, dtype_name, log)
     train_model = wrap(model, args, ctx, device_type)
     metrics = MetricsLog(args.out_dir, start_step if args.resume else None, ctx.is_main,
                          open_wandb(args, config, args.out_dir) if ctx.is_main else None)
-    # fp16 autocast needs loss scaling on CUDA; a disabled scaler is a no-op for fp32 / bf16
-    scaler = torch.amp.GradScaler(device_type, enabled=dtype_name == "float16" and device_type == "cuda")
     return Run(args=args, stage=stage, ctx=ctx, device=device, dtype=DTYPES[dtype_name], config=config, data=data,
                model=model, train_model=train_model, optimizer=optimizer, scaler=scaler, metrics=metrics, log=log,
                start_step=start_step, lock=lock)
@@ -155,8 +155,9 @@ def make_optimizer(model, args):
                              lr=args.learning_rate, betas=(0.9, 0.95), eps=1e-8)
 
 
-def restore(args, model, optimizer, data, device_type, log):
-    """Load weights, optimizer, data position and RNG from the checkpoint parse_args read; returns its step."""
+def restore(args, model, optimizer, scaler, data, device_type, log):
+    """Load weights, optimizer, loss scaler, data position and RNG from the checkpoint parse_args read;
+    returns its step."""
     ckpt = args._checkpoint
     for key, value in data.identity.items():
         if ckpt.get(key) not in (None, value):
@@ -164,6 +165,8 @@ def restore(args, model, optimizer, data, device_type, log):
                              f"gives {value:,}; resume needs the same data and tokenizer")
     model.load_state_dict(ckpt["model"], strict=True)
     optimizer.load_state_dict(ckpt["optimizer"])
+    if scaler.is_enabled() and ckpt.get("scaler"):
+        scaler.load_state_dict(ckpt["scaler"])
     data.train_batches.load_state_dict(ckpt["data"])
     torch.set_rng_state(ckpt["rng"]["torch"])
     if device_type == "cuda" and ckpt["rng"]["cuda"]:

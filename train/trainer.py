@@ -33,6 +33,7 @@ from train.plot import plot_expert_load, plot_loss_curve
 from train.router_balance import LoadTelemetry, router_step
 from train.schedule import lr_at
 from train.setup import resolve_device, setup
+from train.signals import StopSignal
 from train.stage import IGNORE_INDEX
 
 
@@ -46,6 +47,8 @@ class TrainState:
     last_val: tuple | None = None      # (step, val_loss) of the latest evaluation
     telemetry: LoadTelemetry = field(default_factory=LoadTelemetry)
     first_bad_step: torch.Tensor | None = None  # on the device: the first step with a non-finite loss/grad norm
+    stop_signal: StopSignal = field(default_factory=StopSignal)
+    stopped_by: str | None = None      # why the loop ended early: "--stop_after" or a signal name
 
 
 @dataclass
@@ -74,10 +77,11 @@ def train(args, log=print, stage=None):
         if state.step == 0:
             evaluate_and_record(run, state, None, first=True)
         progress = Progress(stage.name, state.step, args.max_steps, ctx.is_main and not args.no_progress, run.log)
-        while state.step < args.max_steps:
-            result = train_step(run, state)
-            if after_step(run, state, result, progress):
-                break
+        with state.stop_signal:
+            while state.step < args.max_steps:
+                result = train_step(run, state)
+                if after_step(run, state, result, progress):
+                    break
         progress.close()
         summary = finish(run, state)
     except BaseException:
@@ -161,13 +165,31 @@ def after_step(run, state, result, progress):
     progress.update(fields, show_load=bool(args.show_load))
     if state.step % args.eval_interval == 0 or last:
         evaluate_and_record(run, state, progress)
-    stopping = bool(args.stop_after) and state.step - state.start_step >= args.stop_after
-    if state.step % args.save_interval == 0 or last or stopping:
+    state.stopped_by = stop_reason(run, state)
+    if state.step % args.save_interval == 0 or last or state.stopped_by:
         check_finite(run, state)
         save(run, state)
-    if stopping:
-        progress.say(f"stopping after {args.stop_after} steps at step {state.step} (--stop_after); resume with --resume")
-    return stopping
+    if state.stopped_by:
+        progress.say(f"stopped at step {state.step} ({state.stopped_by}); continue with: python train/{run.stage.name}.py "
+                     f"--resume --out_dir {run.args.out_dir}")
+    return state.stopped_by is not None
+
+
+def stop_reason(run, state):
+    """"--stop_after" when this invocation has run its steps, a signal's name after Ctrl-C / SIGTERM, else
+    None. Ranks must stop at the same step: with several, a signal is acted on at the next log step, where
+    one all-reduce makes every rank see it."""
+    args = run.args
+    if args.stop_after and state.step - state.start_step >= args.stop_after:
+        return "--stop_after"
+    received = state.stop_signal.received
+    if not run.ctx.distributed:
+        return received
+    if state.step % args.log_interval:
+        return None
+    flag = torch.tensor(int(received is not None), device=run.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return (received or "a signal on another rank") if int(flag) else None
 
 
 def track_finite(run, state, result):
@@ -270,7 +292,7 @@ def save(run, state):
     save_checkpoint(os.path.join(out, CKPT_NAME), run.model, run.optimizer, state.step,
                     run.data.train_batches.state_dict(), saved_flags(run.args),
                     extra={**run.data.identity, "world_size": run.ctx.world_size, "ep_size": run.ctx.ep_size,
-                           "router_load": state.telemetry.state_dict()})
+                           "router_load": state.telemetry.state_dict(), "scaler": run.scaler.state_dict()})
     atomic_write_text(os.path.join(out, "config.json"), run.config.to_json_string())
     plot_loss_curve(run.metrics.records, os.path.join(out, "loss.png"), run.data.unigram_entropy)
     if state.telemetry.total is not None:
@@ -303,7 +325,8 @@ def finish(run, state):
                 f"heatmap: {os.path.join(args.out_dir, 'expert_load.png')}")
     if run.ctx.ep_size > 1:  # the last checkpoint gathered every expert here: sample without the transport
         uninstall_ep(run.model)
-    if args.sample_tokens > 0 and run.ctx.is_main:
+    summary["stopped_by"] = state.stopped_by
+    if args.sample_tokens > 0 and run.ctx.is_main and state.stopped_by is None:
         summary["sample"] = sample(run)
         run.log(f"sample: {summary['sample']!r}")
     return summary
