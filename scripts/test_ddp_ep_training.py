@@ -109,10 +109,11 @@ def test_resume_across_ep_sizes():
     launch(2, common + ["--batch_size", "4", "--ep_size", "2", "--out_dir", src, "--stop_after", "6"])
     import shutil
     nxt = {}
-    for name, world, ep, bs in (("ep1", 1, 1, 8), ("ep4", 4, 4, 2), ("ep2", 2, 2, 4)):
+    # "auto1": one process without --batch_size derives 8 per rank, keeping the 2 x 4 global batch
+    for name, world, ep, bs in (("ep1", 1, 1, 8), ("auto1", 1, 1, None), ("ep4", 4, 4, 2), ("ep2", 2, 2, 4)):
         d = os.path.join(_TMP, f"resume_{name}")
         shutil.copytree(src, d)
-        argv = ["--resume", "--out_dir", d, "--batch_size", str(bs), "--ep_size", str(ep), "--no_progress"]
+        argv = ["--resume", "--out_dir", d, "--ep_size", str(ep), "--no_progress"] + (["--batch_size", str(bs)] if bs else [])
         if world == 1:
             single(argv)
         else:

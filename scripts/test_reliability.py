@@ -117,6 +117,61 @@ def test_damaged_checkpoint_is_refused_by_every_entry_point():
             f"{script} {argv}:\n{r.stderr[-2000:]}"
 
 
+def _damaged_checkpoints(src):
+    """{case: path} of damaged copies of the checkpoint `src`."""
+    from train.checkpoint import atomic_torch_save
+    blob, good = open(src, "rb").read(), torch.load(src, weights_only=True)
+    folder = os.path.join(_TMP, "damaged")
+    os.makedirs(folder, exist_ok=True)
+    flipped = bytearray(blob)
+    flipped[len(blob) // 2] ^= 0x04
+    raw = {"empty": b"", "truncated at 50%": blob[:len(blob) // 2], "last byte cut": blob[:-1],
+           "random bytes": os.urandom(4096), "bit flip in a tensor": bytes(flipped)}
+    missing = {**good, "model": {k: v for k, v in list(good["model"].items())[1:]}}
+    wrong_shape = {**good, "model": {k: v[:-1] if i == 0 else v for i, (k, v) in enumerate(good["model"].items())}}
+    bad_config = {**good, "config": {**good["config"], "num_experts_per_tok": 99}}
+    paths = {}
+    for case, content in raw.items():
+        paths[case] = os.path.join(folder, case.replace(" ", "_").replace("%", "") + ".pt")
+        open(paths[case], "wb").write(content)
+    for case, obj in (("pickled int", 7), ("missing tensor", missing), ("wrong shape", wrong_shape),
+                      ("invalid config", bad_config)):
+        if isinstance(obj, dict):
+            obj.pop("checksum", None)  # as if written so: the structure is what is wrong
+        paths[case] = os.path.join(folder, case.replace(" ", "_") + ".pt")
+        atomic_torch_save(obj, paths[case])
+    return paths
+
+
+def test_every_malformed_checkpoint_is_a_one_line_error():
+    """9 kinds of damage: load_checkpoint raises ValueError naming the file for each; the structural ones
+    also give one line and exit 2 from --resume, --init_from, generate.py and export_hf.py."""
+    out = os.path.join(_TMP, "matrix")
+    assert cli(*TINY, "--data_path", data_file(), "--max_steps", "2", "--out_dir", out).returncode == 0
+    paths = _damaged_checkpoints(os.path.join(out, "ckpt.pt"))
+    for case, path in paths.items():
+        try:
+            load_checkpoint(path)
+        except ValueError as e:
+            assert os.path.basename(path) in str(e) and "\n" not in str(e), (case, e)
+        else:
+            raise AssertionError(f"{case}: loaded")
+    for case in ("wrong shape", "invalid config"):
+        run_dir = os.path.join(_TMP, "matrix_" + case.replace(" ", "_"))
+        os.makedirs(run_dir, exist_ok=True)
+        os.replace(paths[case], os.path.join(run_dir, "ckpt.pt"))
+        for argv, script in ((["--resume", "--out_dir", run_dir], "train/pretrain.py"),
+                             ([*TINY, "--init_from", run_dir, "--tokenizer", os.path.join(out, "tokenizer"),
+                               "--out_dir", run_dir + "_init"], "train/pretrain.py"),
+                             (["--ckpt", run_dir, "--tokenizer", os.path.join(out, "tokenizer"), "--prompt", "the"],
+                              "scripts/generate.py"),
+                             (["--ckpt", run_dir, "--tokenizer", os.path.join(out, "tokenizer"),
+                               "--out", run_dir + "_export"], "scripts/export_hf.py")):
+            r = cli(*argv, script=script)
+            assert r.returncode == 2 and "Traceback" not in r.stderr, f"{case} {script}:\n{r.stderr[-2000:]}"
+            assert any(line.startswith("error:") or ": error:" in line for line in r.stderr.splitlines()), r.stderr
+
+
 def _wait_for_training(proc, out, min_records=2):
     metrics = os.path.join(out, "metrics.jsonl")
     deadline = time.time() + 300
@@ -149,7 +204,7 @@ def test_stop_signals_save_and_resume_bitwise():
 
 
 TESTS = [test_divergence_stops_cleanly_and_keeps_the_last_good_checkpoint,
-         test_stop_signals_save_and_resume_bitwise,
+         test_stop_signals_save_and_resume_bitwise, test_every_malformed_checkpoint_is_a_one_line_error,
          test_occupied_directory_is_refused_unless_resume_or_overwrite,
          test_one_run_per_directory_and_a_killed_run_leaves_no_lock_or_temp,
          test_damaged_checkpoint_is_refused_by_every_entry_point]

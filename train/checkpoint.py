@@ -80,7 +80,8 @@ def load_checkpoint(path):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated or foreign file
-        raise ValueError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")[:160]
+        raise ValueError(f"{path}: not a readable checkpoint ({type(e).__name__}: {first})") from None
     if not isinstance(ckpt, dict):
         raise ValueError(f"{path}: not a checkpoint (holds a {type(ckpt).__name__}, not a dict)")
     missing = {"model", "config"} - set(ckpt)
@@ -89,7 +90,29 @@ def load_checkpoint(path):
     if "checksum" in ckpt and tensor_checksum(ckpt) != ckpt["checksum"]:  # (checkpoints of older versions have none)
         raise ValueError(f"{path}: checksum mismatch: the file is damaged (its tensors changed after it was "
                          f"written); use another checkpoint")
+    check_weights_fit_config(ckpt, path)
     return ckpt
+
+
+def check_weights_fit_config(ckpt, path):
+    """Raise ValueError (one line, naming the file) unless ckpt["config"] is a valid MiniMindConfig and
+    ckpt["model"] has exactly its tensors with their shapes. The reference model is built on the meta
+    device: no memory, no compute."""
+    from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+    if not isinstance(ckpt["config"], dict) or not isinstance(ckpt["model"], dict):
+        raise ValueError(f"{path}: not a checkpoint (its config or model entry is not a dict)")
+    try:
+        config = MiniMindConfig.from_dict(ckpt["config"])
+    except Exception as e:  # ValueError naming the field, or the dataclass's own type errors
+        raise ValueError(f"{path}: invalid model config ({str(e).splitlines()[0]})") from None
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in MiniMindForCausalLM(config).state_dict().items()}
+    have = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in ckpt["model"].items()}
+    problems = ([f"missing {k}" for k in want if k not in have] + [f"unexpected {k}" for k in have if k not in want]
+                + [f"{k} is {have[k]}, the config needs {want[k]}" for k in want if k in have and have[k] != want[k]])
+    if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ValueError(f"{path}: the weights do not fit the config: {'; '.join(problems[:3])}{more}")
 
 
 def model_from_checkpoint(ckpt, device="cpu"):

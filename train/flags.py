@@ -184,11 +184,33 @@ def _merge_resume(parser, stage, args, argv):
         if getattr(args, k) != saved.get(k, getattr(args, k)):
             parser.error(f"--{k} cannot change on resume (checkpoint: {saved.get(k)!r}, now: {getattr(args, k)!r}): "
                          f"the saved data position refers to the original windows")
+    _keep_global_batch(parser, args, saved, ckpt.get("world_size", 1), argv)
     changed = [f"--{k}" for k in architecture_flags() if k in saved and getattr(args, k, saved[k]) != saved[k]]
     if changed:
         print(f"warning: {', '.join(changed)} ignored on resume: the architecture comes from the checkpoint",
               file=sys.stderr)
     return args
+
+
+def _keep_global_batch(parser, args, saved, saved_world, argv):
+    """--batch_size is per rank: when the world size differs from the checkpoint's, derive it so the global
+    batch stays the run's (refused when it does not divide); an explicit --batch_size wins, with a note."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == saved_world or "batch_size" not in saved:
+        return
+    global_batch = saved["batch_size"] * saved_world
+    explicit = any(a == "--batch_size" or a.startswith("--batch_size=") for a in (sys.argv[1:] if argv is None else argv))
+    if explicit:
+        if args.batch_size * world != global_batch:
+            print(f"note: the global batch changes from {global_batch} ({saved_world} ranks x {saved['batch_size']}) to "
+                  f"{args.batch_size * world} ({world} x --batch_size {args.batch_size})", file=sys.stderr)
+        return
+    if global_batch % world:
+        parser.error(f"the checkpoint's global batch of {global_batch} ({saved_world} ranks x {saved['batch_size']}) "
+                     f"does not divide over {world} ranks; pass --batch_size to choose a new one")
+    args.batch_size = global_batch // world
+    print(f"note: {world} rank(s) instead of the checkpoint's {saved_world}: --batch_size {args.batch_size} per rank "
+          f"keeps the global batch of {global_batch}", file=sys.stderr)
 
 
 def _validate(parser, args):
