@@ -31,6 +31,7 @@ from torch import nn
 from kernels.backend import interpreting, warn_once
 from kernels.cpu_experts import cpu_experts, cpu_experts_supported
 from kernels.grouped_gemm import grouped_swiglu
+from model.dispatch import compute_dtype
 
 IMPLS = ("loop", "grouped", "cpu_chains", "auto")
 
@@ -84,9 +85,7 @@ class SwiGLUExperts(nn.ModuleList):
         """The implementation a call on rows like x ([*, D], before any autocast cast) runs."""
         if self.impl != "auto":
             return self.impl
-        dev = x.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        if (cpu_experts_supported(x.device, dtype) and not torch.compiler.is_compiling() and not interpreting()
+        if (cpu_experts_supported(x.device, compute_dtype(x)) and not torch.compiler.is_compiling() and not interpreting()
                 and self.gemm_backend in ("auto", "onednn")):
             return "cpu_chains"
         return "grouped"

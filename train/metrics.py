@@ -7,6 +7,7 @@ import sys
 from tqdm import tqdm
 
 from train.atomic import atomic_file
+from train.flags import saved_flags
 from train.router_balance import compact, wandb_fields
 
 METRICS_NAME = "metrics.jsonl"
@@ -77,8 +78,7 @@ def open_wandb(args, config, out_dir):
     logged_in = bool(os.environ.get("WANDB_API_KEY")) or (os.path.exists(netrc) and "api.wandb.ai" in open(netrc).read())
     mode = os.environ.get("WANDB_MODE") or ("online" if logged_in else "offline")
     return wandb.init(project=args.wandb_project, mode=mode, dir=out_dir,
-                      config={**{k: v for k, v in vars(args).items() if not k.startswith("_")},
-                              "model": config.to_dict()})
+                      config={**saved_flags(args), "model": config.to_dict()})
 
 
 class Progress:
@@ -92,7 +92,7 @@ class Progress:
     def update(self, fields=None, show_load=True):
         self.bar.update(1)
         if fields is not None:
-            load = compact(fields) if show_load and "load_max_over_mean" in fields else ""
+            load = compact(fields) if show_load else ""
             self.bar.set_postfix_str(f"loss {fields['train_loss']:.3f} lr {fields['lr']:.2e} "
                                      f"{fields['tok_per_s']:,.0f} tok/s" + (f" | {load}" if load else ""))
 

@@ -65,8 +65,9 @@ class LoadTelemetry:
 
 
 def compact(fields):
-    """'load max/mean 1.21 1.05 | idle 0 0' for the progress bar (one value per layer)."""
-    if not fields:
+    """'load max/mean 1.21 1.05 | idle 0 0' for the progress bar (one value per layer); "" for a record
+    without load fields (a dense model)."""
+    if "load_max_over_mean" not in fields:
         return ""
     ratios = " ".join(f"{v:.2f}" for v in fields["load_max_over_mean"])
     idle = " ".join(str(v) for v in fields["idle_experts"])
