@@ -19,7 +19,7 @@ from model.moe import FeedForward, MOEFeedForward  # noqa: F401  (public re-expo
 from model.router import layer_mean, minimind_aux_loss  # noqa: F401  (minimind_aux_loss: public re-export)
 
 __all__ = ["MiniMindConfig", "FeedForward", "MOEFeedForward", "MiniMindForCausalLM", "MiniMindModel",
-           "MiniMindCausalLMOutput"]
+           "MiniMindCausalLMOutput", "left_pad"]
 
 
 class RMSNorm(nn.Module):
@@ -45,7 +45,8 @@ def rope_tables(head_dim: int, max_len: int, theta: float):
 
 
 def apply_rope(x, cos, sin):
-    """x: [B, heads, S, Dh]; cos/sin: [S, Dh]. Rotates pairs (i, i + Dh/2)."""
+    """x: [B, heads, S, Dh]; cos/sin: [S, Dh] (every row at the same positions) or [B, 1, S, Dh] (per-row
+    positions, e.g. left padding). Rotates pairs (i, i + Dh/2)."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
@@ -65,7 +66,8 @@ class Attention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x_BSD, cos, sin, past_kv=None, use_cache=False):
+    def forward(self, x_BSD, cos, sin, past_kv=None, use_cache=False, attn_mask_B1SL=None):
+        """attn_mask_B1SL: bool [B, 1, S, L] (True = may attend), already causal; None = plain causal."""
         B, S, _ = x_BSD.shape
         q = self.q_norm(self.q_proj(x_BSD).view(B, S, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim)).transpose(1, 2)
@@ -75,7 +77,9 @@ class Attention(nn.Module):
             k = torch.cat([past_kv[0], k], dim=2)
             v = torch.cat([past_kv[1], v], dim=2)
         L = k.shape[2]
-        if S == L:
+        if attn_mask_B1SL is not None:
+            mask, causal = attn_mask_B1SL, False
+        elif S == L:
             mask, causal = None, True
         elif S == 1:
             mask, causal = None, False
@@ -97,8 +101,8 @@ class MiniMindBlock(nn.Module):
         self.mlp = MOEFeedForward(config) if config.use_moe else FeedForward(config.hidden_size, config.intermediate_size)
         self.mlp_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, cos, sin, past_kv=None, use_cache=False, token_mask=None):
-        attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, past_kv, use_cache)
+    def forward(self, x, cos, sin, past_kv=None, use_cache=False, token_mask=None, attn_mask=None):
+        attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, past_kv, use_cache, attn_mask)
         x = x + attn_out
         h = self.post_attention_layernorm(x)
         h = self.mlp(h, token_mask) if isinstance(self.mlp, MOEFeedForward) and token_mask is not None else self.mlp(h)
@@ -123,9 +127,15 @@ class MiniMindPreTrainedModel(PreTrainedModel):
 
 
 class MiniMindModel(MiniMindPreTrainedModel):
-    """Decoder stack. forward(input_ids [B, S] int64, past_key_values, use_cache, token_mask [B, S] bool or
-    None) -> hidden [B, S, D], presents, aux_loss (scalar: the MoE layers' router losses averaged over
-    layers, so one layer's imbalance cannot offset another's and the scale does not grow with depth)."""
+    """Decoder stack. forward(input_ids [B, S] int64, past_key_values, use_cache, attention_mask [B, P + S]
+    (1 = token, 0 = padding; P = cached positions) or None) -> hidden [B, S, D], presents, aux_loss (scalar:
+    the MoE layers' router losses averaged over layers, so one layer's imbalance cannot offset another's
+    and the scale does not grow with depth).
+
+    With an attention_mask, padding (left or right) is invisible: no real token attends to it, positions
+    (RoPE) count real tokens only, and the MoE layers send it to no expert and leave it out of every router
+    statistic. A padded position attends to itself only (so its row stays finite); its output is junk.
+    """
 
     def __init__(self, config: MiniMindConfig):
         super().__init__(config)
@@ -138,28 +148,55 @@ class MiniMindModel(MiniMindPreTrainedModel):
         self._rope = None
         self.post_init()
 
-    def rope(self, start, length, device):
-        """cos, sin [length, head_dim] fp32 for positions start..start+length-1."""
+    def rope(self, start, length, device, position_ids_BS=None):
+        """cos, sin for positions start..start+length-1 ([length, head_dim] fp32), or for the given
+        per-row positions ([B, 1, S, head_dim])."""
         if self._rope is None or self._rope[0].device != device:
             cfg = self.config
             self._rope = tuple(t.to(device) for t in rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta))
         cos, sin = self._rope
+        if position_ids_BS is not None:
+            return cos[position_ids_BS].unsqueeze(1), sin[position_ids_BS].unsqueeze(1)
         return cos[start:start + length], sin[start:start + length]
 
-    def forward(self, input_ids, past_key_values=None, use_cache=False, token_mask=None):
+    def forward(self, input_ids, past_key_values=None, use_cache=False, attention_mask=None):
         B, S = input_ids.shape
+        if B == 0 or S == 0:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} is empty: need at least one sequence of one token")
         start = past_key_values[0][0].shape[2] if past_key_values else 0
         if start + S > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {start + S} tokens exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
-        cos, sin = self.rope(start, S, input_ids.device)
+        token_mask = attn_mask = position_ids = None
+        if attention_mask is not None:
+            token_mask, attn_mask, position_ids = padding_masks(attention_mask, B, S, start)
+        cos, sin = self.rope(start, S, input_ids.device, position_ids)
         h = self.dropout(self.embed_tokens(input_ids))
         presents = []
         for i, layer in enumerate(self.layers):
-            h, present = layer(h, cos, sin, past_key_values[i] if past_key_values else None, use_cache, token_mask)
+            h, present = layer(h, cos, sin, past_key_values[i] if past_key_values else None, use_cache, token_mask,
+                               attn_mask)
             presents.append(present)
         aux_loss = layer_mean((layer.mlp.aux_loss for layer in self.layers if isinstance(layer.mlp, MOEFeedForward)), h)
         return self.norm(h), (presents if use_cache else None), aux_loss
+
+
+def padding_masks(attention_mask, B, S, past):
+    """From an HF-style attention_mask [B, past + S] (1 = token, 0 = padding; [B, S] also accepted when
+    there is no cache) to: token_mask [B, S] bool for the new positions; the attention mask [B, 1, S, L]
+    bool (causal, no padded key, every query sees at least itself); position_ids [B, S] int64 counting only
+    real tokens (so a left-padded prompt gets the positions it has alone). Raises ValueError on a shape
+    that does not fit input_ids and the cache."""
+    L = past + S
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] != L:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must be [batch, cached + new tokens] = "
+                         f"[{B}, {L}] ({past} cached, {S} new)")
+    key_mask_BL = attention_mask.to(torch.bool)
+    position_ids_BS = (key_mask_BL.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+    q_pos_S1 = torch.arange(past, L, device=key_mask_BL.device)[:, None]
+    k_pos_1L = torch.arange(L, device=key_mask_BL.device)[None, :]
+    attn_mask_B1SL = ((k_pos_1L <= q_pos_S1) & key_mask_BL[:, None, None, :]) | (k_pos_1L == q_pos_S1)
+    return key_mask_BL[:, past:], attn_mask_B1SL, position_ids_BS
 
 
 @dataclass
@@ -175,7 +212,8 @@ class MiniMindCausalLMOutput:
 class MiniMindForCausalLM(MiniMindPreTrainedModel):
     """Causal LM head on MiniMindModel.
 
-    forward(input_ids [B, S] int64, labels [B, S] int64 or None, past_key_values, use_cache)
+    forward(input_ids [B, S] int64, labels [B, S] int64 or None, past_key_values, use_cache,
+            attention_mask [B, cached + S] (1 = token, 0 = padding) or None)
       -> MiniMindCausalLMOutput(loss = ce_loss + aux_loss, ce_loss, aux_loss, logits [B, S, V] in the
          compute dtype, past_key_values: list of (k, v) [B, G, L, Dh] per layer when use_cache).
     Labels are the inputs shifted by the caller's convention: position t predicts labels[:, t]; label -100
@@ -192,16 +230,8 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False, attention_mask=None, **_):
-        # attention_mask [B, S] (1 = token, 0 = padding): padding is kept out of every router statistic
-        # and sent to no expert. Attention stays causal; pad on the right so real tokens never see padding.
-        token_mask = None
-        if attention_mask is not None:
-            B, S = input_ids.shape
-            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < S:
-                raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must be [batch, tokens] with at least "
-                                 f"the {S} new positions of input_ids {tuple(input_ids.shape)}")
-            token_mask = attention_mask[:, -S:].bool()  # HF style: the mask may also cover the cached prefix
-        h, presents, aux_loss = self.model(input_ids, past_key_values, use_cache, token_mask)
+        # attention_mask [B, cached + S] (1 = token, 0 = padding, left or right): see MiniMindModel
+        h, presents, aux_loss = self.model(input_ids, past_key_values, use_cache, attention_mask)
         logits = self.lm_head(h)
         loss = ce_loss = None
         if labels is not None:
@@ -212,30 +242,50 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0,
-                 eos_token_id=None, use_cache=True, generator=None):
+                 eos_token_id=None, use_cache=True, generator=None, attention_mask=None):
         """Autoregressive sampling. input_ids [B, S] int64 -> [B, S + n] int64 (n <= max_new_tokens).
 
-        temperature 0 means greedy. top_k 0 / top_p 1.0 disable those filters. Stops early once every
-        row has produced one of `eos_token_id` (int or list). With use_cache the KV cache makes each new
-        token cost one position; without it the whole prefix is recomputed (reference path for tests).
+        Prompts of different lengths go in one batch left-padded, with attention_mask [B, S] (1 = token,
+        0 = padding; `left_pad` builds both): each row then continues exactly as it would alone, and the
+        padding stays at the front of the output. temperature 0 means greedy. top_k 0 / top_p 1.0 disable
+        those filters. Stops early once every row has produced one of `eos_token_id` (int or list). With
+        use_cache the KV cache makes each new token cost one position; without it the whole prefix is
+        recomputed (reference path for tests).
         """
         eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
         past, ids, finished = None, input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        step_input = input_ids
+        step_input, mask = input_ids, attention_mask
         for _ in range(max_new_tokens):
             if ids.shape[1] >= self.config.max_position_embeddings:
                 break
-            out = self(step_input if use_cache else ids, past_key_values=past, use_cache=use_cache)
+            out = self(step_input if use_cache else ids, past_key_values=past, use_cache=use_cache, attention_mask=mask)
             logits = out.logits[:, -1, :].float()
             next_id = sample_next(logits, temperature, top_k, top_p, generator)
             if eos:
                 next_id = torch.where(finished, torch.full_like(next_id, next(iter(eos))), next_id)
                 finished |= torch.isin(next_id, torch.tensor(sorted(eos), device=ids.device))
             ids = torch.cat([ids, next_id[:, None]], dim=1)
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             past, step_input = (out.past_key_values, next_id[:, None]) if use_cache else (None, ids)
             if eos and bool(finished.all()):
                 break
         return ids
+
+
+def left_pad(prompts, pad_id=0, device=None):
+    """A batch of token-id lists of different lengths -> (input_ids [B, S] int64, attention_mask [B, S]
+    int64), right-aligned (left padding with pad_id), as `generate` wants them. Raises ValueError on an
+    empty list or an empty prompt."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("left_pad needs at least one prompt and no empty prompt")
+    S = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), S), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(prompts), S), dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, S - len(p):] = torch.as_tensor(p, dtype=torch.long)
+        mask[b, S - len(p):] = 1
+    return ids, mask
 
 
 def sample_next(logits_BV, temperature=1.0, top_k=0, top_p=1.0, generator=None):

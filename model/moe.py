@@ -89,6 +89,9 @@ class MOEFeedForward(nn.Module):
         B, S, D = x.shape
         x_TD = x.reshape(-1, D)
         token_mask_T = None if token_mask is None else token_mask.reshape(-1).to(device=x.device, dtype=torch.bool)
+        if x_TD.shape[0] == 0 and not self.training:  # no token: an empty output still tied to x's graph
+            self.aux_loss, self.stats = x.new_zeros((), dtype=torch.float32), MoEStats()
+            return x.clone()
         # 1. route (+ router losses and load)
         topk_idx_TK, topk_weight_TK, balance_loss, z_loss = self._route_and_account(x_TD, token_mask_T, B)
         # 2. capacity / padding policy: padding tokens and pairs over capacity go to no expert (-1)

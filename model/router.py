@@ -14,11 +14,12 @@ import torch
 
 
 def _masked_mean(values_T_, token_mask_T):
-    """Mean over the real tokens (dim 0). values [T, ...]; token_mask [T] bool or None."""
+    """Mean over the real tokens (dim 0). values [T, ...]; token_mask [T] bool or None. Padded positions
+    are selected away (`where`), not multiplied by 0, so a NaN or Inf there cannot reach the result."""
     if token_mask_T is None:
         return values_T_.mean(0)
-    m = token_mask_T.to(values_T_.dtype).view(-1, *([1] * (values_T_.dim() - 1)))
-    return (values_T_ * m).sum(0) / m.sum().clamp(min=1)
+    m = token_mask_T.view(-1, *([1] * (values_T_.dim() - 1)))
+    return torch.where(m, values_T_, 0).sum(0) / token_mask_T.sum().clamp(min=1)
 
 
 def minimind_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, coef: float,
@@ -82,11 +83,12 @@ def sequence_aux_loss(scores_BSE: torch.Tensor, topk_idx_BSK: torch.Tensor, num_
     one_hot.scatter_(-1, topk_idx_BSK.unsqueeze(-1), 1.0)
     counts_BSE = one_hot.sum(2)
     probs_BSE = scores_BSE.float() / scores_BSE.float().sum(-1, keepdim=True)
-    m_BS1 = (torch.ones(B, S, device=scores_BSE.device) if token_mask_BS is None
-             else token_mask_BS.float()).unsqueeze(-1)
-    real_B1 = m_BS1.sum(1)
-    f_BE = num_experts / K * (counts_BSE * m_BS1).sum(1) / real_B1.clamp(min=1)
-    P_BE = (probs_BSE * m_BS1).sum(1) / real_B1.clamp(min=1)
+    m_BS1 = (torch.ones(B, S, dtype=torch.bool, device=scores_BSE.device) if token_mask_BS is None
+             else token_mask_BS).unsqueeze(-1)
+    real_B1 = m_BS1.sum(1).float()
+    # `where`, not a product with the mask: a NaN at a padded position must not reach the loss
+    f_BE = num_experts / K * torch.where(m_BS1, counts_BSE, 0).sum(1) / real_B1.clamp(min=1)
+    P_BE = torch.where(m_BS1, probs_BSE, 0).sum(1) / real_B1.clamp(min=1)
     has_tokens_B = (real_B1.squeeze(-1) > 0).float()
     per_seq_B = (f_BE * P_BE).sum(-1) * has_tokens_B
     return coef * per_seq_B.sum() / has_tokens_B.sum().clamp(min=1)

@@ -34,6 +34,7 @@ def compare_logits(ours, hf_dir, dtype, n_tokens=48, seed=0):
         ours = model_from_checkpoint({"config": ours.config.to_dict(),
                                       "model": {k: v.to(dtype).float() for k, v in ours.state_dict().items()}}).eval()
     g = torch.Generator().manual_seed(seed)
+    n_tokens = min(n_tokens, ours.config.max_position_embeddings)  # a model may support fewer positions
     ids = torch.randint(0, ours.config.vocab_size, (2, n_tokens), generator=g)
     with torch.no_grad():
         return (ours(ids).logits - hf(ids).logits).abs().max().item()

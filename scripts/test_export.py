@@ -214,9 +214,34 @@ def test_main_job_checkpoint_exports_and_generates():
                       "--eval_tokens", "1024", "--no_progress", "--sample_tokens", "0"]), log=lambda *_: None)
 
 
+def test_short_context_model_exports_and_pads_like_hf():
+    """A model with max_position_embeddings 40 (below the 48 tokens the export's parity check used to
+    feed) exports and verifies; a left-padded batch of prompts of different lengths generates the same
+    greedy ids with our generate and with transformers' (both take positions from the attention mask)."""
+    from transformers import GenerationConfig
+    from model.model_minimind import left_pad
+    cfg = MiniMindConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, use_moe=True, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=48, max_position_embeddings=40, initializer_range=0.1)
+    torch.manual_seed(3)
+    ours = MiniMindForCausalLM(cfg).eval()
+    run_dir = os.path.join(_TMP, "run_short_ctx")
+    save_checkpoint(os.path.join(run_dir, "ckpt.pt"), ours, None, 0, None, {})
+    save_tokenizer(__import__("transformers").AutoTokenizer.from_pretrained(_tokenizer_dir()),
+                   os.path.join(run_dir, "tokenizer"))
+    hf, _, _ = load_hf_quietly(export(run_dir))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 8, 5)]
+    ids, mask = left_pad(prompts, pad_id=0)
+    mine = ours.generate(ids, max_new_tokens=12, temperature=0, attention_mask=mask)
+    hf.generation_config = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    theirs = hf.generate(ids, attention_mask=mask)
+    assert torch.equal(mine, theirs), f"\n{mine}\n{theirs}"
+
+
 TESTS = [test_logits_parity_fp32, test_greedy_generation_identical, test_loads_without_key_warnings,
          test_round_trip_bitwise, test_bf16_export_loads_and_agrees, test_refuses_what_qwen3_cannot_represent,
-         test_main_job_checkpoint_exports_and_generates]
+         test_main_job_checkpoint_exports_and_generates, test_short_context_model_exports_and_pads_like_hf]
 
 if __name__ == "__main__":
     run(TESTS)

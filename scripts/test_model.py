@@ -172,9 +172,83 @@ def test_overfit_one_batch():
     assert out.ce_loss.item() < 0.3 * first, f"{first:.3f} -> {out.ce_loss.item():.3f}"
 
 
+def _padded(prompts, side):
+    """Prompts (lists of ids) -> ids, attention_mask with the padding on `side` ("left" or "right")."""
+    from model.model_minimind import left_pad
+    ids, mask = left_pad(prompts, pad_id=5)
+    if side == "right":
+        ids, mask = torch.zeros_like(ids), torch.zeros_like(mask)
+        for b, p in enumerate(prompts):
+            ids[b, :len(p)], mask[b, :len(p)] = torch.tensor(p), 1
+    return ids, mask
+
+
+def test_attention_mask_hides_left_and_right_padding():
+    """A padded batch: every real token's logits equal those of its sequence alone (1e-5), whichever side
+    the padding is on, for the dense model and both MoE paths (positions count real tokens only)."""
+    for kw in (dict(use_moe=False), dict(moe_impl="sorted"), dict(moe_impl="fused")):
+        model = tiny(**kw).eval()
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 11, 7, 1)]
+        alone = [model(torch.tensor([p])).logits[0] for p in prompts]
+        for side in ("left", "right"):
+            ids, mask = _padded(prompts, side)
+            with torch.no_grad():
+                out = model(ids, attention_mask=mask).logits
+            for b, p in enumerate(prompts):
+                real = out[b][mask[b].bool()]
+                diff = (real - alone[b]).abs().max().item()
+                assert diff <= 1e-5, f"{kw} {side} padding, prompt {b}: max |logit diff| {diff:.2e}"
+
+
+def test_batched_generation_of_different_lengths():
+    """Left-padded prompts of lengths 2..9 generated in one batch: greedy ids equal generating each alone,
+    with and without the KV cache; the padding stays in front of each row."""
+    from model.model_minimind import left_pad
+    for kw in (dict(use_moe=False), dict(moe_impl="sorted"), dict(moe_impl="fused")):
+        model = tiny(**kw).eval()
+        g = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (2, 9, 5)]
+        ids, mask = left_pad(prompts, pad_id=0)
+        cached = model.generate(ids, 16, temperature=0, attention_mask=mask)
+        uncached = model.generate(ids, 16, temperature=0, attention_mask=mask, use_cache=False)
+        assert torch.equal(cached, uncached), f"{kw}: KV cache vs no cache differ on a padded batch"
+        for b, p in enumerate(prompts):
+            alone = model.generate(torch.tensor([p]), 16, temperature=0)[0]
+            assert torch.equal(cached[b, ids.shape[1] - len(p):], alone), f"{kw}: prompt {b} differs from alone"
+            assert torch.equal(cached[b, :ids.shape[1] - len(p)], ids[b, :ids.shape[1] - len(p)])
+    for bad in ([], [[1, 2], []]):
+        try:
+            left_pad(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"left_pad accepted {bad}")
+
+
+def test_empty_inputs_refused_or_kept_in_the_graph():
+    """model(ids) with no sequence or no token: a ValueError naming the shape; an MoE layer given no token
+    (eval or train) returns an empty tensor still attached to its input's graph."""
+    model = tiny().eval()
+    for shape in ((0, 5), (2, 0)):
+        try:
+            model(torch.zeros(shape, dtype=torch.long))
+        except ValueError as e:
+            assert "empty" in str(e) and str(shape) in str(e), e
+        else:
+            raise AssertionError(f"input_ids of shape {shape} accepted")
+    layer = model.model.layers[0].mlp
+    for training in (False, True):
+        layer.train(training)
+        x = torch.randn(0, 4, 64, requires_grad=True)
+        y = layer(x)
+        assert y.shape == x.shape and y.requires_grad, (training, y.shape, y.requires_grad)
+
+
 TESTS = [test_config_errors_name_the_field, test_config_defaults_and_roundtrip, test_save_pretrained_roundtrip,
          test_forward_loss_and_aux, test_tied_and_untied_embeddings, test_causal, test_kv_cache_matches_full_forward,
-         test_generate_cache_equals_no_cache, test_generate_stops_at_eos_and_max_len, test_overfit_one_batch]
+         test_generate_cache_equals_no_cache, test_generate_stops_at_eos_and_max_len, test_overfit_one_batch,
+         test_attention_mask_hides_left_and_right_padding, test_batched_generation_of_different_lengths,
+         test_empty_inputs_refused_or_kept_in_the_graph]
 
 if __name__ == "__main__":
     run(TESTS)

@@ -123,6 +123,24 @@ def test_padding_changes_no_loss_and_no_load():
             assert torch.equal(padded_bias, mod.expert_bias)
 
 
+def test_nan_at_padded_position_leaves_losses_finite():
+    """NaN and Inf placed at padded positions: every loss variant, the load and the real tokens' outputs are
+    bitwise those of the same batch with finite padding (the mask selects, it does not multiply by 0)."""
+    for kw in VARIANTS + [dict(router_aux_loss_type="minimind", router_aux_loss_coef=COEF, moe_impl="fused")]:
+        mod = layer(8, 2, **kw)
+        x, mask, _ = padded_batch(mod, [11, 7], S=16)
+        y = mod(x, token_mask=mask)
+        want_loss, want_load = mod.aux_loss.detach(), mod.pop_load()
+        x_bad = x.clone()
+        x_bad[0, 11:] = float("nan")
+        x_bad[1, 7:] = float("inf")
+        y_bad = mod(x_bad, token_mask=mask)
+        assert torch.isfinite(mod.aux_loss).all(), kw
+        assert torch.equal(mod.aux_loss.detach(), want_loss), (kw, mod.aux_loss, want_loss)
+        assert torch.equal(mod.pop_load(), want_load), kw
+        assert torch.equal(y_bad[mask], y[mask]), kw
+
+
 def test_no_cancellation_across_layers():
     """Two layers with opposite imbalances give a larger loss than a balanced pair; pooling both layers'
     routing into one loss (what per-layer averaging avoids) would call them balanced."""
@@ -287,7 +305,8 @@ def test_training_logs_load_and_draws_heatmap():
 
 
 TESTS = [test_switch_loss_is_coef_when_balanced, test_minimind_default_is_bitwise_minimind,
-         test_padding_changes_no_loss_and_no_load, test_no_cancellation_across_layers,
+         test_padding_changes_no_loss_and_no_load, test_nan_at_padded_position_leaves_losses_finite,
+         test_no_cancellation_across_layers,
          test_grad_accumulation_scales_aux_once, test_bias_steers_selection_not_weights,
          test_bias_balances_a_collapsed_router, test_fp32_router_under_autocast, test_z_loss_formula,
          test_tokens_per_expert_skips_padding_and_drops, test_warns_when_router_gets_no_lm_gradient,
