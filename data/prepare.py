@@ -1,62 +1,175 @@
-"""One entry point from "a data path or nothing" to (tokenizer, train tokens, val tokens), cached."""
-import hashlib
-import os
+"""One entry point from "a data path or nothing" to (tokenizer, train tokens, val tokens), cached on disk.
 
-import numpy as np
+    source (data/sources.py) -> tokenizer (given, or a BPE trained on a bounded sample) -> token cache
+    (data/shards.py: tokenized once in parallel, then memory-mapped)
+
+Everything derived from a corpus is keyed by content, under `data/cache/`: the tokenizer by the source's
+fingerprint, vocab size and sample size; the token cache by the source's and the tokenizer's hashes. One
+process at a time prepares a given corpus (a file lock); another one waits, then reuses the result.
+"""
+import fcntl
+import hashlib
+import json
+import os
+import sys
 
 from data.corpus import CACHE_DIR, default_corpus
-from data.dataset import file_fingerprint, load_documents, split_documents, tokenize_documents
-from data.dataset import DataError
-from data.tokenizer import get_tokenizer
-from train.atomic import atomic_file
+from data.shards import build_token_cache, open_token_cache
+from data.sources import DataError, DocumentSource, open_source  # noqa: F401  (DataError: re-exported)
+from data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from train.atomic import atomic_write_text
+
+VAL_EVERY = 20  # every 20th document of a user corpus is held out
+TOKENIZER_SAMPLE_MB = 32  # the BPE is trained on the first this-many MB of training documents
+PARALLEL_FROM_BYTES = 32 << 20  # below this a process pool costs more to start than it saves
 
 
-def _texts(ds):
-    return (t for t in ds["text"])
-
-
-def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=CACHE_DIR, log=print):
+def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=CACHE_DIR, log=print,
+                 text_field="text", tokenizer_sample_mb=TOKENIZER_SAMPLE_MB, workers=None, progress=False):
     """Load or build everything the trainer needs.
 
-    data_path None -> the embedded stdlib-docstring corpus (its own train/val files); otherwise a .jsonl or
-    .txt file whose every 20th document is held out for validation. tokenizer_dir None -> a byte-level BPE
-    of `vocab_size` trained on the training documents (cached by content); else that tokenizer is used.
+    data_path None -> the embedded stdlib-docstring corpus (its own train/val files); otherwise anything
+    data/sources.py reads (file, directory, glob, save_to_disk folder, hf:NAME), of which every 20th
+    document is held out for validation. tokenizer_dir None -> a byte-level BPE of `vocab_size` trained
+    on the first `tokenizer_sample_mb` MB of training documents (all of them when the corpus is smaller);
+    else that tokenizer. workers: tokenization processes (None: one per core for inputs over 32 MB, else
+    0 = in this process). progress: show a progress bar (MB/s, ETA) while tokenizing.
 
-    Returns dict(tokenizer, tokenizer_dir, train [int32 array], val [int32 array], source).
-    Raises data.dataset.DataError for missing, empty or malformed files.
+    Returns dict(tokenizer, tokenizer_dir, train, val (1-D read-only np.memmap of token ids), index (the
+    cache's index.json: counts, bytes, entropy), source (description)).
+    Raises DataError for missing, empty or malformed input, naming the file and line.
     """
+    os.makedirs(cache_dir, exist_ok=True)
+    source, val_source = _sources(data_path, text_field, cache_dir)
+    if next(iter(source.documents()), None) is None:
+        raise DataError(f"{source.description}: contains no text")
+    memo = _load_memo(cache_dir)  # file hashes by path, size and mtime: a warm start reads no corpus
+    fingerprint = source.fingerprint(memo)
+    if val_source is not None:
+        fingerprint = hashlib.sha1((fingerprint + val_source.fingerprint(memo)).encode()).hexdigest()[:16]
+    _save_memo(cache_dir, memo)
+    with _lock(os.path.join(cache_dir, f".prepare-{fingerprint}.lock"), log):
+        tokenizer, tokenizer_dir = _tokenizer(source, val_source, tokenizer_dir, vocab_size, tokenizer_sample_mb,
+                                              fingerprint, cache_dir, log)
+        cache = _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cache_dir, workers,
+                             progress, log)
+    splits = cache.index["splits"]
+    log(f"data: {source.description}: {splits['train']['documents']:,} train / {splits['val']['documents']:,} val "
+        f"documents, {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val tokens, tokenizer "
+        f"{tokenizer_dir} (vocab {len(tokenizer)})")
+    if "last" in cache.index.get("split_rule", ""):
+        log(f"note: {cache.index['split_rule']}")
+    return dict(tokenizer=tokenizer, tokenizer_dir=tokenizer_dir, train=cache.train, val=cache.val,
+                index=cache.index, source=source.description)
+
+
+def _sources(data_path, text_field, cache_dir):
+    """(source, val_source): the default corpus comes split in two files; a user corpus is one source."""
     if data_path is None:
         paths = default_corpus(cache_dir)
-        train_ds, val_ds = load_documents(paths["train"]), load_documents(paths["val"])
-        fingerprint = file_fingerprint(paths["train"]) + file_fingerprint(paths["val"])
-        source = "embedded corpus (Python stdlib docstrings + pydoc topics)"
-    else:
-        train_ds, val_ds = split_documents(load_documents(data_path))
-        fingerprint = file_fingerprint(data_path) + os.path.splitext(data_path)[1].lower()  # .txt vs .jsonl parse
-        source = data_path
-    if tokenizer_dir is None:
-        tokenizer, tokenizer_dir = get_tokenizer(lambda: _texts(train_ds), cache_dir, fingerprint, vocab_size)
-    else:
-        from transformers import AutoTokenizer
+        return (DocumentSource("embedded corpus (Python stdlib docstrings + pydoc topics)", files=(paths["train"],)),
+                DocumentSource("embedded corpus, validation", files=(paths["val"],)))
+    return open_source(data_path, text_field), None
+
+
+def split_documents(source, val_source):
+    """(split, text, where) for every document: val_source's are "val"; without one, every VAL_EVERY-th
+    document of source is."""
+    for i, (text, where) in enumerate(source.documents()):
+        yield ("val" if val_source is None and i % VAL_EVERY == VAL_EVERY - 1 else "train"), text, where
+    if val_source is not None:
+        for text, where in val_source.documents():
+            yield "val", text, where
+
+
+def _training_sample(source, val_source, max_bytes):
+    """The first training documents, up to max_bytes of text (the tokenizer's training sample)."""
+    size = 0
+    for split, text, _ in split_documents(source, val_source):
+        if split == "train":
+            yield text
+            size += len(text)
+            if size >= max_bytes:
+                return
+
+
+def _tokenizer(source, val_source, tokenizer_dir, vocab_size, sample_mb, fingerprint, cache_dir, log):
+    if tokenizer_dir is not None:
         if not os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")):
             raise DataError(f"{tokenizer_dir}: no tokenizer.json (a tokenizer folder saved by transformers is expected)")
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer = load_tokenizer(tokenizer_dir)
         if tokenizer.eos_token_id is None:
             raise DataError(f"{tokenizer_dir}: the tokenizer has no eos token to separate documents with")
-    with open(os.path.join(tokenizer_dir, "tokenizer.json"), "rb") as f:
-        tok_key = hashlib.sha1(f.read()).hexdigest()[:12]
-    cache = os.path.join(cache_dir, f"tokens-{fingerprint}-{tok_key}.npz")
-    if os.path.exists(cache):
-        arrays = np.load(cache)
-        train, val = arrays["train"], arrays["val"]
-    else:
-        train = tokenize_documents(train_ds, tokenizer, tokenizer.eos_token_id)
-        val = tokenize_documents(val_ds, tokenizer, tokenizer.eos_token_id) if len(val_ds) else np.zeros(0, np.int32)
-        if len(val) < len(train) // 100:  # too few documents to hold some out: use the stream's tail
-            cut = len(train) - max(len(train) // 20, 2)
-            train, val = train[:cut], train[cut:]
-        with atomic_file(cache) as f:
-            np.savez(f, train=train, val=val)
-    log(f"data: {source}: {len(train_ds)} train / {len(val_ds)} val documents, "
-        f"{len(train):,} train / {len(val):,} val tokens, tokenizer {tokenizer_dir} (vocab {len(tokenizer)})")
-    return dict(tokenizer=tokenizer, tokenizer_dir=tokenizer_dir, train=train, val=val, source=source)
+        return tokenizer, tokenizer_dir
+    key = hashlib.sha1(f"{fingerprint}|{vocab_size}|{sample_mb}".encode()).hexdigest()[:12]
+    path = os.path.join(cache_dir, f"tokenizer-{key}")
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        log(f"training a {vocab_size}-token BPE on the first {sample_mb} MB of training documents")
+        save_tokenizer(train_tokenizer(_training_sample(source, val_source, int(sample_mb * (1 << 20))), vocab_size), path)
+    return load_tokenizer(path), path
+
+
+def _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cache_dir, workers, progress, log):
+    tokenizer_json = os.path.join(tokenizer_dir, "tokenizer.json")
+    with open(tokenizer_json, "rb") as f:
+        tok_sha1 = hashlib.sha1(f.read()).hexdigest()
+    key = hashlib.sha1(f"{fingerprint}|{tok_sha1}|{VAL_EVERY}|{val_source is not None}".encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir, f"tokens-{key}")
+    cache = open_token_cache(path)
+    if cache is not None:
+        return cache
+    if os.path.exists(path):
+        log(f"note: the token cache {path} does not match its index (damaged?): rebuilding it")
+    total = source.total_bytes + (val_source.total_bytes if val_source else 0)
+    if workers is None:
+        workers = min(os.cpu_count() or 1, 8) if total > PARALLEL_FROM_BYTES else 0
+    meta = {"source": source.description, "source_fingerprint": fingerprint, "tokenizer_sha1": tok_sha1,
+            "split_rule": "given validation files" if val_source else f"every {VAL_EVERY}th document is validation"}
+    bar = _progress_bar(total) if progress and total > PARALLEL_FROM_BYTES else None
+    try:
+        build_token_cache(path, split_documents(source, val_source), tokenizer_json, tokenizer.eos_token_id,
+                          len(tokenizer), meta, workers, bar.update if bar else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    return open_token_cache(path)
+
+
+def _progress_bar(total_bytes):
+    from tqdm import tqdm
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr, smoothing=0.1)
+
+
+class _lock:
+    """An exclusive file lock (fcntl.flock) held for a `with` block; says so when it has to wait."""
+
+    def __init__(self, path, log):
+        self.path, self.log = path, log
+
+    def __enter__(self):
+        self.f = open(self.path, "a+")
+        try:
+            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.log("waiting for another process preparing the same corpus...")
+            fcntl.flock(self.f, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()  # releases the lock
+
+
+def _load_memo(cache_dir):
+    try:
+        with open(os.path.join(cache_dir, "fingerprints.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_memo(cache_dir, memo):
+    memo = {k: v for k, v in memo.items() if os.path.exists(k.split("|")[0])}  # forget deleted files
+    try:
+        atomic_write_text(os.path.join(cache_dir, "fingerprints.json"), json.dumps(memo, indent=0))
+    except OSError:  # a read-only cache still works, it only hashes again next time
+        pass

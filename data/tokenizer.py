@@ -4,11 +4,13 @@ Special tokens (fixed ids): 0 `<|endoftext|>` (document separator, pad and pretr
 1 `<|im_start|>` and 2 `<|im_end|>` (chat turns, ChatML as in MiniMind / Qwen).
 """
 import hashlib
+import json
 import os
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from data.sources import DataError
 from train.atomic import atomic_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -53,6 +55,25 @@ def save_tokenizer(tokenizer, out_dir):
         tokenizer.save_pretrained(tmp)
 
 
+def load_tokenizer(folder):
+    """AutoTokenizer.from_pretrained(folder), or DataError naming the file that is wrong: malformed JSON (with
+    its line and column), or a tokenizer.json that transformers cannot read as a tokenizer."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    json.load(f)
+            except ValueError as e:  # (JSONDecodeError, UnicodeDecodeError)
+                raise DataError(f"{path}: malformed tokenizer file ({e})") from None
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # tokenizers and transformers raise anything from KeyError to a bare Exception
+        detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        raise DataError(f"{os.path.join(folder, 'tokenizer.json')}: not a tokenizer transformers can load "
+                        f"({detail})") from None
+
+
 def get_tokenizer(texts_fn, cache_root, fingerprint, vocab_size=6400):
     """Return the tokenizer trained on `texts_fn()` (an iterable factory), training it once per
     (fingerprint, vocab_size) and caching it under cache_root."""
@@ -60,4 +81,4 @@ def get_tokenizer(texts_fn, cache_root, fingerprint, vocab_size=6400):
     path = os.path.join(cache_root, f"tokenizer-{key}")
     if not os.path.exists(os.path.join(path, "tokenizer.json")):
         save_tokenizer(train_tokenizer(texts_fn(), vocab_size), path)
-    return AutoTokenizer.from_pretrained(path), path
+    return load_tokenizer(path), path

@@ -109,32 +109,6 @@ def from_hf_state_dict(hf_state, config: MiniMindConfig):
     return out
 
 
-def load_hf_folder(hf_dir):
-    """Build our MiniMindForCausalLM (fp32) from an exported / Qwen3(-MoE) HF folder, strictly.
-
-    Reads config.json with `transformers.AutoConfig` and every *.safetensors file with `safetensors`.
-    Raises ExportError for unsupported architectures, FileNotFoundError for a folder without weights.
-    """
-    import glob
-    import os
-
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
-    from model.model_minimind import MiniMindForCausalLM
-
-    config = from_hf_config(AutoConfig.from_pretrained(hf_dir))
-    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"{hf_dir}: no *.safetensors weights")
-    hf_state = {}
-    for f in files:
-        hf_state.update(load_file(f))
-    model = MiniMindForCausalLM(config)
-    model.load_state_dict({k: v.float() for k, v in from_hf_state_dict(hf_state, config).items()}, strict=True)
-    return model
-
-
 def is_hf_folder(path):
     """True for a directory holding a transformers config.json of a Qwen3 / Qwen3-MoE model."""
     import json
@@ -142,5 +116,8 @@ def is_hf_folder(path):
     cfg = os.path.join(path, "config.json")
     if not (os.path.isdir(path) and os.path.exists(cfg)) or os.path.exists(os.path.join(path, "ckpt.pt")):
         return False
-    with open(cfg) as f:
-        return json.load(f).get("model_type") in ("qwen3", "qwen3_moe")
+    try:
+        with open(cfg, encoding="utf-8") as f:
+            return json.load(f).get("model_type") in ("qwen3", "qwen3_moe")
+    except (ValueError, AttributeError):  # a damaged config.json: train/checkpoint.py's load_hf_checked names it
+        return True

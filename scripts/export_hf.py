@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from model.hf_adapter import ExportError, to_hf_config, to_hf_state_dict  # noqa: E402
 from train.atomic import atomic_dir  # noqa: E402
-from train.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
+from train.checkpoint import load_checkpoint, model_from_checkpoint, safetensors_metadata  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP32_TOL = 1e-4  # fp32 reassociation in attention/softmax between two implementations stays far below this
@@ -66,7 +66,7 @@ def export(ckpt_path, out_dir, dtype="float32", tokenizer_dir=None, verify=True,
 
     with atomic_dir(out_dir) as tmp:  # verified before it replaces anything
         hf_config.save_pretrained(tmp)
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata=safetensors_metadata(state))
         tokenizer.save_pretrained(tmp)
         eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
         GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=0.8,

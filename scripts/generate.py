@@ -7,24 +7,26 @@
 scripts/export_hf.py (then `transformers` AutoModelForCausalLM.generate samples, so both sides can be
 compared from the command line; with --temperature 0 both are greedy and print the same text).
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
 
-from data.tokenizer import stop_token_ids  # noqa: E402
+from data.dataset import DataError  # noqa: E402
+from data.tokenizer import load_tokenizer, stop_token_ids  # noqa: E402
 from model.hf_adapter import is_hf_folder  # noqa: E402
-from train.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
+from train.checkpoint import load_checkpoint, load_hf_checked, model_from_checkpoint  # noqa: E402
+from train.flags import Parser, Range, check_ranges, show_ranges  # noqa: E402
+
+RANGES = {"max_new_tokens": Range(1), "num_samples": Range(1), "temperature": Range(0), "top_k": Range(0),
+          "top_p": Range(0, 1, lo_open=True)}
 
 
-def generate_hf(args, device):
-    """Sample with transformers' own generate from an exported folder."""
+def generate_hf(args, tokenizer, device):
+    """Sample with transformers' own generate from an exported folder; returns the ids [num_samples, T]."""
     from transformers import AutoModelForCausalLM, GenerationConfig
-    tokenizer = AutoTokenizer.from_pretrained(args.ckpt)
     model = AutoModelForCausalLM.from_pretrained(args.ckpt).to(device).eval()
     ids = torch.tensor([tokenizer(args.prompt, add_special_tokens=False)["input_ids"]] * args.num_samples, device=device)
     gen = GenerationConfig.from_pretrained(args.ckpt)
@@ -33,14 +35,13 @@ def generate_hf(args, device):
                top_k=None if greedy else (args.top_k or None), top_p=None if greedy else args.top_p,
                temperature=None if greedy else args.temperature)
     torch.manual_seed(args.seed)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
-    return tokenizer, out
+    return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__)
     p.add_argument("--ckpt", default="checkpoints/pretrain", help="checkpoint file or run directory")
-    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: tokenizer/ next to the checkpoint)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir (None: tokenizer/ next to the checkpoint)")
     p.add_argument("--prompt", default="The", help="text to continue")
     p.add_argument("--max_new_tokens", type=int, default=100, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -50,18 +51,22 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--no_cache", action="store_true", help="recompute the prefix each step (no KV cache)")
+    show_ranges(p, RANGES)
     args = p.parse_args(argv)
+    check_ranges(p, args, RANGES)
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda requested but CUDA is not available")
-    if args.num_samples < 1 or args.max_new_tokens < 1 or args.top_k < 0 or not 0 < args.top_p <= 1:
-        p.error("need --num_samples >= 1, --max_new_tokens >= 1, --top_k >= 0 and 0 < --top_p <= 1")
     if not args.prompt:
         p.error("--prompt is empty")
     if is_hf_folder(args.ckpt):
-        tokenizer, out = generate_hf(args, device)
-        return print_samples(tokenizer, out, args.num_samples)
+        try:
+            load_hf_checked(args.ckpt)  # transformers alone loads damaged folders (a missing tensor: random init)
+            tokenizer = load_tokenizer(args.ckpt)
+        except (DataError, FileNotFoundError, ValueError) as e:
+            p.error(str(e))
+        return print_samples(tokenizer, generate_hf(args, tokenizer, device), args.num_samples)
     try:
         ckpt = load_checkpoint(args.ckpt)
     except (FileNotFoundError, ValueError) as e:
@@ -70,7 +75,10 @@ def main(argv=None):
     tok_dir = args.tokenizer or os.path.join(run_dir, "tokenizer")
     if not os.path.exists(tok_dir):
         p.error(f"{tok_dir}: tokenizer not found; pass --tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    try:
+        tokenizer = load_tokenizer(tok_dir)
+    except DataError as e:
+        p.error(str(e))
     if len(tokenizer) > ckpt["config"]["vocab_size"]:
         p.error(f"{tok_dir}: tokenizer has {len(tokenizer)} tokens, the model only {ckpt['config']['vocab_size']}")
     model = model_from_checkpoint(ckpt, device).eval()

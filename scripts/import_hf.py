@@ -4,7 +4,15 @@
     python train/pretrain.py --init_from checkpoints/imported --out_dir checkpoints/finetune ...
 
 The output run directory holds ckpt.pt (fp32 weights, config; step 0, no optimizer state), config.json
-and tokenizer/, so generate.py, export_hf.py and `pretrain.py --init_from` accept it.
+and tokenizer/, so generate.py, export_hf.py and `pretrain.py --init_from` accept it. It is written as a
+whole (a temp folder renamed into place): a failed or killed import leaves no --out folder behind.
+
+The folder is checked before anything is written (train/checkpoint.py: load_hf_checked): config.json must
+be JSON describing a Qwen3(-MoE) model MiniMind can express, every *.safetensors file must be readable and
+hold exactly the tensors that config needs, with their shapes. A model.safetensors written by
+scripts/export_hf.py carries a SHA-256 of its tensors in its metadata, and a flipped bit is refused; a
+folder made elsewhere has no such entry and its tensors are loaded unchecked. Any problem: one line
+naming the file, exit code 2.
 """
 import argparse
 import os
@@ -12,23 +20,29 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from model.hf_adapter import ExportError, load_hf_folder  # noqa: E402
+from model.hf_adapter import ExportError  # noqa: E402
 from train.atomic import atomic_dir, atomic_write_text  # noqa: E402
-from train.checkpoint import CKPT_NAME, save_checkpoint  # noqa: E402
+from train.checkpoint import CKPT_NAME, load_hf_checked, save_checkpoint  # noqa: E402
 
 
 def import_hf(hf_dir, out_dir, log=print):
     from transformers import AutoTokenizer
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise ValueError(f"{out_dir}: exists and is not empty; choose a new --out (a run is never overwritten)")
-    model = load_hf_folder(hf_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    save_checkpoint(os.path.join(out_dir, CKPT_NAME), model, None, 0, None, {"imported_from": os.path.abspath(hf_dir)})
-    atomic_write_text(os.path.join(out_dir, "config.json"), model.config.to_json_string())
-    if os.path.exists(os.path.join(hf_dir, "tokenizer.json")) or os.path.exists(os.path.join(hf_dir, "tokenizer_config.json")):
-        with atomic_dir(os.path.join(out_dir, "tokenizer")) as tmp:
-            AutoTokenizer.from_pretrained(hf_dir).save_pretrained(tmp)
-    else:
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise ValueError(f"{out_dir}: exists and is not an empty folder; choose a new --out (a run is never "
+                         f"overwritten)")
+    model = load_hf_checked(hf_dir)
+    has_tokenizer = any(os.path.exists(os.path.join(hf_dir, n)) for n in ("tokenizer.json", "tokenizer_config.json"))
+    with atomic_dir(out_dir) as tmp:
+        save_checkpoint(os.path.join(tmp, CKPT_NAME), model, None, 0, None, {"imported_from": os.path.abspath(hf_dir)})
+        atomic_write_text(os.path.join(tmp, "config.json"), model.config.to_json_string())
+        if has_tokenizer:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+            except Exception as e:  # tokenizers' own errors (a damaged tokenizer.json) are not ValueErrors
+                first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")[:200]
+                raise ValueError(f"{hf_dir}: tokenizer not readable ({type(e).__name__}: {first})") from None
+            tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
+    if not has_tokenizer:
         log(f"warning: {hf_dir} has no tokenizer; pass --tokenizer when training or sampling from {out_dir}")
     log(f"imported {hf_dir} -> {out_dir}")
     return model
@@ -37,7 +51,7 @@ def import_hf(hf_dir, out_dir, log=print):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf", required=True, help="HF folder (config.json + *.safetensors)")
-    p.add_argument("--out", required=True, help="run directory to write")
+    p.add_argument("--out", required=True, help="run directory to write (must not exist, or be empty)")
     args = p.parse_args(argv)
     try:
         import_hf(args.hf, args.out)

@@ -11,8 +11,18 @@ import torch
 
 from testlib import SHARED, Skip, run  # noqa: F401
 from data.corpus import default_corpus
-from data.dataset import DataError, WindowBatches, check_data_file, fixed_windows, load_documents, unigram_entropy
+from data.dataset import DataError, WindowBatches, fixed_windows, unigram_entropy
+from data.prepare import prepare_data
+from data.sources import open_source
 from data.tokenizer import SPECIAL_TOKENS, save_tokenizer, train_tokenizer
+
+
+def texts(path, **kw):
+    return [t for t, _ in open_source(path, **kw).documents()]
+
+
+def quiet_prepare(path, cache_dir, **kw):
+    return prepare_data(path, vocab_size=300, cache_dir=cache_dir, log=lambda *_: None, **kw)
 
 
 def _write(path, text, mode="w"):
@@ -60,9 +70,9 @@ def test_tokenizer_roundtrip_and_autotokenizer():
 def test_user_files_jsonl_and_txt():
     with tempfile.TemporaryDirectory() as d:
         j = _write(os.path.join(d, "a.jsonl"), '{"text": "first doc"}\n\n{"text": "second", "id": 3}\n{"text": "  "}\n')
-        assert load_documents(j)["text"] == ["first doc", "second"]
+        assert texts(j) == ["first doc", "second"]
         t = _write(os.path.join(d, "b.txt"), "para one\nline two\n\npara two\n\n\n")
-        assert [s.strip() for s in load_documents(t)["text"]] == ["para one\nline two", "para two"]
+        assert [s.strip() for s in texts(t)] == ["para one\nline two", "para two"]
 
 
 def test_bad_files_name_file_and_line():
@@ -76,17 +86,21 @@ def test_bad_files_name_file_and_line():
             "notstr.jsonl": ('{"text": 5}\n', "notstr.jsonl:1: \"text\" must be a string"),
             "latin1.txt": (b"caf\xe9\n", "latin1.txt:1: not valid UTF-8"),
             "data.csv": ("a,b\n", "unsupported extension"),
+            "late.jsonl": ('{"text": "ok"}\n' * 5000 + '{"text": 3}\n' + '{"text": "ok"}\n' * 10,
+                           'late.jsonl:5001: "text" must be a string'),
         }
         for name, (content, msg) in cases.items():
             path = os.path.join(d, name)
             if content is not None:
                 _write(path, content, "wb" if isinstance(content, bytes) else "w")
             try:
-                check_data_file(path)
+                quiet_prepare(path, os.path.join(d, "cache"))
             except DataError as e:
                 assert msg in str(e) and name in str(e), f"{name}: {e}"
             else:
                 raise AssertionError(f"{name}: accepted")
+        leftovers = [n for n in os.listdir(os.path.join(d, "cache")) if n.startswith("tokens-") or ".tmp" in n]
+        assert not leftovers, f"a failed preparation left {leftovers} in the cache"
 
 
 def test_window_batches_resume_exactly():
@@ -120,9 +134,161 @@ def test_fixed_windows_and_entropy():
     assert unigram_entropy(np.array([7, 7, 7])) == 0.0
 
 
+def _corpus_docs(n=600, seed=0):
+    """n English-like documents of 0-120 words (some empty), from tinyshakespeare or the embedded corpus."""
+    import random
+    src = os.path.join(SHARED, "data", "tinyshakespeare.txt")
+    text = open(src, encoding="utf-8").read() if os.path.exists(src) else open(default_corpus()["train"]).read()
+    words = text.split()[:50_000]
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(0, 120))) for _ in range(n)]
+
+
+def _jsonl(path, docs, field="text"):
+    with open(path, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps({field: d, "id": 1}) + "\n")
+    return path
+
+
+def _tokens(data):
+    return np.asarray(data["train"]).copy(), np.asarray(data["val"]).copy()
+
+
+def test_parallel_preparation_equals_in_process():
+    """The same corpus tokenized in 2 worker processes and in this process: identical token caches (small
+    batches, so the workers' results arrive out of order and must be put back in order)."""
+    import data.shards
+    data.shards.BATCH_BYTES, old = 8_000, data.shards.BATCH_BYTES
+    with tempfile.TemporaryDirectory() as d:
+        path = _jsonl(os.path.join(d, "c.jsonl"), _corpus_docs(800))
+        a = quiet_prepare(path, os.path.join(d, "c0"), workers=0)
+        b = quiet_prepare(path, os.path.join(d, "c2"), workers=2)
+        assert all(np.array_equal(x, y) for x, y in zip(_tokens(a), _tokens(b)))
+        assert a["index"]["splits"] == b["index"]["splits"] and a["train"].dtype == np.uint16
+        assert isinstance(a["train"], np.memmap), "training tokens should be memory-mapped, not in RAM"
+        n_docs = sum(1 for t in _corpus_docs(800) if t.strip())
+        assert a["index"]["splits"]["val"]["documents"] == n_docs // 20
+    data.shards.BATCH_BYTES = old
+
+
+def test_formats_give_the_same_documents():
+    """One corpus as jsonl, .json array, parquet, a directory of jsonl shards, a glob, a save_to_disk folder,
+    hf:<local folder> and jsonl with --text_field body: every one gives the same token stream."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    docs = [t for t in _corpus_docs(300) if t.strip()]
+    with tempfile.TemporaryDirectory() as d:
+        cache = os.path.join(d, "cache")
+        ref = quiet_prepare(_jsonl(os.path.join(d, "ref.jsonl"), docs), cache)
+        tok = ref["tokenizer_dir"]
+        os.makedirs(os.path.join(d, "shards", "sub"))
+        _jsonl(os.path.join(d, "shards", "a.jsonl"), docs[:100])
+        _jsonl(os.path.join(d, "shards", "sub", "b.jsonl"), docs[100:])  # sorted by path: a, sub/b
+        with open(os.path.join(d, "arr.json"), "w") as f:
+            json.dump([{"text": t} for t in docs], f)
+        pq.write_table(pa.table({"text": docs[:150]}), os.path.join(d, "p1.parquet"), row_group_size=40)
+        pq.write_table(pa.table({"text": docs[150:]}), os.path.join(d, "p2.parquet"))
+        datasets.Dataset.from_dict({"text": docs}).save_to_disk(os.path.join(d, "saved"))
+        os.makedirs(os.path.join(d, "hub"))
+        pq.write_table(pa.table({"text": docs}), os.path.join(d, "hub", "train.parquet"))
+        cases = {"dir": os.path.join(d, "shards"), "json array": os.path.join(d, "arr.json"),
+                 "glob": os.path.join(d, "p*.parquet"), "save_to_disk": os.path.join(d, "saved"),
+                 "hf: local folder": "hf:" + os.path.join(d, "hub"),
+                 "text_field": (_jsonl(os.path.join(d, "body.jsonl"), docs, field="body"), "body")}
+        for name, path in cases.items():
+            path, field = path if isinstance(path, tuple) else (path, "text")
+            got = quiet_prepare(path, cache, tokenizer_dir=tok, text_field=field)
+            assert all(np.array_equal(x, y) for x, y in zip(_tokens(got), _tokens(ref))), name
+        try:
+            quiet_prepare(os.path.join(d, "body.jsonl"), cache, tokenizer_dir=tok)
+        except DataError as e:
+            assert "body.jsonl:1" in str(e) and "--text_field" in str(e), e
+        else:
+            raise AssertionError("a missing text field was accepted")
+
+
+def test_malformed_line_near_the_end_leaves_nothing_in_the_cache():
+    """A bad line at the end of a corpus stops the token pass with file:line; no token cache, no temp."""
+    with tempfile.TemporaryDirectory() as d:
+        cache = os.path.join(d, "cache")
+        good = quiet_prepare(_jsonl(os.path.join(d, "good.jsonl"), _corpus_docs(200)), cache)
+        path = _jsonl(os.path.join(d, "bad.jsonl"), _corpus_docs(3000))
+        with open(path, "a") as f:
+            f.write('{"text": "fine"}\n{"text": "cut off\n')
+        before = set(os.listdir(cache))
+        for workers in (0, 2):
+            try:
+                quiet_prepare(path, cache, tokenizer_dir=good["tokenizer_dir"], workers=workers)
+            except DataError as e:
+                assert "bad.jsonl:3002: malformed JSON" in str(e), e
+            else:
+                raise AssertionError("malformed line accepted")
+            new = set(os.listdir(cache)) - before
+            assert all(n.startswith(".prepare-") for n in new), f"left behind: {new}"
+
+
+def test_damaged_cache_is_rebuilt_with_a_message():
+    with tempfile.TemporaryDirectory() as d:
+        cache, path = os.path.join(d, "cache"), _jsonl(os.path.join(d, "c.jsonl"), _corpus_docs(300))
+        first = _tokens(quiet_prepare(path, cache))
+        folder = [n for n in os.listdir(cache) if n.startswith("tokens-")][0]
+        with open(os.path.join(cache, folder, "train.bin"), "r+b") as f:
+            f.truncate(100)
+        said = []
+        again = prepare_data(path, vocab_size=300, cache_dir=cache, log=said.append)
+        assert any("does not match its index" in s for s in said), said
+        assert all(np.array_equal(x, y) for x, y in zip(_tokens(again), first))
+
+
+def test_two_processes_prepare_one_corpus_at_once():
+    """Started together on a new corpus: both succeed with the same tokens, and one cache is written."""
+    import subprocess
+    import sys
+    with tempfile.TemporaryDirectory() as d:
+        cache, path = os.path.join(d, "cache"), _jsonl(os.path.join(d, "c.jsonl"), _corpus_docs(1500))
+        code = ("import sys, numpy as np; sys.path.insert(0, sys.argv[1]); from data.prepare import prepare_data; "
+                "x = prepare_data(sys.argv[2], vocab_size=300, cache_dir=sys.argv[3], log=lambda *_: None); "
+                "np.save(sys.argv[4], np.asarray(x['train']))")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        procs = [subprocess.Popen([sys.executable, "-c", code, root, path, cache, os.path.join(d, f"out{i}.npy")],
+                                  stderr=subprocess.PIPE, text=True) for i in range(2)]
+        errs = [p.communicate(timeout=300)[1] for p in procs]
+        assert all(p.returncode == 0 for p in procs), errs
+        assert np.array_equal(np.load(os.path.join(d, "out0.npy")), np.load(os.path.join(d, "out1.npy")))
+        assert len([n for n in os.listdir(cache) if n.startswith("tokens-")]) == 1
+        assert len([n for n in os.listdir(cache) if n.startswith("tokenizer-")]) == 1
+
+
+def test_tokenizer_trained_on_a_bounded_sample():
+    """With a sample smaller than the corpus, a word that occurs only after the sample gets no token of its
+    own; with the whole corpus as sample it does."""
+    docs = _corpus_docs(400) + ["zyxwvutsrq " * 200] * 40
+    with tempfile.TemporaryDirectory() as d:
+        path = _jsonl(os.path.join(d, "c.jsonl"), docs)
+        small = quiet_prepare(path, os.path.join(d, "a"), tokenizer_sample_mb=0.05)["tokenizer"]
+        full = quiet_prepare(path, os.path.join(d, "b"), tokenizer_sample_mb=32)["tokenizer"]
+        assert len(full.tokenize("zyxwvutsrq")) == 1 and len(small.tokenize("zyxwvutsrq")) > 1
+
+
+def test_memmap_windows_equal_in_memory_windows():
+    with tempfile.TemporaryDirectory() as d:
+        tokens = (np.arange(5000) * 7 % 6400).astype(np.uint16)
+        tokens.tofile(os.path.join(d, "t.bin"))
+        mm = np.memmap(os.path.join(d, "t.bin"), dtype=np.uint16, mode="r")
+        a, b = WindowBatches(mm, 32, 6, seed=1), WindowBatches(tokens.astype(np.int64), 32, 6, seed=1)
+        for _ in range(40):
+            (xa, ya), (xb, yb) = a.next(), b.next()
+            assert xa.dtype == torch.int64 and torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
 TESTS = [test_default_corpus_is_deterministic_real_prose, test_tokenizer_roundtrip_and_autotokenizer,
          test_user_files_jsonl_and_txt, test_bad_files_name_file_and_line, test_window_batches_resume_exactly,
-         test_fixed_windows_and_entropy]
+         test_fixed_windows_and_entropy, test_parallel_preparation_equals_in_process,
+         test_formats_give_the_same_documents, test_malformed_line_near_the_end_leaves_nothing_in_the_cache,
+         test_damaged_cache_is_rebuilt_with_a_message, test_two_processes_prepare_one_corpus_at_once,
+         test_tokenizer_trained_on_a_bounded_sample, test_memmap_windows_equal_in_memory_windows]
 
 if __name__ == "__main__":
     run(TESTS)

@@ -26,13 +26,20 @@ def data_file():
 
 
 def _train_rank(rank, world, argvs):
+    import contextlib
+    import io
     from train.pretrain import parse_args
     from train.trainer import train
+    err = io.StringIO()
     try:
-        train(parse_args(argvs[rank]), log=lambda *_: None)
+        with contextlib.redirect_stderr(err):
+            args = parse_args(argvs[rank])
+        train(args, log=lambda *_: None)
         return {"ok": True}
     except ValueError as e:
         return {"ok": False, "error": str(e)}
+    except SystemExit as e:  # refused at parse time: the one "error:" line
+        return {"ok": False, "error": err.getvalue(), "exit": e.code}
 
 
 def launch(world, argv, per_rank=None):
@@ -129,7 +136,9 @@ def test_bad_setups_fail_fast():
     res = launch(2, common + ["--ep_size", "4", "--out_dir", os.path.join(_TMP, "bad1")])
     assert all(not r["ok"] and "must divide the world size 2" in r["error"] for r in res), res
     res = launch(2, common + ["--ep_size", "2", "--num_experts", "3", "--out_dir", os.path.join(_TMP, "bad2")])
-    assert all(not r["ok"] and "must divide num_experts=3" in r["error"] for r in res), res
+    assert all(not r["ok"] and r.get("exit") == 2 and "--ep_size 2 must divide --num_experts 3" in r["error"]
+               for r in res), res
+    assert not os.path.exists(os.path.join(_TMP, "bad2")), "a run refused at parse time left its folder"
     res = launch(2, common + ["--out_dir", os.path.join(_TMP, "bad3")],
                  per_rank=lambda r: ["--hidden_size", "64" if r == 0 else "32"])
     assert all(not r["ok"] and "differs between rank 0 and rank 1" in r["error"] and "hidden_size" in r["error"]

@@ -15,9 +15,9 @@ import torch
 
 from testlib import ROOT, Skip, run  # noqa: F401
 from model import hf_adapter
-from model.hf_adapter import ExportError, from_hf_config, load_hf_folder
+from model.hf_adapter import ExportError, from_hf_config
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, RMSNorm
-from train.checkpoint import save_checkpoint
+from train.checkpoint import load_hf_checked, save_checkpoint
 from data.tokenizer import save_tokenizer, train_tokenizer
 
 _TMP = tempfile.mkdtemp(prefix="test_export_")
@@ -135,7 +135,7 @@ def test_loads_without_key_warnings():
 def test_round_trip_bitwise():
     for use_moe, tie, k in CASES:
         ours, run_dir = tiny_run(use_moe, tie, k)
-        back = load_hf_folder(export(run_dir))
+        back = load_hf_checked(export(run_dir))
         sa, sb = ours.state_dict(), back.state_dict()
         assert set(sa) == set(sb), set(sa) ^ set(sb)
         for key in sa:
@@ -151,7 +151,7 @@ def test_bf16_export_loads_and_agrees():
     ours, run_dir = tiny_run(True, True, 2)
     hf, _, _ = load_hf_quietly(export(run_dir, "bfloat16"))
     assert next(hf.parameters()).dtype == torch.bfloat16
-    back = load_hf_folder(run_dir + "_hf_bfloat16")
+    back = load_hf_checked(run_dir + "_hf_bfloat16")
     for key, v in ours.state_dict().items():
         assert torch.equal(back.state_dict()[key], v.to(torch.bfloat16).float()), key
 

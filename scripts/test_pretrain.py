@@ -109,8 +109,8 @@ def test_bad_inputs_fail_fast_with_clear_messages():
     cases = [(["--data_path", os.path.join(_TMP, "nope.jsonl")], "nope.jsonl: data file not found"),
              (["--data_path", empty], "empty.txt: contains no text"),
              (["--data_path", bad], "bad.jsonl:3: malformed JSON"),
-             (["--num_experts", "4", "--top_k", "5"], "num_experts_per_tok"),
-             (["--num_heads", "3"], "num_attention_heads"),
+             (["--num_experts", "4", "--top_k", "5"], "--top_k 5 must be <= --num_experts 4"),
+             (["--num_heads", "3"], "--num_heads 3 must divide"),
              (["--max_steps", "0"], "--max_steps"),
              (["--resume", os.path.join(_TMP, "none.pt")], "checkpoint not found"),
              (["--device", "tpu"], "--device must be"), (["--learning_rate", "inf"], "--learning_rate"),
@@ -160,10 +160,116 @@ def test_fused_impl_trains_like_sorted_and_switches_on_resume():
     assert worst < 1e-4, f"sorted vs fused loss curves differ by {worst:.1e} relative"
 
 
+def _refused(parse, argv):
+    """(exit code, stderr lines) of an in-process parse that must be refused."""
+    import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            parse(argv)
+        except SystemExit as e:
+            return e.code, err.getvalue().splitlines()
+    raise AssertionError(f"{argv}: accepted")
+
+
+def _one_error(parse, argv, *needles):
+    code, lines = _refused(parse, argv)
+    assert code == 2 and len(lines) == 2, (argv, code, lines)
+    assert lines[0].startswith("usage: ") and "see --help" in lines[0], (argv, lines)
+    assert lines[1].startswith("error: ") and all(n in lines[1] for n in needles), (argv, lines)
+    return lines[1]
+
+
+def test_help_shows_every_default_range_and_output_file():
+    """--help gives every flag's default, each numeric flag's allowed range, and names every file a run
+    writes to --out_dir."""
+    import re
+    from train.flags import RANGES, build_parser
+    from train.pretrain import STAGE
+    out_dir = os.path.join(_TMP, "help_run")
+    train(parse_args(TINY + ["--data_path", text_file(), "--max_steps", "2", "--out_dir", out_dir]), log=quiet)
+    r = _cli("--help")
+    assert r.returncode == 0, r.stderr[-1500:]
+    entries = {e.split()[0].rstrip(","): " ".join(e.split()) for e in re.split(r"\n  (?=--)", r.stdout)[1:]}
+    flags = [a for a in build_parser(STAGE)._actions if a.dest != "help"]
+    assert len(entries) == len(flags), (sorted(entries), [a.option_strings[0] for a in flags])
+    for a in flags:
+        entry = entries[a.option_strings[0]]
+        assert "(default: " in entry, entry
+        if a.dest in RANGES:
+            assert f"(allowed: {RANGES[a.dest]})" in entry, entry
+    assert "(allowed: [0, 10])" in entries["--router_aux_loss_coef"] and "(allowed: [0, 1))" in entries["--dropout"]
+    description = r.stdout[:r.stdout.index("options:")]
+    for name in os.listdir(out_dir):
+        assert name in description, f"--help does not name {name}, which a run writes to --out_dir"
+
+
+def test_parse_errors_are_one_line_naming_the_flag_as_typed():
+    """A short usage line and one error line (exit 2), naming the flag as the user typed it (an alias, not
+    the config field); --learning_rate -1 blames --learning_rate alone."""
+    for argv, msg in ((["--top_k", "8"], "--top_k 8 must be <= --num_experts 4"),
+                      (["--num_experts_per_tok", "8"], "--num_experts_per_tok 8 must be <= --num_experts 4"),
+                      (["--num_heads", "3"], "--num_heads 3 must divide --hidden_size 256"),
+                      (["--use_moe", "0", "--bias_update_rate", "0.1"], "--bias_update_rate > 0 needs --use_moe 1"),
+                      (["--top_k", "x"], "argument --top_k: invalid int value"),
+                      (["--bogus"], "unrecognized arguments: --bogus"),
+                      (["--seq_len", "4096"], "--seq_len 4096 exceeds --max_position_embeddings 2048"),
+                      (["--learning_rate", "-1"], "--learning_rate must be > 0")):
+        error = _one_error(parse_args, argv, msg)
+        assert "MiniMindConfig" not in error and ("--warmup_steps" not in error), error
+    r = _cli("--top_k", "8")
+    assert r.returncode == 2 and r.stderr.splitlines() == ["usage: pretrain.py [flags]; see --help",
+                                                           "error: --top_k 8 must be <= --num_experts 4"], r.stderr
+
+
+def test_numeric_ranges_are_checked_at_parse_time():
+    """Out-of-range, infinite and NaN values are refused by name before any work (train/pretrain.py and
+    scripts/generate.py); the range ends are accepted; --temperature 0 (greedy) stays valid."""
+    for flag, value in (("--router_aux_loss_coef", "1e30"), ("--aux_loss_coef", "-0.1"), ("--z_loss_coef", "11"),
+                        ("--router_bias_update_rate", "2"), ("--dropout", "1"), ("--dropout", "nan"),
+                        ("--capacity_factor", "0"), ("--capacity_factor", "inf"), ("--learning_rate", "nan"),
+                        ("--weight_decay", "-1"), ("--grad_clip", "inf"), ("--seed", "-1"), ("--vocab_size", "100"),
+                        ("--expert_alignment", "0"), ("--warmup_steps", "-1")):
+        _one_error(parse_args, [flag, value], f"{flag} must be ")
+    for argv in (["--router_aux_loss_coef", "10"], ["--router_bias_update_rate", "1"], ["--dropout", "0.5"],
+                 ["--capacity_factor", "1.25"], ["--z_loss_coef", "0"]):
+        parse_args(argv)
+    import generate
+    for flag, value in (("--temperature", "nan"), ("--temperature", "inf"), ("--temperature", "-1"),
+                        ("--top_p", "0"), ("--top_p", "1.01"), ("--top_k", "-1"), ("--num_samples", "0")):
+        _one_error(generate.main, [flag, value], f"{flag} must be ")
+    _one_error(generate.main, ["--temperature", "0", "--top_p", "1", "--ckpt", os.path.join(_TMP, "none")],
+               "checkpoint not found")
+
+
+def test_short_validation_split_is_announced():
+    """Too few documents to hold every 20th out: the tail of the token stream validates, and the data
+    step says so (also when the split comes from the cache); an ordinary split says nothing."""
+    from data.prepare import prepare_data
+    cache = os.path.join(_TMP, "split_cache")
+    few = os.path.join(_TMP, "few_docs.txt")
+    with open(few, "w") as f:
+        f.write("\n\n".join(f"Document {i}: " + "the quick brown fox jumps over the lazy dog. " * 8 for i in range(10)))
+    for _ in range(2):  # built, then cached
+        lines = []
+        data = prepare_data(few, vocab_size=300, cache_dir=cache, log=lines.append)
+        notes = [line for line in lines if line.startswith("note:")]
+        assert len(notes) == 1 and "under 1%" in notes[0] and f"last {len(data['val']):,} tokens" in notes[0], lines
+    many = os.path.join(_TMP, "many_docs.txt")
+    with open(many, "w") as f:
+        f.write("\n\n".join(f"Document {i}: " + "the quick brown fox jumps over the lazy dog. " * 8 for i in range(40)))
+    lines = []
+    prepare_data(many, vocab_size=300, cache_dir=cache, log=lines.append)
+    assert not any(line.startswith("note:") for line in lines), lines
+
+
 TESTS = [test_tiny_run_learns_and_checkpoint_reloads, test_fused_impl_trains_like_sorted_and_switches_on_resume,
          test_dense_model_trains_and_resume_keeps_a_damaged_log,
          test_resume_equals_continuous_run, test_bad_inputs_fail_fast_with_clear_messages, test_resume_refuses_a_changed_data_order,
-         test_corrupt_checkpoint_is_refused]
+         test_corrupt_checkpoint_is_refused, test_help_shows_every_default_range_and_output_file,
+         test_parse_errors_are_one_line_naming_the_flag_as_typed, test_numeric_ranges_are_checked_at_parse_time,
+         test_short_validation_split_is_announced]
 
 if __name__ == "__main__":
     run(TESTS)

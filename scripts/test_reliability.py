@@ -1,10 +1,15 @@
 """Runs that never lose work: a diverging run stops with one line and leaves only finite checkpoints, a
 run directory holding another run is refused, one run at a time per directory (and a killed run's lock
-does not block the next), temp leftovers of a killed save are removed, a damaged checkpoint is refused.
+does not block the next), temp leftovers of a killed save are removed, a damaged checkpoint is refused,
+20 kill -9s at random moments lose nothing (the resumed run equals an uninterrupted one bit for bit),
+and scripts/import_hf.py refuses a damaged HF folder.
 
     python scripts/test_reliability.py
 """
+import json
 import os
+import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -203,11 +208,330 @@ def test_stop_signals_save_and_resume_bitwise():
             assert torch.equal(a["model"][name], b["model"][name]), f"{sig.name}: {name} differs after resume"
 
 
+# --- what a new user meets: refusals before any work, switches and flags on resume, several ranks, a
+# damaged tokenizer, --init_from an HF folder, file modes
+
+
+def _bad_jsonl():
+    path = os.path.join(_TMP, "bad.jsonl")
+    with open(path, "w") as f:
+        f.write('{"text": "fine"}\n{"text": oops}\n')
+    return path
+
+
+def test_refused_runs_leave_no_folder():
+    """A bad config is refused at parse time (exit 2, a usage hint and one error line naming the flag) and
+    a malformed data file at the data step: neither leaves the fresh --out_dir behind; a folder that
+    existed before keeps its files."""
+    fresh = os.path.join(_TMP, "refused_config")
+    r = cli(*TINY, "--data_path", data_file(), "--top_k", "8", "--out_dir", fresh)
+    one_line_error(r, "--top_k 8 must be <= --num_experts 4")
+    assert len(r.stderr.splitlines()) == 2 and "see --help" in r.stderr.splitlines()[0], r.stderr
+    assert not os.path.exists(fresh), "a run refused at parse time created its --out_dir"
+    fresh = os.path.join(_TMP, "refused_data")
+    one_line_error(cli(*TINY, "--data_path", _bad_jsonl(), "--out_dir", fresh), "bad.jsonl:2")
+    assert not os.path.exists(fresh), "a run refused at the data step left its --out_dir behind"
+    kept = os.path.join(_TMP, "refused_kept")
+    os.makedirs(kept)
+    open(os.path.join(kept, "notes.txt"), "w").write("mine")
+    one_line_error(cli(*TINY, "--data_path", _bad_jsonl(), "--out_dir", kept), "bad.jsonl:2")
+    assert open(os.path.join(kept, "notes.txt")).read() == "mine"
+
+
+def test_resume_turns_switches_off_and_saves_the_flags_it_used():
+    """--progress turns off an inherited --no_progress (--no_compile, --no_wandb likewise); architecture
+    flags ignored on resume (with a warning) are not saved: the next checkpoint holds the run's values, so
+    the following resume has nothing to warn about."""
+    out = os.path.join(_TMP, "switches")
+    assert cli(*TINY, "--data_path", data_file(), "--max_steps", "4", "--stop_after", "2", "--out_dir", out).returncode == 0
+    r = cli("--resume", "--out_dir", out, "--progress", "--hidden_size", "64", "--top_k", "1", "--stop_after", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "warning: --hidden_size, --top_k ignored on resume" in r.stderr, r.stderr[-2000:]
+    assert "3/4" in r.stdout, f"no progress bar after --progress:\n{r.stdout[-2000:]}"
+    saved = load_checkpoint(out)["args"]
+    assert saved["no_progress"] is False and saved["hidden_size"] == 32 and saved["num_experts_per_tok"] == 2, saved
+    r = cli("--resume", "--out_dir", out)
+    assert r.returncode == 0 and "ignored on resume" not in r.stderr and "4/4" in r.stdout, r.stderr[-2000:]
+    from train.checkpoint import atomic_torch_save
+    from train.pretrain import parse_args
+    ckpt = load_checkpoint(out)
+    ckpt["args"].update(compile=True, wandb=True)  # (flags are not covered by the tensor checksum)
+    atomic_torch_save(ckpt, os.path.join(_TMP, "switches_on", "ckpt.pt"))
+    on = parse_args(["--resume", os.path.join(_TMP, "switches_on")])
+    off = parse_args(["--resume", os.path.join(_TMP, "switches_on"), "--no_compile", "--no_wandb", "--no_progress"])
+    assert (on.compile, on.wandb, on.no_progress) == (True, True, False)
+    assert (off.compile, off.wandb, off.no_progress) == (False, False, True)
+
+
+def _two_ranks(*argv):
+    """train/pretrain.py as 2 gloo ranks (torchrun's environment variables, without torchrun's own report)."""
+    from testlib import free_port
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "train", "pretrain.py"), *argv], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=_TMP))
+    outs = [p.communicate(timeout=600) for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, o, e) for p, (o, e) in zip(procs, outs)]
+
+
+def test_two_ranks_say_how_they_split_and_stop_quietly_when_rank0_fails():
+    """Rank 0 prints world / data-parallel / expert-parallel size once. When rank 0 fails in data
+    preparation it prints the one error line; rank 1 stops with exit 2 and a note, no traceback."""
+    out = os.path.join(_TMP, "ranks_bad")
+    r0, r1 = _two_ranks(*TINY, "--data_path", _bad_jsonl(), "--out_dir", out)
+    one_line_error(r0, "bad.jsonl:2")
+    assert r1.returncode == 2 and "Traceback" not in r1.stderr and "error:" not in r1.stderr, r1.stderr[-2000:]
+    assert "note: rank 1 stops: rank 0 failed (DataError: " in r1.stderr, r1.stderr[-2000:]
+    assert not os.path.exists(out)
+    out = os.path.join(_TMP, "ranks_good")
+    r0, r1 = _two_ranks(*TINY, "--data_path", data_file(), "--max_steps", "2", "--batch_size", "2", "--ep_size", "2",
+                        "--out_dir", out)
+    assert r0.returncode == r1.returncode == 0, r0.stderr[-2000:] + r1.stderr[-2000:]
+    said = [line for line in r0.stdout.splitlines() if line.startswith("distributed:")]
+    assert said == ["distributed: world size 2 (gloo), data parallel size 2, expert parallel size 2 (2 of the 4 "
+                    "experts per rank, each expert on 1 rank(s))"], r0.stdout[-2000:]
+    assert "distributed:" not in r1.stdout
+
+
+def test_damaged_tokenizer_is_a_one_line_error():
+    """A tokenizer.json cut short or not a tokenizer, given by --tokenizer, found in a run dir on --resume,
+    or by generate.py: one line naming the file, exit 2, no traceback."""
+    import shutil
+    out = os.path.join(_TMP, "tok_run")
+    assert cli(*TINY, "--data_path", data_file(), "--max_steps", "2", "--out_dir", out).returncode == 0
+    for case, damage in (("cut", lambda text: text[:len(text) // 2]), ("foreign", lambda text: '{"a": 1}')):
+        tok = os.path.join(_TMP, f"tok_{case}")
+        shutil.copytree(os.path.join(out, "tokenizer"), tok)
+        path = os.path.join(tok, "tokenizer.json")
+        text = open(path).read()
+        open(path, "w").write(damage(text))
+        one_line_error(cli(*TINY, "--data_path", data_file(), "--tokenizer", tok, "--out_dir", tok + "_run"), path)
+    path = os.path.join(out, "tokenizer", "tokenizer.json")
+    text = open(path).read()
+    open(path, "w").write(text[:len(text) // 2])
+    one_line_error(cli("--resume", "--out_dir", out, "--max_steps", "3"), path)
+    one_line_error(cli("--ckpt", out, "--prompt", "the", script="scripts/generate.py"), path)
+
+
+def test_init_from_hf_copies_the_tokenizer_only_and_outputs_get_umask_modes():
+    """Under umask 022 every file and folder a run, export_hf.py and an --init_from run write is 0644 / 0755
+    (model.safetensors included); --init_from an exported HF folder copies only its tokenizer files into
+    out_dir/tokenizer/, not the weights or configs."""
+    import stat
+    from train.setup import TOKENIZER_FILES
+    umask = os.umask(0o022)
+    try:
+        out, exp, init = (os.path.join(_TMP, f"modes_{n}") for n in ("run", "export", "init"))
+        assert cli(*TINY, "--data_path", data_file(), "--max_steps", "2", "--out_dir", out).returncode == 0
+        r = cli("--ckpt", out, "--out", exp, script="scripts/export_hf.py")
+        assert r.returncode == 0, r.stderr[-2000:]
+        r = cli(*TINY, "--init_from", exp, "--data_path", data_file(), "--max_steps", "1", "--out_dir", init)
+        assert r.returncode == 0, r.stderr[-2000:]
+    finally:
+        os.umask(umask)
+    names = set(os.listdir(os.path.join(init, "tokenizer")))
+    assert "tokenizer.json" in names and names <= set(TOKENIZER_FILES), names
+    wrong = []
+    for top in (out, exp, init):
+        paths = [top] + [os.path.join(root, n) for root, dirs, files in os.walk(top) for n in dirs + files]
+        for p in paths:
+            mode, want = stat.S_IMODE(os.stat(p).st_mode), 0o755 if os.path.isdir(p) else 0o644
+            if mode != want:
+                wrong.append(f"{os.path.relpath(p, _TMP)}: {mode:o}")
+    assert not wrong, f"not the umask's modes: {wrong}"
+
+
+# --- kill -9 at random moments of a run saving every step; the HF-folder share of the malformed-checkpoint
+# matrix (scripts/import_hf.py)
+
+
+def _temp_names(folder):
+    """Names of the temp files / folders interrupted atomic writes leave (train/atomic.py: `.<name>.tmp...`)."""
+    return {n for n in os.listdir(folder) if n.startswith(".") and ".tmp" in n} if os.path.isdir(folder) else set()
+
+
+def _file_id(path):
+    """(inode, mtime) of path, None when absent: changes with every atomic replace."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def _start(argv, log):
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "train/pretrain.py"), *argv], cwd=_TMP,
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait_for_save(proc, ckpt, before, timeout=300):
+    """Seconds until ckpt changes from `before` (the run saved), polling every 2 ms."""
+    t0 = time.time()
+    while _file_id(ckpt) == before:
+        assert proc.poll() is None and time.time() < t0 + timeout, f"no save (exit {proc.poll()})"
+        time.sleep(0.002)
+    return time.time() - t0
+
+
+def _records(run_dir):
+    """metrics.jsonl records, timing aside."""
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [{k: v for k, v in json.loads(line).items() if k != "tok_per_s"} for line in f]
+
+
+def test_kill_9_loop_never_loses_work():
+    """20 SIGKILLs at seeded random moments of a run saving every step: even kills at 0-120% of the time
+    a start takes to its first save (imports, data, the lock, the step-0 evaluation, step 1), odd kills
+    after the restart's first save, within two steps or the moment a save's temp file shows. After each
+    kill ckpt.pt (once there is one) loads with its checksum verified and its step never goes back; the
+    next start removes the killed runs' temp files; the run then finishes, leaves no temp file, and its
+    weights, optimizer state and metrics records equal an uninterrupted run's bit for bit."""
+    rng = random.Random(0)
+    common = [*TINY, "--data_path", data_file(), "--max_steps", "60", "--save_interval", "1", "--log_interval", "1"]
+    log = open(os.path.join(_TMP, "kill_loop.log"), "ab")
+    ref, saves = os.path.join(_TMP, "kill_ref"), []
+    t0, proc = time.time(), _start([*common, "--out_dir", ref], log)
+    while proc.poll() is None:  # the uninterrupted run, timed: startup until its first save, then per step
+        now = _file_id(os.path.join(ref, "ckpt.pt"))
+        if now is not None and (not saves or now != saves[-1][1]):
+            saves.append((time.time() - t0, now))
+        time.sleep(0.002)
+    assert proc.returncode == 0 and len(saves) > 10, open(log.name, errors="replace").read()[-2000:]
+    startup, step_s = saves[0][0], (saves[-1][0] - saves[0][0]) / (len(saves) - 1)  # startup: updated below
+    out = os.path.join(_TMP, "kill_loop")
+    ckpt, last_step, pending, temp_hits = os.path.join(out, "ckpt.pt"), 0, set(), 0
+    for i in range(20):
+        before = _file_id(ckpt)
+        proc = _start(["--resume", "--out_dir", out] if before else [*common, "--out_dir", out], log)
+        if i % 2 == 0:
+            time.sleep(rng.uniform(0, 1.2) * startup)
+        else:
+            startup = _wait_for_save(proc, ckpt, before)
+            stale = pending & _temp_names(out)
+            assert not stale, f"kill {i}: the next start left the killed runs' temp files {sorted(stale)}"
+            pending = set()
+            if i % 4 == 1:
+                time.sleep(rng.uniform(0, 2 * step_s))
+            else:  # the moment a temp file of a save shows
+                while not _temp_names(out) and proc.poll() is None:
+                    time.sleep(0.001)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait() == -signal.SIGKILL, f"kill {i}: the run ended by itself (exit {proc.returncode})"
+        left = _temp_names(out)
+        pending |= left
+        temp_hits += bool(left)
+        if os.path.exists(ckpt):
+            step = load_checkpoint(out)["step"]  # ValueError on a torn or damaged file
+            assert step >= last_step, f"kill {i}: the checkpoint went back from step {last_step} to {step}"
+            last_step = step
+    assert temp_hits, "no kill hit a save: the temp-file cleanup went untested"
+    proc = _start(["--resume", "--out_dir", out], log)
+    assert proc.wait() == 0, open(log.name, errors="replace").read()[-2000:]
+    assert not _temp_names(out), f"temp files left: {sorted(_temp_names(out))}"
+    a, b = load_checkpoint(out), load_checkpoint(ref)
+    assert a["step"] == b["step"] == 60
+    for name in b["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs from the uninterrupted run"
+    for i, state in b["optimizer"]["state"].items():
+        assert all(torch.equal(a["optimizer"]["state"][i][k], v) for k, v in state.items()), f"optimizer state {i}"
+    assert _records(out) == _records(ref), "metrics.jsonl differs from the uninterrupted run's"
+    print(f"    startup {startup:.1f}s, {step_s:.3f}s/step; {temp_hits} of 20 kills left temp files; the checkpoint "
+          f"was at step {last_step} before the final start")
+
+
+def _hf_export():
+    """(run dir, HF folder): a tiny model trained 2 steps and exported by scripts/export_hf.py, whose
+    model.safetensors carries the checksum entry."""
+    from safetensors import safe_open
+
+    from train.checkpoint import HF_CHECKSUM_KEY
+    run_dir, hf = os.path.join(_TMP, "hf_src"), os.path.join(_TMP, "hf_export")
+    assert cli(*TINY, "--data_path", data_file(), "--max_steps", "2", "--out_dir", run_dir).returncode == 0
+    r = cli("--ckpt", run_dir, "--out", hf, script="scripts/export_hf.py")
+    assert r.returncode == 0, r.stderr[-2000:]
+    path = os.path.join(hf, "model.safetensors")
+    with safe_open(path, "pt") as f:
+        assert HF_CHECKSUM_KEY in (f.metadata() or {}), "export_hf.py wrote no checksum"
+    return run_dir, hf
+
+
+def _damaged_hf_folders(hf):
+    """{case: (damaged folder, the file damaged)}: copies of the HF folder `hf`, one file changed in each."""
+    from safetensors.torch import load_file, save
+
+    from train.checkpoint import safetensors_metadata
+    blob = open(os.path.join(hf, "model.safetensors"), "rb").read()
+    data_start = 8 + int.from_bytes(blob[:8], "little")  # u64 header length, JSON header, then the tensor bytes
+    flipped = bytearray(blob)
+    flipped[data_start + (len(blob) - data_start) // 2] ^= 0x04
+    state = load_file(os.path.join(hf, "model.safetensors"))
+    q = next(k for k in state if k.endswith("q_proj.weight"))
+    missing = {k: v for k, v in state.items() if k != "model.norm.weight"}
+    wrong_shape = {**state, q: state[q][:-1].clone()}
+    config = json.load(open(os.path.join(hf, "config.json"), encoding="utf-8"))
+    cases = {"empty": b"", "truncated at 50%": blob[:len(blob) // 2], "last byte cut": blob[:-1],
+             "random bytes": os.urandom(4096), "bit flip in a tensor": bytes(flipped),
+             # consistent checksums: the structure is what is wrong
+             "missing tensor": save(missing, metadata=safetensors_metadata(missing)),
+             "wrong shape": save(wrong_shape, metadata=safetensors_metadata(wrong_shape)),
+             "invalid JSON": b'{"model_type": "qwen3_moe", "hidden_size": ',
+             "invalid config value": json.dumps({**config, "num_experts_per_tok": 99}).encode(),
+             "invalid config type": json.dumps({**config, "hidden_size": "32"}).encode()}
+    folders = {}
+    for case, content in cases.items():
+        folder = os.path.join(_TMP, "hf_damaged", case.replace(" ", "_").replace("%", ""))
+        shutil.copytree(hf, folder)
+        name = "config.json" if "config" in case or "JSON" in case else "model.safetensors"
+        open(os.path.join(folder, name), "wb").write(content)
+        folders[case] = (folder, name)
+    return folders
+
+
+def test_import_hf_refuses_every_damaged_folder():
+    """The HF-folder share of the malformed-checkpoint matrix: model.safetensors empty, truncated at 50%,
+    cut by one byte, random bytes, a flipped bit inside a tensor (the checksum export_hf.py stores), a
+    missing tensor, a wrong shape; config.json not JSON, an invalid value, a wrong type. import_hf.py,
+    `pretrain.py --init_from` and generate.py exit 2 with one "error:" line naming the file, no traceback,
+    and no output folder; the intact folder imports bit for bit, and transformers still loads it with the
+    checksum entry."""
+    from transformers import AutoModelForCausalLM
+
+    from train.checkpoint import load_hf_checked
+    run_dir, hf = _hf_export()
+    hf_model = AutoModelForCausalLM.from_pretrained(hf)  # the checksum entry does not bother transformers
+    assert torch.equal(hf_model.model.embed_tokens.weight, load_checkpoint(run_dir)["model"]["model.embed_tokens.weight"])
+    for case, (folder, name) in _damaged_hf_folders(hf).items():
+        try:
+            load_hf_checked(folder)
+        except ValueError as e:
+            assert os.path.join(folder, name) in str(e) and "\n" not in str(e), (case, e)
+        else:
+            raise AssertionError(f"{case}: loaded")
+        out = folder + "_imported"
+        error = one_line_error(cli("--hf", folder, "--out", out, script="scripts/import_hf.py"), name)
+        assert case != "bit flip in a tensor" or "checksum mismatch" in error, error
+        assert not os.path.exists(out), f"{case}: import left {out}"
+        one_line_error(cli(*TINY, "--init_from", folder, "--data_path", data_file(), "--out_dir", out), name)
+        assert not os.path.exists(out), f"{case}: --init_from left {out}"
+        one_line_error(cli("--ckpt", folder, "--prompt", "the", script="scripts/generate.py"), name)
+    out = os.path.join(_TMP, "hf_imported")
+    r = cli("--hf", hf, "--out", out, script="scripts/import_hf.py")
+    assert r.returncode == 0 and not _temp_names(_TMP), r.stderr[-2000:]
+    a, b = load_checkpoint(out)["model"], load_checkpoint(run_dir)["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b), "import is not the exported model"
+
+
 TESTS = [test_divergence_stops_cleanly_and_keeps_the_last_good_checkpoint,
          test_stop_signals_save_and_resume_bitwise, test_every_malformed_checkpoint_is_a_one_line_error,
          test_occupied_directory_is_refused_unless_resume_or_overwrite,
          test_one_run_per_directory_and_a_killed_run_leaves_no_lock_or_temp,
-         test_damaged_checkpoint_is_refused_by_every_entry_point]
+         test_damaged_checkpoint_is_refused_by_every_entry_point,
+         test_refused_runs_leave_no_folder, test_resume_turns_switches_off_and_saves_the_flags_it_used,
+         test_two_ranks_say_how_they_split_and_stop_quietly_when_rank0_fails, test_damaged_tokenizer_is_a_one_line_error,
+         test_init_from_hf_copies_the_tokenizer_only_and_outputs_get_umask_modes,
+         test_kill_9_loop_never_loses_work, test_import_hf_refuses_every_damaged_folder]
 
 if __name__ == "__main__":
     run(TESTS)

@@ -49,11 +49,7 @@ def atomic_dir(path):
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.tmp")
     try:
         yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
-        # mkdtemp makes the folder private (0700), and copytree copies a source folder's mode onto it:
-        # the result is an ordinary folder of this process's umask
-        os.chmod(tmp, 0o777 & ~umask)
+        _usual_modes(tmp)
         old = None
         if os.path.exists(path):
             old = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.old")
@@ -64,3 +60,18 @@ def atomic_dir(path):
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _usual_modes(folder):
+    """Give `folder` and everything in it the mode that plain creation under this process's umask gives
+    (0755 / 0644 under umask 022): mkdtemp makes the folder private (0700), copytree copies a source
+    folder's mode, and some writers go through a private temp file (safetensors' save_file, inside
+    save_pretrained, leaves model.safetensors 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, dirs, files in os.walk(folder):
+        for name, mode in [(d, 0o777) for d in dirs] + [(f, 0o666) for f in files]:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, mode & ~umask)
+    os.chmod(folder, 0o777 & ~umask)

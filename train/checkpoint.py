@@ -3,6 +3,8 @@ written atomically (temp file in the same directory, fsync, `os.replace`), loade
 
 Every checkpoint carries a SHA-256 of its tensors (`checksum`), verified on every load: a flipped bit
 inside a tensor is reported, never loaded. (torch.load itself only notices damage to the container.)
+HF exports carry the same SHA-256 in the metadata of model.safetensors (`safetensors_metadata`), which
+`load_safetensors` / `load_hf_checked` verify; transformers ignores the entry.
 """
 import hashlib
 import os
@@ -12,6 +14,7 @@ import torch
 from train.atomic import atomic_file
 
 CKPT_NAME = "ckpt.pt"
+HF_CHECKSUM_KEY = "minimind_tensors_sha256"  # safetensors metadata entry written by export_hf.py
 
 
 def unwrap(model):
@@ -122,3 +125,72 @@ def model_from_checkpoint(ckpt, device="cpu"):
     model = MiniMindForCausalLM(config)
     model.load_state_dict(ckpt["model"], strict=True)
     return model.to(device)
+
+
+def _one_line(e, limit=200):
+    return " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:limit]
+
+
+def safetensors_metadata(state):
+    """Metadata for `safetensors.torch.save_file(state, path, metadata=...)`: the format tag transformers
+    expects and the SHA-256 of the tensors (`tensor_checksum`), which `load_safetensors` verifies."""
+    return {"format": "pt", HF_CHECKSUM_KEY: tensor_checksum({"tensors": state})}
+
+
+def load_safetensors(path):
+    """The tensors of one .safetensors file (CPU). Raises ValueError (one line, naming the file) for a file
+    that is not readable safetensors or whose tensors do not match the SHA-256 in its metadata. A file
+    without that entry (not written by export_hf.py) is loaded unchecked: nothing to check it against."""
+    from safetensors import safe_open
+    try:
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own SafetensorError for empty / truncated / foreign files
+        raise ValueError(f"{path}: not a readable safetensors file ({_one_line(e)})") from None
+    if HF_CHECKSUM_KEY in meta and tensor_checksum({"tensors": state}) != meta[HF_CHECKSUM_KEY]:
+        raise ValueError(f"{path}: checksum mismatch: the file is damaged (its tensors changed after it was "
+                         f"exported); export it again")
+    return state
+
+
+def load_hf_checked(hf_dir):
+    """MiniMindForCausalLM (fp32) from a Qwen3 / Qwen3-MoE HF folder (config.json + *.safetensors: an export
+    of ours or any such model), strictly; every problem is a one-line ValueError naming the file:
+    config.json that is not JSON or not a config we can express, unreadable weights, a checksum mismatch,
+    weights that do not fit the config (a missing or extra tensor, a wrong shape)."""
+    import glob
+    import json
+
+    from transformers import AutoConfig
+
+    from model.hf_adapter import ExportError, from_hf_config, from_hf_state_dict
+    cfg_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{cfg_path}: not found (not a HuggingFace model folder)")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            json.load(f)  # transformers' own message does not say where the JSON breaks
+        config = from_hf_config(AutoConfig.from_pretrained(hf_dir))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+    except ExportError as e:  # an architecture MiniMind cannot express: the message says which
+        raise ValueError(f"{cfg_path}: {e}") from None
+    except Exception as e:  # transformers' strict dataclass checks, MiniMindConfig's validation, ...
+        raise ValueError(f"{cfg_path}: invalid model config ({type(e).__name__}: {_one_line(e)})") from None
+    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{hf_dir}: no *.safetensors weights")
+    hf_state = {}
+    for path in files:
+        hf_state.update(load_safetensors(path))
+    where = files[0] if len(files) == 1 else hf_dir
+    try:
+        state = from_hf_state_dict(hf_state, config)
+    except KeyError as e:  # the tied embedding is missing
+        raise ValueError(f"{where}: the weights do not fit the config: missing {e.args[0]}") from None
+    except (IndexError, RuntimeError) as e:  # a fused expert tensor of the wrong rank
+        raise ValueError(f"{where}: the weights do not fit the config ({type(e).__name__}: {_one_line(e)})") from None
+    ckpt = {"config": config.to_dict(), "model": {k: v.float() for k, v in state.items()}}
+    check_weights_fit_config(ckpt, where)
+    return model_from_checkpoint(ckpt)

@@ -4,12 +4,17 @@ A flag that sets a `MiniMindConfig` field is named like the field (`--num_hidden
 is built by name (`config_from_args`) and adding a field takes two edits: the field in model/config.py
 and its flag here. The shorter names of earlier versions (`--num_layers`, `--top_k`, ...) still work
 as aliases, also inside old checkpoints' saved flags.
+
+Everything a run can be refused for without reading data is checked in `parse_args`, before any folder
+is made: each flag's range (`RANGES`, also shown in --help) and the model config the flags describe. An
+error is one line naming the flag as the user typed it (`--top_k`, not the config field), exit code 2.
 """
 import argparse
 import math
 import os
 import re
 import sys
+from dataclasses import dataclass
 
 from model.config import MiniMindConfig
 from train.checkpoint import CKPT_NAME, load_checkpoint
@@ -27,6 +32,107 @@ CONFIG_FIELDS = set(MiniMindConfig.__dataclass_fields__) - set(MiniMindConfig.__
 PER_INVOCATION = ("resume", "stop_after", "ep_size", "overwrite")
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric flag accepts: finite, within [lo, hi] (an end is excluded when *_open)."""
+    lo: float
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, v):
+        return (math.isfinite(v) and (v > self.lo if self.lo_open else v >= self.lo)
+                and (v < self.hi if self.hi_open or self.hi == math.inf else v <= self.hi))
+
+    def __str__(self):
+        if self.hi == math.inf:
+            return f"{'>' if self.lo_open else '>='} {self.lo}"
+        return f"{'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+
+
+AT_LEAST_1, AT_LEAST_0, POSITIVE = Range(1), Range(0), Range(0, lo_open=True)
+# Every numeric flag's allowed values (None, where a flag allows it, means "unset"). Loss weights above 10
+# and a bias step above 1 (the router scores are probabilities) are typos, not experiments.
+RANGES = {
+    **dict.fromkeys(("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "max_position_embeddings", "moe_expert_alignment", "max_steps", "batch_size", "seq_len",
+                     "grad_accum", "eval_interval", "eval_tokens", "save_interval", "log_interval", "ep_size"),
+                    AT_LEAST_1),
+    **dict.fromkeys(("warmup_steps", "weight_decay", "grad_clip", "stop_after", "sample_tokens"), AT_LEAST_0),
+    "learning_rate": POSITIVE, "capacity_factor": POSITIVE, "dropout": Range(0, 1, hi_open=True),
+    "router_aux_loss_coef": Range(0, 10), "router_z_loss_coef": Range(0, 10), "router_bias_update_rate": Range(0, 1),
+    "seed": Range(0, 2**32 - 1),
+    # the pretraining stage's data flags (checked where a stage has them)
+    "vocab_size": Range(259),  # 256 bytes + 3 special tokens (data/tokenizer.py)
+    "tokenizer_sample_mb": AT_LEAST_1, "data_workers": AT_LEAST_0,
+}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the description's layout and shows every flag's default."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the project's error style: a one-line usage hint and one `error:` line, exit code 2
+    (not the ~20 lines of usage argparse prints), naming an aliased flag by the spelling the user typed."""
+
+    def __init__(self, **kw):
+        # no prefix abbreviations: `--batch 4` would set --batch_size without the resume logic (which looks
+        # for the flags the command line names) seeing it, and a new flag could change what a prefix means
+        super().__init__(formatter_class=HelpFormatter, allow_abbrev=False, **kw)
+        self.argv = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def typed(self, dest):
+        """The flag setting `dest` as this command line spells it (its last use), else its main name."""
+        names = next((a.option_strings for a in self._actions if a.dest == dest and a.option_strings), [f"--{dest}"])
+        used = [a.split("=")[0] for a in self.argv if a.split("=")[0] in names]
+        return used[-1] if used else names[0]
+
+    def error(self, message):
+        m = re.match(r"argument (\S+): ", message)  # argparse names an option by all its spellings: a/b
+        if m and "/" in m.group(1):
+            typed = [n for n in m.group(1).split("/") if any(a.split("=")[0] == n for a in self.argv)]
+            message = f"argument {(typed or m.group(1).split('/'))[-1]}: {message[m.end():]}"
+        sys.stderr.write(f"usage: {self.prog} [flags]; see --help\nerror: {message}\n")
+        sys.exit(2)
+
+
+class Switch(argparse.Action):
+    """An on/off flag: the first spelling sets True, the second False. Switches a resume inherits from the
+    checkpoint need the second (`--compile` / `--no_compile`) to be turned off again."""
+
+    def __init__(self, option_strings, dest, default=False, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, option_string == self.option_strings[0])
+
+    def format_usage(self):
+        return " | ".join(self.option_strings)
+
+
+def check_ranges(parser, args, ranges=RANGES):
+    """parser.error naming the flag (as typed) whose value is outside its range."""
+    for dest, allowed in ranges.items():
+        v = getattr(args, dest, None)
+        if v is not None and v not in allowed:
+            bounded = allowed.hi != math.inf
+            what = f"in {allowed}" if bounded else str(allowed) + (" and finite" if isinstance(v, float) else "")
+            parser.error(f"{parser.typed(dest)} must be {what}, got {v}")
+
+
+def show_ranges(parser, ranges=RANGES):
+    """Add each flag's allowed range to its --help text."""
+    for action in parser._actions:
+        if action.dest in ranges:
+            action.help = f"{action.help} (allowed: {ranges[action.dest]})"
+
+
 def _field_flag(group, field, **kw):
     names = [f"--{field}"] + ([f"--{ALIASES[field]}"] if field in ALIASES else [])
     group.add_argument(*names, dest=field, **kw)
@@ -38,13 +144,13 @@ def add_model_flags(p):
     _field_flag(g, "num_hidden_layers", type=int, default=4, help="transformer blocks")
     _field_flag(g, "num_attention_heads", type=int, default=4, help="attention (query) heads")
     _field_flag(g, "num_key_value_heads", type=int, default=2, help="key/value heads (GQA)")
-    _field_flag(g, "intermediate_size", type=int, default=None, help="dense FFN width (default ~pi*D)")
+    _field_flag(g, "intermediate_size", type=int, default=None, help="dense FFN width (None: ~pi*D)")
     _field_flag(g, "use_moe", type=int, default=1, choices=(0, 1), help="1: MoE feed-forward, 0: dense")
     _field_flag(g, "num_experts", type=int, default=4, help="experts per MoE layer")
     _field_flag(g, "num_experts_per_tok", type=int, default=2, help="experts per token (top-k)")
     _field_flag(g, "moe_intermediate_size", type=int, default=384, help="SwiGLU width of one expert")
     _field_flag(g, "capacity_factor", type=float, default=None,
-                help="expert capacity = ceil(factor * tokens * top_k / experts); default: dropless")
+                help="expert capacity = ceil(factor * tokens * top_k / experts); None: dropless")
     _field_flag(g, "moe_drop_policy", default="probs", choices=("probs", "position"),
                 help="which pairs an over-full expert keeps: highest router weight, or earliest tokens")
     _field_flag(g, "moe_pad_to_capacity", type=int, default=0, choices=(0, 1),
@@ -65,7 +171,7 @@ def add_model_flags(p):
                 "DeepSeek-V3 per-sequence, or none (see model/router.py)")
     _field_flag(g, "router_z_loss_coef", type=float, default=0.0, help="router z-loss weight (ST-MoE; 0 = off)")
     _field_flag(g, "router_dtype", default=None, choices=("float32",),
-                help="float32: router logits/softmax/top-k in fp32 under bf16/fp16 autocast (default: autocast's)")
+                help="float32: router logits/softmax/top-k in fp32 under bf16/fp16 autocast (None: autocast's)")
 
 
 def add_optim_flags(p):
@@ -104,20 +210,24 @@ def add_run_flags(p, default_out_dir):
                         "and num_experts); launch with torchrun --nproc_per_node N")
     g.add_argument("--stop_after", type=int, default=0,
                    help="stop after this many steps of this invocation, with a checkpoint (0 = run to max_steps)")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model")
-    g.add_argument("--wandb", action="store_true", help="log to Weights & Biases (offline unless logged in)")
+    # on/off switches: a resume inherits them from the checkpoint, so each has an off form
+    g.add_argument("--compile", "--no_compile", action=Switch, help="torch.compile the model (--no_compile: off)")
+    g.add_argument("--wandb", "--no_wandb", action=Switch,
+                   help="log to Weights & Biases, offline unless logged in (--no_wandb: off)")
     g.add_argument("--wandb_project", default="minimind-moe", help="wandb project name")
     g.add_argument("--sample_tokens", type=int, default=48, help="tokens to sample at the end (0 = none)")
     g.add_argument("--show_load", type=int, default=1, choices=(0, 1), help="show expert load in the progress bar")
-    g.add_argument("--no_progress", action="store_true", help="no progress bar (logs only)")
+    g.add_argument("--no_progress", "--progress", action=Switch,
+                   help="no progress bar, logs only (--progress: show it)")
 
 
 def build_parser(stage):
-    p = argparse.ArgumentParser(description=stage.description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=stage.description)
     stage.add_data_flags(p.add_argument_group("data"))
     add_model_flags(p)
     add_optim_flags(p)
     add_run_flags(p, stage.default_out_dir)
+    show_ranges(p)
     return p
 
 
@@ -141,21 +251,33 @@ def training_overrides(args):
     return {f: getattr(args, f) for f in MiniMindConfig.training_fields()}
 
 
+def adopt_architecture(args, config):
+    """Set the architecture flags to what the run uses (the checkpoint's or the initial weights' config, not
+    ignored flags), so the flags saved with the next checkpoint are true. --vocab_size stays: it is the size
+    of a tokenizer to train, not the model's."""
+    for k in architecture_flags():
+        if k != "vocab_size" and hasattr(args, k):
+            v = getattr(config, k)
+            setattr(args, k, int(v) if isinstance(v, bool) else v)  # 0/1 flags (--use_moe)
+
+
 def saved_flags(args):
     """The flags as stored in a checkpoint (private attributes such as the loaded checkpoint left out)."""
     return {k: v for k, v in vars(args).items() if not k.startswith("_")}
 
 
 def parse_args(stage, argv=None):
-    """Parse a stage's flags. With --resume the checkpoint is read here, once: its saved flags become
-    the defaults and the loaded dict rides along as `args._checkpoint` for the trainer. Exits with a
-    one-line parser error for invalid values."""
+    """Parse a stage's flags and check everything that needs no data: ranges, combinations, the model
+    config. With --resume the checkpoint is read here, once: its saved flags become the defaults and the
+    loaded dict rides along as `args._checkpoint` for the trainer. Exits with a one-line parser error
+    (exit code 2) naming the flag as typed; nothing is written before that."""
     parser = build_parser(stage)
     args = parser.parse_args(argv)
     args._checkpoint = None
     if args.resume:
         args = _merge_resume(parser, stage, args, argv)
     _validate(parser, args)
+    _check_config(parser, args)
     args.stage = stage.name
     return args
 
@@ -182,11 +304,11 @@ def _merge_resume(parser, stage, args, argv):
         args.out_dir = os.path.dirname(os.path.abspath(path))  # keep writing next to the checkpoint
     for k in ("seq_len", "seed") + stage.data_order_flags:  # the saved data position points into their windows
         if getattr(args, k) != saved.get(k, getattr(args, k)):
-            parser.error(f"--{k} cannot change on resume (checkpoint: {saved.get(k)!r}, now: {getattr(args, k)!r}): "
-                         f"the saved data position refers to the original windows")
+            parser.error(f"{parser.typed(k)} cannot change on resume (checkpoint: {saved.get(k)!r}, now: "
+                         f"{getattr(args, k)!r}): the saved data position refers to the original windows")
     _keep_global_batch(parser, args, saved, ckpt.get("world_size", 1), argv)
-    changed = [f"--{k}" for k in architecture_flags() if k in saved and getattr(args, k, saved[k]) != saved[k]]
-    if changed:
+    changed = [parser.typed(k) for k in architecture_flags() if k in saved and getattr(args, k, saved[k]) != saved[k]]
+    if changed:  # (_check_config then sets them to the checkpoint's values, which the next save stores)
         print(f"warning: {', '.join(changed)} ignored on resume: the architecture comes from the checkpoint",
               file=sys.stderr)
     return args
@@ -214,20 +336,54 @@ def _keep_global_batch(parser, args, saved, saved_world, argv):
 
 
 def _validate(parser, args):
-    for name in ("max_steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "save_interval",
-                 "log_interval", "eval_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.warmup_steps < 0 or not 0 < args.learning_rate < math.inf:
-        parser.error("--warmup_steps must be >= 0 and --learning_rate a finite number > 0")
-    for name in ("stop_after", "grad_clip", "weight_decay", "sample_tokens"):
-        if not 0 <= getattr(args, name) < math.inf:
-            parser.error(f"--{name} must be a finite number >= 0, got {getattr(args, name)}")
+    trains_tokenizer = getattr(args, "tokenizer", None) is None and not args.resume and not args.init_from
+    check_ranges(parser, args, {k: r for k, r in RANGES.items() if k != "vocab_size" or trains_tokenizer})
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
         parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
     if args.init_from and not args.resume:
-        defaults = vars(parser.parse_args([]))
-        ignored = [f"--{k}" for k in architecture_flags() if k in defaults and getattr(args, k) != defaults[k]]
+        ignored = [parser.typed(k) for k in architecture_flags()
+                   if hasattr(args, k) and getattr(args, k) != parser.get_default(k)]
         if ignored:
             print(f"warning: {', '.join(ignored)} ignored with --init_from: the architecture comes from "
                   f"{args.init_from}", file=sys.stderr)
+
+
+def _check_config(parser, args):
+    """Build the model config the flags describe, so that an invalid one is refused before any data work:
+    a new run's from the flags (the tokenizer's size is not known yet: --vocab_size stands in), a resumed
+    run's from the checkpoint with these training fields. (--init_from's is checked when its weights load:
+    every flag that may change it has been range-checked.)"""
+    from huggingface_hub.errors import StrictDataclassError
+    if args.init_from and not args.resume:
+        return
+    try:
+        if args.resume:
+            config = MiniMindConfig.from_dict({**args._checkpoint["config"], **training_overrides(args)})
+        else:
+            config = config_from_args(args, max(1, getattr(args, "vocab_size", 1)))
+    except (ValueError, TypeError, StrictDataclassError) as e:
+        parser.error(name_flags(parser, str(e)))
+    if args.resume:
+        adopt_architecture(args, config)
+    if args.seq_len > config.max_position_embeddings:
+        parser.error(f"{parser.typed('seq_len')} {args.seq_len} exceeds {parser.typed('max_position_embeddings')} "
+                     f"{config.max_position_embeddings}")
+    if args.ep_size > 1 and (not config.use_moe or config.num_experts % args.ep_size):
+        parser.error(f"--ep_size {args.ep_size} must divide {parser.typed('num_experts')} {config.num_experts} of an "
+                     f"MoE model")
+
+
+def name_flags(parser, message):
+    """A MiniMindConfig error in the user's terms: each field that has a flag becomes that flag as typed
+    (`MiniMindConfig.num_experts_per_tok=8 must be <= num_experts=4` -> `--top_k 8 must be <= --num_experts 4`)."""
+    fields = {a.dest for a in parser._actions if a.option_strings} & CONFIG_FIELDS
+    pattern = r"(?:MiniMindConfig\.)?\b(" + "|".join(sorted(fields, key=len, reverse=True)) + r")\b(?:=([^\s,;)]+))?"
+
+    def flag(m):
+        value = {"True": "1", "False": "0"}.get(m.group(2), m.group(2))  # the 0/1 flags (--use_moe)
+        return parser.typed(m.group(1)) + (f" {value}" if value else "")
+
+    message = re.sub(pattern, flag, message).replace(" (or set head_dim explicitly)", "")  # (no such flag)
+    if message.startswith("MiniMindConfig.head_dim"):  # derived: say which flags it comes from
+        message += f" (head_dim = {parser.typed('hidden_size')} / {parser.typed('num_attention_heads')})"
+    return message

@@ -1,12 +1,13 @@
 """Pretrain a MiniMind-style MoE GPT.
 
     python train/pretrain.py                       # embedded corpus, small MoE, ~7 min on 2 CPU cores
-    python train/pretrain.py --data_path my.jsonl  # {"text": ...} per line, or a .txt file
+    python train/pretrain.py --data_path my.jsonl  # {"text": ...} per line; also .txt, .parquet, dirs, globs
     python train/pretrain.py --resume              # continue checkpoints/pretrain/ckpt.pt exactly
     torchrun --nproc_per_node 4 train/pretrain.py --ep_size 2   # DDP x EP (gloo on CPU, NCCL on GPU)
 
 Writes to --out_dir: ckpt.pt (fp32 weights, optimizer, step, data position, RNG, config, args),
-config.json, tokenizer/, metrics.jsonl, loss.png and expert_load.png.
+config.json, tokenizer/, metrics.jsonl, loss.png (loss curves), expert_load.png (heatmap of the experts'
+share of the routed tokens), .lock (held while a run uses the folder) and, with --wandb, wandb/.
 
 This file is the pretraining stage: its data flags and its data (every token is supervised, so no loss
 mask). The loop is train/trainer.py.
@@ -16,35 +17,44 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from data.dataset import WindowBatches, fixed_windows, unigram_entropy  # noqa: E402
+from data.dataset import WindowBatches, fixed_windows  # noqa: E402
 from data.prepare import prepare_data  # noqa: E402
 from train import flags, trainer  # noqa: E402
 from train.stage import Stage, StageData  # noqa: E402
 
 
 def add_data_flags(g):
-    g.add_argument("--data_path", default=None, help="training text: .jsonl with a \"text\" field per line, or .txt "
-                   "(paragraphs = documents); default: the embedded Python-stdlib docstring corpus")
-    g.add_argument("--tokenizer", default=None, help="existing tokenizer dir; default: train a BPE on the data (cached)")
+    g.add_argument("--data_path", default=None,
+                   help="training text: a .jsonl / .json / .txt / .parquet file, a directory or a quoted glob of them, "
+                   "a datasets.save_to_disk folder, or hf:NAME (datasets.load_dataset); every 20th document is held "
+                   "out. None: the embedded Python-stdlib docstring corpus")
+    g.add_argument("--text_field", default="text", help="the text field of jsonl / parquet / datasets records")
+    g.add_argument("--tokenizer", default=None, help="existing tokenizer dir; None: train a BPE on the data (cached)")
     g.add_argument("--vocab_size", type=int, default=6400, help="BPE vocabulary size when training a tokenizer")
+    g.add_argument("--tokenizer_sample_mb", type=int, default=32,
+                   help="a new BPE is trained on the first this-many MB of training documents")
+    g.add_argument("--data_workers", type=int, default=None,
+                   help="processes tokenizing a new corpus; None: one per core above 32 MB of input, else 0 (in-process)")
 
 
 def load_data(args, tokenizer_dir, global_batch_size, log):
-    """Token streams of the corpus (data/prepare.py: corpus, tokenizer, token cache) -> shuffled
+    """Token caches of the corpus (data/prepare.py: source, tokenizer, memory-mapped tokens) -> shuffled
     (seq_len + 1)-token windows for training, the first `eval_tokens` of the validation stream for
     evaluation."""
-    data = prepare_data(args.data_path, tokenizer_dir, args.vocab_size, log=log)
+    data = prepare_data(args.data_path, tokenizer_dir, args.vocab_size, log=log, text_field=args.text_field,
+                        tokenizer_sample_mb=args.tokenizer_sample_mb, workers=args.data_workers,
+                        progress=not args.no_progress)
     windows = fixed_windows(data["val"], args.seq_len, args.eval_tokens)
     return StageData(
         tokenizer=data["tokenizer"], tokenizer_dir=data["tokenizer_dir"],
         train_batches=WindowBatches(data["train"], args.seq_len, global_batch_size, seed=args.seed,
                                     name="training data"),
         val_batches=[(w[:, :-1], w[:, 1:]) for w in windows.split(args.batch_size)],
-        identity={"train_tokens": len(data["train"])}, unigram_entropy=unigram_entropy(data["val"]))
+        identity={"train_tokens": len(data["train"])}, unigram_entropy=data["index"]["val_unigram_entropy"])
 
 
 STAGE = Stage(name="pretrain", description=__doc__, default_out_dir="checkpoints/pretrain",
-              add_data_flags=add_data_flags, load_data=load_data, data_order_flags=("data_path",))
+              add_data_flags=add_data_flags, load_data=load_data, data_order_flags=("data_path", "text_field"))
 
 
 def parse_args(argv=None):

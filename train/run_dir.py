@@ -4,7 +4,8 @@ A new run refuses a directory that already holds a checkpoint unless the user sa
 it) or `--overwrite` (start over). Rank 0 then holds an exclusive lock (`fcntl.flock` on out_dir/.lock)
 for the whole run, so a second run there stops at once with a message naming the holder; the kernel
 drops the lock when the holder dies, so a killed run never leaves a stale lock. Under the lock, temp
-files that a killed save left behind (train/atomic.py names them `.<name>.tmp...`) are removed.
+files that a killed save left behind (train/atomic.py names them `.<name>.tmp...`) are removed. A run
+that fails before training in a folder it created removes the folder again (`abandon_run_dir`).
 """
 import fcntl
 import os
@@ -52,3 +53,13 @@ def remove_temp_leftovers(out_dir):
         if _TEMP.match(name):
             path = os.path.join(out_dir, name)
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+
+
+def abandon_run_dir(out_dir, lock):
+    """Rank 0, when a run fails before training in a folder it created: remove the folder if it holds
+    nothing but the lock, the tokenizer copy and temp leftovers (a refused run leaves nothing behind),
+    and release the lock."""
+    keep = [n for n in os.listdir(out_dir) if n not in (LOCK_NAME, "tokenizer") and not _TEMP.match(n)]
+    if not keep:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    lock.close()

@@ -8,19 +8,23 @@ import shutil
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model.hf_adapter import is_hf_folder, load_hf_folder
+from model.hf_adapter import is_hf_folder
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from train.atomic import atomic_dir
-from train.checkpoint import load_checkpoint, model_from_checkpoint
-from train.distributed import barrier, check_same_on_all_ranks
+from train.checkpoint import load_checkpoint, load_hf_checked, model_from_checkpoint
+from train.distributed import check_same_on_all_ranks
 from train.expert_parallel import expert_param_names, install as install_ep
-from train.flags import config_from_args, saved_flags, training_overrides
+from train.flags import adopt_architecture, config_from_args, saved_flags, training_overrides
 from train.metrics import MetricsLog, open_wandb
-from train.run_dir import claim_run_dir
+from train.run_dir import abandon_run_dir, claim_run_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What transformers' tokenizers save (and load from) besides the model's files
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 @dataclass
@@ -64,20 +68,31 @@ def resolve_device(args):
 
 
 def setup(stage, args, ctx, device_type, dtype_name, log):
-    """Build the Run for `args` on this rank. Raises ValueError / DataError for bad input."""
+    """Build the Run for `args` on this rank. Raises ValueError / DataError for bad input; a run that fails
+    here in a folder it created leaves no folder behind."""
     torch.manual_seed(args.seed)  # the same on every rank: identical initial weights everywhere
     device = (f"cuda:{ctx.local_rank}" if args.device in ("auto", "cuda") else args.device) if device_type == "cuda" else "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(device)
-    lock = claim_run_dir(args.out_dir, bool(args.resume), args.overwrite, ctx.is_main)
+    fresh = not os.path.isdir(args.out_dir)
+    lock = main_rank_first(ctx, lambda: claim_run_dir(args.out_dir, bool(args.resume), args.overwrite, ctx.is_main))
+    try:
+        return _build(stage, args, ctx, device_type, device, dtype_name, log, lock)
+    except BaseException:
+        if fresh and lock is not None:
+            abandon_run_dir(args.out_dir, lock)
+        raise
+
+
+def _build(stage, args, ctx, device_type, device, dtype_name, log, lock):
     init_model, tokenizer_dir = weights_source(args)
-    if not ctx.is_main:  # rank 0 builds the caches first, the others then read them
-        barrier(ctx)
-    data = stage.load_data(args, tokenizer_dir, args.batch_size * ctx.world_size, log)
+    # rank 0 builds the caches first, the others then read them
+    data = main_rank_first(ctx, lambda: stage.load_data(args, tokenizer_dir, args.batch_size * ctx.world_size, log))
     if ctx.is_main:
-        barrier(ctx)
         copy_tokenizer(data.tokenizer_dir, os.path.join(args.out_dir, "tokenizer"))
     config = build_config(args, init_model, len(data.tokenizer), ctx)
+    if ctx.distributed:
+        log(describe_ranks(ctx, config))
     model = MiniMindForCausalLM(config)
     if init_model is not None:
         model.load_state_dict(init_model.state_dict(), strict=True)
@@ -96,6 +111,41 @@ def setup(stage, args, ctx, device_type, dtype_name, log):
                start_step=start_step, lock=lock)
 
 
+class PeerFailed(Exception):
+    """Another rank failed in a step this one waited for; that rank reports the error (train/trainer.py:
+    run_cli stops this one with a note, not a second error or a broken collective's traceback)."""
+
+
+def main_rank_first(ctx, fn):
+    """fn() on rank 0 first, then on the other ranks (rank 0 builds caches / the run folder the others then
+    use). When fn fails on rank 0, the others learn it from one broadcast and raise PeerFailed instead of
+    waiting at a barrier that rank 0's exit breaks."""
+    if not ctx.distributed:
+        return fn()
+    if ctx.is_main:
+        try:
+            result = fn()
+        except BaseException as e:
+            dist.broadcast_object_list([" ".join(f"{type(e).__name__}: {e}".split())], src=0)
+            raise
+        dist.broadcast_object_list([None], src=0)
+        return result
+    failure = [None]
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise PeerFailed(f"rank 0 failed ({failure[0]})")
+    return fn()
+
+
+def describe_ranks(ctx, config):
+    """One line: how the ranks share the work (printed once, by rank 0)."""
+    ep = ctx.ep_size
+    experts = (f"{config.num_experts // ep} of the {config.num_experts} experts per rank, each expert on "
+               f"{ctx.world_size // ep} rank(s)" if config.use_moe and ep > 1 else "every rank holds every expert")
+    return (f"distributed: world size {ctx.world_size} ({dist.get_backend()}), data parallel size "
+            f"{ctx.world_size}, expert parallel size {ep} ({experts})")
+
+
 def weights_source(args):
     """(model to start from or None, tokenizer dir or None). A resumed or initialised run uses the
     tokenizer saved next to its weights, even when the data cache is gone."""
@@ -104,7 +154,7 @@ def weights_source(args):
         source_dir = os.path.dirname(os.path.abspath(args.resume))
     elif args.init_from:  # trained weights (ours or an exported HF folder), fresh optimizer and step
         if is_hf_folder(args.init_from):
-            init_model, source_dir = load_hf_folder(args.init_from), args.init_from
+            init_model, source_dir = load_hf_checked(args.init_from), args.init_from
         else:
             init_model = model_from_checkpoint(load_checkpoint(args.init_from))
             source_dir = args.init_from if os.path.isdir(args.init_from) else os.path.dirname(os.path.abspath(args.init_from))
@@ -119,9 +169,14 @@ def weights_source(args):
 
 
 def copy_tokenizer(src, dst):
-    if os.path.abspath(src) != os.path.abspath(dst):
-        with atomic_dir(dst) as tmp:  # (copyfile: the files get this process's umask, not the source's mode)
-            shutil.copytree(src, tmp, dirs_exist_ok=True, copy_function=shutil.copyfile)
+    """Copy the tokenizer files of `src` (a tokenizer folder, or an exported HF folder that also holds the
+    weights and configs, which are not copied) into `dst`, atomically."""
+    if os.path.abspath(src) == os.path.abspath(dst):
+        return
+    with atomic_dir(dst) as tmp:
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(src, name)):  # (copyfile: this process's umask, not the source's mode)
+                shutil.copyfile(os.path.join(src, name), os.path.join(tmp, name))
 
 
 def build_config(args, init_model, n_tokens, ctx):
@@ -131,6 +186,7 @@ def build_config(args, init_model, n_tokens, ctx):
         config = MiniMindConfig.from_dict({**args._checkpoint["config"], **training_overrides(args)})
     elif init_model is not None:
         config = MiniMindConfig.from_dict({**init_model.config.to_dict(), **training_overrides(args)})
+        adopt_architecture(args, config)  # the checkpoint saves the weights' architecture, not ignored flags
     else:
         config = config_from_args(args, n_tokens)
     if config.vocab_size < n_tokens:

@@ -32,7 +32,7 @@ from train.metrics import Progress
 from train.plot import plot_expert_load, plot_loss_curve
 from train.router_balance import LoadTelemetry, router_step
 from train.schedule import lr_at
-from train.setup import resolve_device, setup
+from train.setup import PeerFailed, resolve_device, setup
 from train.signals import StopSignal
 from train.stage import IGNORE_INDEX
 
@@ -355,4 +355,7 @@ def run_cli(train_fn, args, log=print):
         return train_fn(args, log=log)
     except (DataError, ValueError, OSError, StrictDataclassError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except PeerFailed as e:  # rank 0 printed the error; this rank only says why it stops
+        print(f"note: rank {os.environ.get('RANK', '?')} stops: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,0 +1,258 @@
+"""The formats people have, read as one stream of documents, in constant memory.
+
+`--data_path` may be:
+- a file: `.jsonl` (one JSON object per line, the text in `--text_field`, default "text": MiniMind's
+  pretraining format), `.json` (the same, or one JSON array of such objects: read whole, so keep big
+  corpora in jsonl), `.txt` (paragraphs separated by a blank line are the documents), `.parquet`
+  (the `--text_field` column);
+- a directory: every such file under it (recursively, sorted by path, hidden files skipped), or a folder
+  written by `datasets.Dataset.save_to_disk` (a `DatasetDict` folder: its "train" split);
+- a glob such as `shards/*.jsonl` (quote it so the shell does not expand it);
+- `hf:NAME` (or `hf:NAME:CONFIG`): a dataset read by `datasets.load_dataset(NAME, split="train",
+  streaming=True)`: a hub name when there is network, or a local folder of data files.
+
+`DocumentSource.documents()` yields `(text, where)`, where `where` names the file and line (or row) for
+error messages; empty and whitespace-only documents are skipped. A malformed record raises `DataError`
+naming its file and line when the reader reaches it, so checking the input takes no pass of its own.
+"""
+import glob
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+FILE_KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "txt", ".parquet": "parquet"}
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file (and the line, where there is one)."""
+
+
+@dataclass
+class DocumentSource:
+    """Where the documents come from: `files` (sorted paths of one kind each), or `dataset_dir` (a
+    save_to_disk folder), or `hub` (a name for datasets.load_dataset). `text_field` names the text column
+    of jsonl, parquet and datasets. `total_bytes`: size of the input on disk (for progress; 0 = unknown)."""
+    description: str
+    text_field: str = "text"
+    files: tuple = ()
+    dataset_dir: str | None = None
+    hub: str | None = None
+
+    @property
+    def total_bytes(self):
+        if self.files:
+            return sum(os.path.getsize(f) for f in self.files)
+        if self.dataset_dir:
+            return sum(os.path.getsize(f) for f in _all_files(self.dataset_dir))
+        return 0
+
+    def documents(self):
+        """Yield (text, where) for every non-empty document, in a fixed order. Raises DataError."""
+        if self.hub is not None:
+            yield from _hub_documents(self.hub, self.text_field)
+        elif self.dataset_dir is not None:
+            yield from _saved_dataset_documents(self.dataset_dir, self.text_field)
+        else:
+            for path in self.files:
+                yield from READERS[FILE_KINDS[os.path.splitext(path)[1].lower()]](path, self.text_field)
+
+    def fingerprint(self, memo=None):
+        """Content hash (hex, 16 chars) of the input and of how it is read (kind, text field). A hub
+        dataset is keyed by its name only (its content is not read to compute a key). `memo`: a dict
+        {path|size|mtime: sha1} reused across calls so a warm start does not re-read gigabytes."""
+        h = hashlib.sha1(f"text_field={self.text_field}".encode())
+        if self.hub is not None:
+            h.update(f"hub:{self.hub}".encode())
+        for path in self.files or (_all_files(self.dataset_dir) if self.dataset_dir else ()):
+            h.update(os.path.splitext(path)[1].lower().encode() + file_sha1(path, memo).encode())
+        return h.hexdigest()[:16]
+
+
+def open_source(data_path, text_field="text"):
+    """Resolve `--data_path` to a DocumentSource. Raises DataError when nothing usable is there."""
+    if data_path.startswith("hf:"):
+        return DocumentSource(f"datasets.load_dataset({data_path[3:]!r})", text_field, hub=data_path[3:])
+    if os.path.isdir(data_path):
+        if _is_saved_dataset(data_path):
+            return DocumentSource(f"{data_path} (datasets.save_to_disk folder)", text_field, dataset_dir=data_path)
+        files = [f for f in _all_files(data_path) if os.path.splitext(f)[1].lower() in FILE_KINDS]
+        if not files:
+            raise DataError(f"{data_path}: directory holds no {', '.join(FILE_KINDS)} file")
+        return DocumentSource(f"{data_path} ({len(files)} files)", text_field, files=tuple(files))
+    if os.path.exists(data_path):
+        _check_kind(data_path)
+        return DocumentSource(data_path, text_field, files=(data_path,))
+    if glob.has_magic(data_path):
+        files = sorted(f for f in glob.glob(data_path, recursive=True) if os.path.isfile(f))
+        if not files:
+            raise DataError(f"{data_path}: the pattern matches no file")
+        for f in files:
+            _check_kind(f)
+        return DocumentSource(f"{data_path} ({len(files)} files)", text_field, files=tuple(files))
+    raise DataError(f"{data_path}: data file not found")
+
+
+def _check_kind(path):
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in FILE_KINDS:
+        raise DataError(f"{path}: unsupported extension '{ext}', expected {', '.join(FILE_KINDS)}")
+
+
+def _all_files(folder):
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        out += [os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith(".")]
+    return out
+
+
+def _is_saved_dataset(folder):
+    names = set(os.listdir(folder))
+    return "dataset_dict.json" in names or {"state.json", "dataset_info.json"} <= names
+
+
+def file_sha1(path, memo=None):
+    """sha1 of a file's bytes (hex); with `memo` (dict) keyed by path, size and mtime, computed once."""
+    st = os.stat(path)
+    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
+    if memo is not None and key in memo:
+        return memo[key]
+    h = hashlib.sha1()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    if memo is not None:
+        memo[key] = h.hexdigest()
+    return h.hexdigest()
+
+
+def _decoded_lines(path):
+    """(line number, str) of a file read as UTF-8, newlines normalised to "\\n" as Python's text mode does."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            if "\r" in line:
+                line = line.replace("\r\n", "\n").replace("\r", "\n")
+            yield lineno, line
+
+
+def _text_of(obj, field, where):
+    if not isinstance(obj, dict) or field not in obj:
+        raise DataError(f"{where}: expected an object with a \"{field}\" field"
+                        + ("" if not isinstance(obj, dict) else f" (it has: {', '.join(list(obj)[:8])}; see --text_field)"))
+    text = obj[field]
+    if not isinstance(text, str):
+        raise DataError(f"{where}: \"{field}\" must be a string, got {type(text).__name__}")
+    return text
+
+
+def _jsonl_documents(path, field):
+    first = _first_char(path)
+    if first == "[":  # one JSON array: read whole
+        try:
+            with open(path, encoding="utf-8") as f:
+                records = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{path}: malformed JSON array ({e})") from None
+        for i, obj in enumerate(records):
+            text = _text_of(obj, field, f"{path}[{i}]")
+            if text.strip():
+                yield text, f"{path}[{i}]"
+        return
+    for lineno, line in _decoded_lines(path):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+        text = _text_of(obj, field, f"{path}:{lineno}")
+        if text.strip():
+            yield text, f"{path}:{lineno}"
+
+
+def _first_char(path):
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    return head[:1].decode("ascii", "replace")
+
+
+def _txt_documents(path, _field):
+    """Paragraphs: the text split on "\\n\\n" (the rule of datasets' text loader with sample_by="paragraph"),
+    without a final newline's empty piece; each named by the line it starts on."""
+    buf, start = "", 1
+    for lineno, line in _decoded_lines(path):
+        if not buf:
+            start = lineno
+        buf += line
+        if line == "\n" and "\n\n" in buf:
+            *done, buf = buf.split("\n\n")
+            for para in done:
+                if para.strip():
+                    yield para, f"{path}:{start}"
+            start = lineno + 1
+    if buf.strip():
+        yield buf, f"{path}:{start}"
+
+
+def _parquet_documents(path, field):
+    import pyarrow.parquet as pq
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises its own types for a damaged file
+        raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {str(e)[:200]})") from None
+    if field not in pf.schema_arrow.names:
+        raise DataError(f"{path}: no column \"{field}\" (columns: {', '.join(pf.schema_arrow.names[:12])}); "
+                        f"see --text_field")
+    row = 0
+    for batch in pf.iter_batches(batch_size=1024, columns=[field]):
+        for text in batch.column(0).to_pylist():
+            row += 1
+            if text is not None and not isinstance(text, str):
+                raise DataError(f"{path}: row {row}: column \"{field}\" must hold strings, got {type(text).__name__}")
+            if text and text.strip():
+                yield text, f"{path}: row {row}"
+
+
+def _rows(dataset, field, name):
+    if field not in dataset.column_names:
+        raise DataError(f"{name}: no column \"{field}\" (columns: {', '.join(dataset.column_names[:12])}); "
+                        f"see --text_field")
+    row = 0
+    for batch in dataset.iter(batch_size=1024):
+        for text in batch[field]:
+            row += 1
+            if text is not None and not isinstance(text, str):
+                raise DataError(f"{name}: row {row}: column \"{field}\" must hold strings, got {type(text).__name__}")
+            if text and text.strip():
+                yield text, f"{name}: row {row}"
+
+
+def _saved_dataset_documents(folder, field):
+    import datasets
+    ds = datasets.load_from_disk(folder)
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{folder}: a DatasetDict without a \"train\" split (splits: {', '.join(ds)})")
+        ds = ds["train"]
+    yield from _rows(ds, field, folder)
+
+
+def _hub_documents(name, field):
+    import datasets
+    path, _, config = name.partition(":")
+    try:
+        ds = datasets.load_dataset(path, config or None, split="train", streaming=True)
+    except Exception as e:  # no network, unknown name, no train split...
+        raise DataError(f"hf:{name}: could not be loaded ({type(e).__name__}: {str(e)[:300]})") from None
+    if ds.column_names is not None and field not in ds.column_names:
+        raise DataError(f"hf:{name}: no column \"{field}\" (columns: {', '.join(ds.column_names[:12])}); "
+                        f"see --text_field")
+    yield from _rows(ds, field, f"hf:{name}")
+
+
+READERS = {"jsonl": _jsonl_documents, "txt": _txt_documents, "parquet": _parquet_documents}

@@ -1,0 +1,174 @@
+"""Data pipeline at scale: synthetic corpora of growing size, prepared and trained on, one at a time.
+
+    python scripts/bench_data.py                          # 20, 100 and 400 MB
+    python scripts/bench_data.py --sizes_mb 20 1500       # up to the size of MiniMind's pretrain_hq.jsonl
+    python scripts/bench_data.py --sizes_mb 400 --old_tree /work/old   # side by side with an old commit
+
+For every size it runs `train/pretrain.py --data_path corpus.jsonl --max_steps 20` twice in a fresh
+process each: cold (an empty data cache: preparation + training) and warm (the prepared cache), and
+prints one row per run: documents, tokens, preparation time and MB/s, peak RSS during preparation and
+during training (and the PSS of the preparing process plus its tokenizer workers), seconds from the process start to the first training step (minus the time Python takes
+to import the trainer, measured once), and the whole run's wall time. With `--old_tree DIR` (a `git
+worktree` of another commit) the cold run is repeated there, alternating with ours, so both see the
+same machine. Memory is sampled every 0.1 s from /proc.
+
+The corpora are English-like jsonl ({"text": ...} per line) built from the embedded corpus's words:
+random sentences of 6-24 words, 2-40 sentences per document, seeded; written once under --work_dir.
+Times on a shared 2-core machine are noisy: look at `uptime` before and after (printed).
+"""
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from train.atomic import atomic_file  # noqa: E402
+
+
+def synthetic_corpus(path, size_mb, seed=0):
+    """Write (once) a jsonl of about size_mb MB of English-like documents; returns its path."""
+    if os.path.exists(path):
+        return path
+    from data.corpus import default_corpus
+    with open(default_corpus()["train"], encoding="utf-8") as f:
+        words = [w for line in f for w in json.loads(line)["text"].split() if w.isalpha()]
+    rng = random.Random(seed)
+    sentences = [" ".join(rng.choices(words, k=rng.randint(6, 24))).capitalize() + "." for _ in range(50_000)]
+    target, written = size_mb * 1_000_000, 0
+    with atomic_file(path, "w", encoding="utf-8") as f:
+        while written < target:
+            line = json.dumps({"text": " ".join(rng.choices(sentences, k=rng.randint(2, 40)))}) + "\n"
+            f.write(line)
+            written += len(line)
+    return path
+
+
+def _memory_kb(pid):
+    """(RSS of the process, PSS summed over it and its descendants) in kB, from /proc: forked workers share
+    pages with their parent, which PSS counts once and RSS once per process."""
+    rss = pss = 0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                fields = {line.split(":")[0]: int(line.split()[1]) for line in f if line.split()[1:2] != []
+                          and line.split()[1].isdigit()}
+            pss += fields.get("Pss", 0)
+            rss = rss or fields.get("Rss", 0)
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            pass
+    return rss, pss
+
+
+def timed_run(cmd, cwd, metrics_path):
+    """Run cmd; returns dict(wall, prep_s (until the 'data:' line), first_step_s (until metrics.jsonl has a
+    training record), prep_rss_mb / train_rss_mb (peak RSS of the process before / after the data line),
+    prep_tree_mb (peak PSS of the process and its workers before the data line))."""
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    marks, peaks, out = {}, {"prep": 0, "prep_tree": 0, "train": 0}, []
+
+    def read():
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("data:") and "prep" not in marks:
+                marks["prep"] = time.time() - t0
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        phase = "train" if "prep" in marks else "prep"
+        rss, pss = _memory_kb(proc.pid)
+        peaks[phase] = max(peaks[phase], rss)
+        if phase == "prep":
+            peaks["prep_tree"] = max(peaks["prep_tree"], pss)
+        if "first" not in marks and os.path.exists(metrics_path):
+            with open(metrics_path) as f:
+                if any('"train_loss"' in line for line in f):
+                    marks["first"] = time.time() - t0
+        time.sleep(0.1)
+    reader.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{''.join(out[-30:])}")
+    return dict(wall=time.time() - t0, prep_s=marks.get("prep"), first_step_s=marks.get("first"),
+                prep_rss_mb=peaks["prep"] / 1024, prep_tree_mb=peaks["prep_tree"] / 1024,
+                train_rss_mb=peaks["train"] / 1024, log="".join(out))
+
+
+def import_seconds(tree):
+    t0 = time.time()
+    subprocess.run([sys.executable, "-c", "import train.pretrain"], cwd=tree, check=True)
+    return time.time() - t0
+
+
+def train_cmd(tree, corpus, out_dir, steps):
+    return [sys.executable, os.path.join(tree, "train", "pretrain.py"), "--data_path", corpus, "--out_dir", out_dir,
+            "--max_steps", str(steps), "--log_interval", "1", "--eval_tokens", "4096", "--eval_interval", "100000",
+            "--save_interval", "100000", "--sample_tokens", "0", "--no_progress"]
+
+
+def bench(tree, label, corpus, work, steps, cold):
+    cache = os.path.join(tree, "data", "cache")
+    if cold:  # drop this corpus's caches (tokenizer and tokens) but keep the embedded corpus build
+        for name in os.listdir(cache) if os.path.isdir(cache) else ():
+            if name.startswith(("tokens-", "tokenizer-", "fingerprints")):
+                p = os.path.join(cache, name)
+                shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+    out_dir = os.path.join(work, f"run-{label}")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    r = timed_run(train_cmd(tree, corpus, out_dir, steps), work, os.path.join(out_dir, "metrics.jsonl"))
+    line = next(l for l in r["log"].splitlines() if l.startswith("data:"))
+    r["docs"] = line.split(": ")[2].split(" train")[0] if ": " in line else "?"
+    r["tokens"] = line.split("documents, ")[1].split(" train")[0] if "documents, " in line else "?"
+    return r
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes_mb", type=int, nargs="+", default=[20, 100, 400], help="corpus sizes (MB)")
+    p.add_argument("--work_dir", default="/tmp/bench_data", help="where corpora and runs go")
+    p.add_argument("--steps", type=int, default=20, help="training steps per run")
+    p.add_argument("--old_tree", default=None, help="a worktree of another commit to run cold alongside ours")
+    p.add_argument("--old_max_mb", type=int, default=400, help="skip the old tree above this size")
+    args = p.parse_args()
+    os.makedirs(args.work_dir, exist_ok=True)
+    trees = [("ours", ROOT)] + ([("old", os.path.abspath(args.old_tree))] if args.old_tree else [])
+    imports = {label: import_seconds(tree) for label, tree in trees}
+    print(f"uptime before: {os.getloadavg()}; import seconds: {imports}", flush=True)
+    head = (f"{'size':>6} {'tree':>5} {'run':>5} {'documents':>10} {'train tokens':>13} {'prep s':>7} {'prep MB/s':>9} "
+            f"{'prep RSS MB':>11} {'+workers':>8} {'train RSS MB':>12} {'1st step s':>10} {'wall s':>7}")
+    rows = []
+    for size in args.sizes_mb:
+        corpus = synthetic_corpus(os.path.join(args.work_dir, f"corpus-{size}mb.jsonl"), size)
+        mb = os.path.getsize(corpus) / 1e6
+        runs = [(label, tree, True) for label, tree in trees if label == "ours" or size <= args.old_max_mb]
+        runs.append(("ours", ROOT, False))
+        for label, tree, cold in runs:
+            r = bench(tree, label, corpus, args.work_dir, args.steps, cold)
+            prep = r["prep_s"] if cold else None
+            first = r["first_step_s"] - imports[label] if r["first_step_s"] else float("nan")
+            prep_s = f"{prep:.1f}" if prep else "-"
+            rate = f"{mb / prep:.2f}" if prep else "-"
+            prep_rss = f"{r['prep_rss_mb']:.0f}" if cold else "-"
+            tree = f"{r['prep_tree_mb']:.0f}" if cold else "-"
+            row = (f"{size:>6} {label:>5} {'cold' if cold else 'warm':>5} {r['docs']:>10} {r['tokens']:>13} "
+                   f"{prep_s:>7} {rate:>9} {prep_rss:>11} {tree:>8} {r['train_rss_mb']:>12.0f} {first:>10.1f} {r['wall']:>7.1f}")
+            rows.append(row)
+            print(head + "\n" + row if len(rows) == 1 else row, flush=True)
+    print(f"\nuptime after: {os.getloadavg()}")
+    print("\n" + head + "\n" + "\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
