@@ -7,8 +7,9 @@
 For every size it runs `train/pretrain.py --data_path corpus.jsonl --max_steps 20` twice in a fresh
 process each: cold (an empty data cache: preparation + training) and warm (the prepared cache), and
 prints one row per run: documents, tokens, preparation time and MB/s, peak RSS during preparation and
-during training (and the PSS of the preparing process plus its tokenizer workers), seconds from the process start to the first training step (minus the time Python takes
-to import the trainer, measured once), and the whole run's wall time. With `--old_tree DIR` (a `git
+during training (and the PSS of the preparing process plus its tokenizer workers), the trainer's own
+count of seconds from its start (after Python's imports) to its first training step (its "setup:" line),
+and the whole run's wall time. With `--old_tree DIR` (a `git
 worktree` of another commit) the cold run is repeated there, alternating with ours, so both see the
 same machine. Memory is sampled every 0.1 s from /proc.
 
@@ -71,9 +72,9 @@ def _memory_kb(pid):
     return rss, pss
 
 
-def timed_run(cmd, cwd, metrics_path):
-    """Run cmd; returns dict(wall, prep_s (until the 'data:' line), first_step_s (until metrics.jsonl has a
-    training record), prep_rss_mb / train_rss_mb (peak RSS of the process before / after the data line),
+def timed_run(cmd, cwd):
+    """Run cmd; returns dict(wall, prep_s (from the start until the 'data:' line), first_step_s (the trainer's
+    "setup: N s to the first step" line, None when it prints none (an old tree)), prep_rss_mb / train_rss_mb (peak RSS of the process before / after the data line),
     prep_tree_mb (peak PSS of the process and its workers before the data line))."""
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -84,6 +85,8 @@ def timed_run(cmd, cwd, metrics_path):
             out.append(line)
             if line.startswith("data:") and "prep" not in marks:
                 marks["prep"] = time.time() - t0
+            if line.startswith("setup: "):  # the trainer's own count, from after its imports
+                marks["setup"] = float(line.split()[1])
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -93,15 +96,11 @@ def timed_run(cmd, cwd, metrics_path):
         peaks[phase] = max(peaks[phase], rss)
         if phase == "prep":
             peaks["prep_tree"] = max(peaks["prep_tree"], pss)
-        if "first" not in marks and os.path.exists(metrics_path):
-            with open(metrics_path) as f:
-                if any('"train_loss"' in line for line in f):
-                    marks["first"] = time.time() - t0
         time.sleep(0.1)
     reader.join()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{''.join(out[-30:])}")
-    return dict(wall=time.time() - t0, prep_s=marks.get("prep"), first_step_s=marks.get("first"),
+    return dict(wall=time.time() - t0, prep_s=marks.get("prep"), first_step_s=marks.get("setup"),
                 prep_rss_mb=peaks["prep"] / 1024, prep_tree_mb=peaks["prep_tree"] / 1024,
                 train_rss_mb=peaks["train"] / 1024, log="".join(out))
 
@@ -127,7 +126,7 @@ def bench(tree, label, corpus, work, steps, cold):
                 shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
     out_dir = os.path.join(work, f"run-{label}")
     shutil.rmtree(out_dir, ignore_errors=True)
-    r = timed_run(train_cmd(tree, corpus, out_dir, steps), work, os.path.join(out_dir, "metrics.jsonl"))
+    r = timed_run(train_cmd(tree, corpus, out_dir, steps), work)
     line = next(l for l in r["log"].splitlines() if l.startswith("data:"))
     r["docs"] = line.split(": ")[2].split(" train")[0] if ": " in line else "?"
     r["tokens"] = line.split("documents, ")[1].split(" train")[0] if "documents, " in line else "?"
@@ -157,7 +156,7 @@ def main():
         for label, tree, cold in runs:
             r = bench(tree, label, corpus, args.work_dir, args.steps, cold)
             prep = r["prep_s"] if cold else None
-            first = r["first_step_s"] - imports[label] if r["first_step_s"] else float("nan")
+            first = r["first_step_s"] if r["first_step_s"] is not None else float("nan")
             prep_s = f"{prep:.1f}" if prep else "-"
             rate = f"{mb / prep:.2f}" if prep else "-"
             prep_rss = f"{r['prep_rss_mb']:.0f}" if cold else "-"

@@ -67,6 +67,7 @@ def train(args, log=print, stage=None):
     rank of a torchrun launch (DDP, plus expert parallelism when args.ep_size > 1). `stage` defaults to
     `train.<args.stage>.STAGE`. Returns a summary dict."""
     stage = stage or importlib.import_module(f"train.{args.stage}").STAGE
+    t_start = time.time()
     device_type, dtype_name = resolve_device(args)
     ctx = init_distributed(args.ep_size, device_type)
     try:
@@ -76,6 +77,7 @@ def train(args, log=print, stage=None):
             state.telemetry.load_state_dict(args._checkpoint["router_load"])
         if state.step == 0:
             evaluate_and_record(run, state, None, first=True)
+        run.log(f"setup: {time.time() - t_start:.1f} s to the first step (data, model{', step-0 evaluation' if state.step == 0 else ''})")
         progress = Progress(stage.name, state.step, args.max_steps, ctx.is_main and not args.no_progress, run.log)
         with state.stop_signal:
             while state.step < args.max_steps:
