@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 from data.corpus import CACHE_DIR, default_corpus
 from data.shards import build_token_cache, open_token_cache
@@ -104,8 +105,10 @@ def _tokenizer(source, val_source, tokenizer_dir, vocab_size, sample_mb, fingerp
     key = hashlib.sha1(f"{fingerprint}|{vocab_size}|{sample_mb}".encode()).hexdigest()[:12]
     path = os.path.join(cache_dir, f"tokenizer-{key}")
     if not os.path.exists(os.path.join(path, "tokenizer.json")):
-        log(f"training a {vocab_size}-token BPE on the first {sample_mb} MB of training documents")
+        t0 = time.time()
         save_tokenizer(train_tokenizer(_training_sample(source, val_source, int(sample_mb * (1 << 20))), vocab_size), path)
+        log(f"tokenizer: a {vocab_size}-token BPE trained on the first {sample_mb} MB of training documents "
+            f"in {time.time() - t0:.1f} s")
     return load_tokenizer(path), path
 
 
@@ -126,12 +129,16 @@ def _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cach
     meta = {"source": source.description, "source_fingerprint": fingerprint, "tokenizer_sha1": tok_sha1,
             "split_rule": "given validation files" if val_source else f"every {VAL_EVERY}th document is validation"}
     bar = _progress_bar(total) if progress and total > PARALLEL_FROM_BYTES else None
+    t0 = time.time()
     try:
         build_token_cache(path, split_documents(source, val_source), tokenizer_json, tokenizer.eos_token_id,
                           len(tokenizer), meta, workers, bar.update if bar else None)
     finally:
         if bar is not None:
             bar.close()
+    seconds = time.time() - t0
+    log(f"tokenized {total / 1e6:,.1f} MB in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-9):.1f} MB/s, "
+        f"{max(workers, 1)} process{'es' if workers > 1 else ''})")
     return open_token_cache(path)
 
 

@@ -15,9 +15,15 @@ from train.atomic import atomic_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_ID = 0
+# ChatML. The {% generation %} block marks what an assistant turn is trained on (its content and its
+# <|im_end|>): transformers' apply_chat_template(return_assistant_tokens_mask=True) turns it into the SFT
+# loss mask. Rendering ignores the marks, so the text is plain ChatML.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

@@ -132,6 +132,10 @@ class MiniMindModel(MiniMindPreTrainedModel):
     the MoE layers' router losses averaged over layers, so one layer's imbalance cannot offset another's
     and the scale does not grow with depth).
 
+    segment_ids [B, S] int64 (packed training windows): positions with equal ids form one sequence; each
+    attends only within its own sequence, positions restart at 0 where a sequence starts, and id -1 marks
+    padding (no expert, no router statistic). Sequences must be contiguous runs.
+
     With an attention_mask, padding (left or right) is invisible: no real token attends to it, positions
     (RoPE) count real tokens only, and the MoE layers send it to no expert and leave it out of every router
     statistic. A padded position attends to itself only (so its row stays finite); its output is junk.
@@ -159,7 +163,7 @@ class MiniMindModel(MiniMindPreTrainedModel):
             return cos[position_ids_BS].unsqueeze(1), sin[position_ids_BS].unsqueeze(1)
         return cos[start:start + length], sin[start:start + length]
 
-    def forward(self, input_ids, past_key_values=None, use_cache=False, attention_mask=None):
+    def forward(self, input_ids, past_key_values=None, use_cache=False, attention_mask=None, segment_ids=None):
         B, S = input_ids.shape
         if B == 0 or S == 0:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} is empty: need at least one sequence of one token")
@@ -168,7 +172,11 @@ class MiniMindModel(MiniMindPreTrainedModel):
             raise ValueError(f"sequence of {start + S} tokens exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
         token_mask = attn_mask = position_ids = None
-        if attention_mask is not None:
+        if segment_ids is not None:
+            if attention_mask is not None or past_key_values:
+                raise ValueError("segment_ids (packed sequences) go without attention_mask and without a KV cache")
+            token_mask, attn_mask, position_ids = segment_masks(segment_ids, B, S)
+        elif attention_mask is not None:
             token_mask, attn_mask, position_ids = padding_masks(attention_mask, B, S, start)
         cos, sin = self.rope(start, S, input_ids.device, position_ids)
         h = self.dropout(self.embed_tokens(input_ids))
@@ -179,6 +187,21 @@ class MiniMindModel(MiniMindPreTrainedModel):
             presents.append(present)
         aux_loss = layer_mean((layer.mlp.aux_loss for layer in self.layers if isinstance(layer.mlp, MOEFeedForward)), h)
         return self.norm(h), (presents if use_cache else None), aux_loss
+
+
+def segment_masks(segment_ids, B, S):
+    """From segment ids [B, S] (packed sequences, -1 = padding) to: token_mask [B, S] bool (not padding);
+    the attention mask [B, 1, S, S] bool (causal, within one sequence: block-diagonal); position_ids [B, S]
+    (the index within the sequence). Raises ValueError on a shape that does not fit input_ids."""
+    if segment_ids.shape != (B, S):
+        raise ValueError(f"segment_ids {tuple(segment_ids.shape)} must have input_ids' shape ({B}, {S})")
+    pos_S = torch.arange(S, device=segment_ids.device)
+    starts_BS = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts_BS[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    first_BS = torch.where(starts_BS, pos_S, 0).cummax(dim=1).values  # where each position's sequence starts
+    same_BSS = segment_ids[:, :, None] == segment_ids[:, None, :]
+    attn_mask_B1SS = (same_BSS & (pos_S[None, :] <= pos_S[:, None])).unsqueeze(1)
+    return segment_ids >= 0, attn_mask_B1SS, pos_S - first_BS
 
 
 def padding_masks(attention_mask, B, S, past):
@@ -213,7 +236,7 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
     """Causal LM head on MiniMindModel.
 
     forward(input_ids [B, S] int64, labels [B, S] int64 or None, past_key_values, use_cache,
-            attention_mask [B, cached + S] (1 = token, 0 = padding) or None)
+            attention_mask [B, cached + S] (1 = token, 0 = padding) or None, segment_ids [B, S] or None)
       -> MiniMindCausalLMOutput(loss = ce_loss + aux_loss, ce_loss, aux_loss, logits [B, S, V] in the
          compute dtype, past_key_values: list of (k, v) [B, G, L, Dh] per layer when use_cache).
     Labels are the inputs shifted by the caller's convention: position t predicts labels[:, t]; label -100
@@ -229,9 +252,11 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False, attention_mask=None, **_):
-        # attention_mask [B, cached + S] (1 = token, 0 = padding, left or right): see MiniMindModel
-        h, presents, aux_loss = self.model(input_ids, past_key_values, use_cache, attention_mask)
+    def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False, attention_mask=None,
+                segment_ids=None, **_):
+        # attention_mask [B, cached + S] (1 = token, 0 = padding, left or right), segment_ids [B, S] (packed
+        # sequences): see MiniMindModel
+        h, presents, aux_loss = self.model(input_ids, past_key_values, use_cache, attention_mask, segment_ids)
         logits = self.lm_head(h)
         loss = ce_loss = None
         if labels is not None:
@@ -242,7 +267,7 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0,
-                 eos_token_id=None, use_cache=True, generator=None, attention_mask=None):
+                 eos_token_id=None, use_cache=True, generator=None, attention_mask=None, streamer=None):
         """Autoregressive sampling. input_ids [B, S] int64 -> [B, S + n] int64 (n <= max_new_tokens).
 
         Prompts of different lengths go in one batch left-padded, with attention_mask [B, S] (1 = token,
@@ -250,11 +275,14 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
         padding stays at the front of the output. temperature 0 means greedy. top_k 0 / top_p 1.0 disable
         those filters. Stops early once every row has produced one of `eos_token_id` (int or list). With
         use_cache the KV cache makes each new token cost one position; without it the whole prefix is
-        recomputed (reference path for tests).
+        recomputed (reference path for tests). streamer: an object with put(ids) / end() (e.g. transformers'
+        TextStreamer), given the prompt first, then each new token [B] as it is chosen.
         """
         eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
         past, ids, finished = None, input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         step_input, mask = input_ids, attention_mask
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
         for _ in range(max_new_tokens):
             if ids.shape[1] >= self.config.max_position_embeddings:
                 break
@@ -265,11 +293,15 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
                 next_id = torch.where(finished, torch.full_like(next_id, next(iter(eos))), next_id)
                 finished |= torch.isin(next_id, torch.tensor(sorted(eos), device=ids.device))
             ids = torch.cat([ids, next_id[:, None]], dim=1)
+            if streamer is not None:
+                streamer.put(next_id.cpu())
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             past, step_input = (out.past_key_values, next_id[:, None]) if use_cache else (None, ids)
             if eos and bool(finished.all()):
                 break
+        if streamer is not None:
+            streamer.end()
         return ids
 
 

@@ -13,8 +13,8 @@ and the whole run's wall time. With `--old_tree DIR` (a `git
 worktree` of another commit) the cold run is repeated there, alternating with ours, so both see the
 same machine. Memory is sampled every 0.1 s from /proc.
 
-The corpora are English-like jsonl ({"text": ...} per line) built from the embedded corpus's words:
-random sentences of 6-24 words, 2-40 sentences per document, seeded; written once under --work_dir.
+The corpora are English-like jsonl ({"text": ...} per line), 1-40 sentences of 12 words per document,
+seeded, written once under --work_dir (see `synthetic_corpus` for the two kinds of word draws).
 Times on a shared 2-core machine are noisy: look at `uptime` before and after (printed).
 """
 import argparse
@@ -34,21 +34,47 @@ sys.path.insert(0, ROOT)
 from train.atomic import atomic_file  # noqa: E402
 
 
-def synthetic_corpus(path, size_mb, seed=0):
-    """Write (once) a jsonl of about size_mb MB of English-like documents; returns its path."""
+def synthetic_corpus(path, size_mb, seed=0, kind="longtail"):
+    """Write (once) a jsonl of about size_mb MB of English-like documents; returns its path.
+
+    kind "plain": sentences of words drawn from the embedded corpus's (about 20k distinct words, few
+    rare ones: tokenizers' word caches hit almost always, so this flatters any tokenizer). kind
+    "longtail" (default): words drawn from a Zipf law (exponent 1.1, like natural text) over a vocabulary
+    of 2M: the embedded corpus's words by frequency first, then made-up words of 2-5 syllables, so a
+    corpus of hundreds of MB has hundreds of thousands of distinct words, as real web text does."""
     if os.path.exists(path):
         return path
+    import numpy as np
+    from collections import Counter
     from data.corpus import default_corpus
     with open(default_corpus()["train"], encoding="utf-8") as f:
-        words = [w for line in f for w in json.loads(line)["text"].split() if w.isalpha()]
-    rng = random.Random(seed)
-    sentences = [" ".join(rng.choices(words, k=rng.randint(6, 24))).capitalize() + "." for _ in range(50_000)]
+        counts = Counter(w for line in f for w in json.loads(line)["text"].split() if w.isalpha())
+    real = [w for w, _ in counts.most_common()]
+    rng = np.random.default_rng(seed)
+    if kind == "plain":
+        vocab, p = np.array(list(counts.elements()), dtype=object), None
+    else:
+        syll = np.array([c + v for c in "bcdfghklmnprstvwz" for v in "aeiou"] + ["th", "ch", "qu", "ing", "er"])
+        n_made = 2_000_000 - len(real)
+        parts = [syll[rng.integers(0, len(syll), n_made)] for _ in range(5)]
+        n_syll = rng.integers(2, 6, n_made)
+        made = ["".join(x[:k]) for x, k in zip(zip(*parts), n_syll)]
+        vocab = np.array(real + made, dtype=object)
+        p = 1.0 / np.arange(1, len(vocab) + 1) ** 1.1
+        p /= p.sum()
     target, written = size_mb * 1_000_000, 0
     with atomic_file(path, "w", encoding="utf-8") as f:
         while written < target:
-            line = json.dumps({"text": " ".join(rng.choices(sentences, k=rng.randint(2, 40)))}) + "\n"
-            f.write(line)
-            written += len(line)
+            n_words = rng.integers(12, 480, 256)  # 256 documents of 2-40 sentences of ~12 words
+            words = vocab[rng.choice(len(vocab), int(n_words.sum()), p=p)]
+            pos = 0
+            for n in n_words:
+                doc = words[pos:pos + n]
+                pos += n
+                text = ". ".join(" ".join(doc[i:i + 12]).capitalize() for i in range(0, n, 12)) + "."
+                line = json.dumps({"text": text}) + "\n"
+                f.write(line)
+                written += len(line)
     return path
 
 
@@ -140,6 +166,8 @@ def main():
     p.add_argument("--steps", type=int, default=20, help="training steps per run")
     p.add_argument("--old_tree", default=None, help="a worktree of another commit to run cold alongside ours")
     p.add_argument("--old_max_mb", type=int, default=400, help="skip the old tree above this size")
+    p.add_argument("--corpus", default="longtail", choices=("longtail", "plain"),
+                   help="longtail: Zipf words over a 2M vocabulary, like real text; plain: the embedded corpus's words")
     args = p.parse_args()
     os.makedirs(args.work_dir, exist_ok=True)
     trees = [("ours", ROOT)] + ([("old", os.path.abspath(args.old_tree))] if args.old_tree else [])
@@ -149,7 +177,8 @@ def main():
             f"{'prep RSS MB':>11} {'+workers':>8} {'train RSS MB':>12} {'1st step s':>10} {'wall s':>7}")
     rows = []
     for size in args.sizes_mb:
-        corpus = synthetic_corpus(os.path.join(args.work_dir, f"corpus-{size}mb.jsonl"), size)
+        corpus = synthetic_corpus(os.path.join(args.work_dir, f"corpus-{args.corpus}-{size}mb.jsonl"), size,
+                                  kind=args.corpus)
         mb = os.path.getsize(corpus) / 1e6
         runs = [(label, tree, True) for label, tree in trees if label == "ours" or size <= args.old_max_mb]
         runs.append(("ours", ROOT, False))

@@ -60,13 +60,32 @@ def main(argv=None):
         p.error("--device cuda requested but CUDA is not available")
     if not args.prompt:
         p.error("--prompt is empty")
+    model, tokenizer = load_model(p, args, device)
+    if model is None:
+        return print_samples(tokenizer, generate_hf(args, tokenizer, device), args.num_samples)
+    ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+    if not ids:
+        p.error("--prompt is empty after tokenization")
+    x = torch.tensor([ids] * args.num_samples, device=device)
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
+    with autocast:
+        out = model.generate(x, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                             top_p=args.top_p, eos_token_id=stop_token_ids(tokenizer),
+                             use_cache=not args.no_cache, generator=g)
+    print_samples(tokenizer, out, args.num_samples)
+
+
+def load_model(p, args, device):
+    """(model in eval mode, tokenizer) for --ckpt (a checkpoint file or run dir, with --tokenizer or the
+    run's tokenizer/), or (None, tokenizer) for an exported HF folder (checked, then left to transformers).
+    Problems end the program through the parser: one `error:` line, exit code 2."""
     if is_hf_folder(args.ckpt):
         try:
             load_hf_checked(args.ckpt)  # transformers alone loads damaged folders (a missing tensor: random init)
-            tokenizer = load_tokenizer(args.ckpt)
+            return None, load_tokenizer(args.ckpt)
         except (DataError, FileNotFoundError, ValueError) as e:
             p.error(str(e))
-        return print_samples(tokenizer, generate_hf(args, tokenizer, device), args.num_samples)
     try:
         ckpt = load_checkpoint(args.ckpt)
     except (FileNotFoundError, ValueError) as e:
@@ -81,18 +100,7 @@ def main(argv=None):
         p.error(str(e))
     if len(tokenizer) > ckpt["config"]["vocab_size"]:
         p.error(f"{tok_dir}: tokenizer has {len(tokenizer)} tokens, the model only {ckpt['config']['vocab_size']}")
-    model = model_from_checkpoint(ckpt, device).eval()
-    ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
-    if not ids:
-        p.error("--prompt is empty after tokenization")
-    x = torch.tensor([ids] * args.num_samples, device=device)
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
-    with autocast:
-        out = model.generate(x, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                             top_p=args.top_p, eos_token_id=stop_token_ids(tokenizer),
-                             use_cache=not args.no_cache, generator=g)
-    print_samples(tokenizer, out, args.num_samples)
+    return model_from_checkpoint(ckpt, device).eval(), tokenizer
 
 
 def print_samples(tokenizer, out, num_samples):

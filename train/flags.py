@@ -227,6 +227,7 @@ def build_parser(stage):
     add_model_flags(p)
     add_optim_flags(p)
     add_run_flags(p, stage.default_out_dir)
+    p.set_defaults(**stage.defaults)
     show_ranges(p)
     return p
 

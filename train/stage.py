@@ -18,9 +18,10 @@ class StageData:
 
     tokenizer / tokenizer_dir: the tokenizer (a transformers tokenizer) and the folder it loads from.
     train_batches: `.next() -> (x_BS, y_BS)` int64 CPU tensors of the *global* batch (batch_size x world
-        rows; rank r trains on rows [r*batch_size, (r+1)*batch_size)); `.state_dict()` / `.load_state_dict()`
-        hold the exact data position for resume.
-    val_batches: list of (x_BS, y_BS) CPU tensors, the same every evaluation.
+        rows; rank r trains on rows [r*batch_size, (r+1)*batch_size)), or `(x_BS, y_BS, segment_ids_BS)` for
+        windows packed with several sequences that must not see each other (the model's `segment_ids`);
+        `.state_dict()` / `.load_state_dict()` hold the exact data position for resume.
+    val_batches: list of such tuples (CPU tensors), the same every evaluation.
     identity: values a resume must find unchanged (e.g. {"train_tokens": n}); stored in the checkpoint.
     unigram_entropy: nats/token of the context-free model on the validation tokens (None if not meaningful).
     """
@@ -38,7 +39,8 @@ class Stage:
     add_data_flags(group): adds the stage's own flags to an argparse group.
     load_data(args, tokenizer_dir, global_batch_size, log) -> StageData; raises data.dataset.DataError.
     data_order_flags: flags that define the data order a saved position points into (fixed on resume).
-    sample_prompt: text the end-of-run sample continues."""
+    sample_prompt: text the end-of-run sample continues.
+    defaults: the stage's own defaults for shared flags (e.g. a lower learning rate for fine-tuning)."""
     name: str
     description: str
     default_out_dir: str
@@ -46,3 +48,4 @@ class Stage:
     load_data: Callable
     data_order_flags: tuple = ()
     sample_prompt: str = "The"
+    defaults: dict = field(default_factory=dict)

@@ -102,13 +102,13 @@ def train_step(run, state):
     for g in run.optimizer.param_groups:
         g["lr"] = lr
     batches = [run.data.train_batches.next() for _ in range(args.grad_accum)]  # global batches, on the CPU
-    n_global = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)  # supervised tokens, all ranks
+    n_global = sum(int((b[1] != IGNORE_INDEX).sum()) for b in batches)  # supervised tokens, all ranks
     ce_part = aux_part = 0.0  # device tensors after the first micro-step (no host read per step)
-    for i, (x, y) in enumerate(batches):
+    for i, batch in enumerate(batches):
         # DDP all-reduces only on the last micro-step of an accumulation
         no_sync = ctx.distributed and i < len(batches) - 1
         with run.train_model.no_sync() if no_sync else contextlib.nullcontext():
-            micro_ce, micro_aux = forward_backward(run, x[run.my_rows], y[run.my_rows], n_global)
+            micro_ce, micro_aux = forward_backward(run, *(t[run.my_rows] for t in batch), n_global=n_global)
         ce_part, aux_part = ce_part + micro_ce, aux_part + micro_aux
     run.scaler.unscale_(run.optimizer)
     if ctx.ep_size > 1:
@@ -122,8 +122,9 @@ def train_step(run, state):
     return StepResult(lr=lr, ce_part=ce_part, aux_part=aux_part, grad_norm=grad_norm, load_LE=load_LE)
 
 
-def forward_backward(run, x, y, n_global):
-    """Forward + backward of one micro-batch (x, y: this rank's [B, S] rows, on the CPU).
+def forward_backward(run, x, y, segment_ids=None, n_global=None):
+    """Forward + backward of one micro-batch (x, y: this rank's [B, S] rows, on the CPU; segment_ids [B, S]
+    for windows packed with several sequences, see train/stage.py).
 
     The LM loss is this micro-batch's share of the global batch's mean over supervised tokens:
     ce_mean * n_local / n_global, times the world size because DDP averages gradients over ranks. So the
@@ -135,8 +136,9 @@ def forward_backward(run, x, y, n_global):
     args, world = run.args, run.ctx.world_size
     n_local = int((y != IGNORE_INDEX).sum())
     x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+    extra = {} if segment_ids is None else {"segment_ids": segment_ids.to(run.device, non_blocking=True)}
     with run.autocast():
-        out = run.train_model(x, labels=y)
+        out = run.train_model(x, labels=y, **extra)
     # a micro-batch with nothing to predict adds a zero that still reaches every parameter (DDP needs it)
     ce_share = out.ce_loss * (n_local * world / n_global) if n_local else out.logits.sum() * 0.0
     aux = out.aux_loss / args.grad_accum
@@ -260,11 +262,12 @@ def evaluate(run):
     was_training = run.model.training
     run.model.eval()
     total, count = 0.0, 0
-    for x, y in run.data.val_batches:
+    for x, y, *segment_ids in run.data.val_batches:
         n = int((y != IGNORE_INDEX).sum())
         if n:
+            extra = {"segment_ids": segment_ids[0].to(run.device)} if segment_ids else {}
             with run.autocast():
-                out = run.model(x.to(run.device), labels=y.to(run.device))
+                out = run.model(x.to(run.device), labels=y.to(run.device), **extra)
             total, count = total + out.ce_loss.item() * n, count + n
     run.model.train(was_training)
     return total / max(count, 1)
@@ -275,9 +278,9 @@ def evaluate_and_record(run, state, progress, first=False):
     state.last_val = (state.step, val)
     run.metrics.record({"step": state.step, "val_loss": val})
     if first:
-        run.log(f"step 0: val loss {val:.4f} (uniform over the vocab would be "
-                f"{math.log(run.config.vocab_size):.4f}; unigram entropy of the validation tokens "
-                f"{run.data.unigram_entropy:.4f})")
+        h = run.data.unigram_entropy
+        run.log(f"step 0: val loss {val:.4f} (uniform over the vocab would be {math.log(run.config.vocab_size):.4f}"
+                + (f"; unigram entropy of the validation tokens {h:.4f})" if h is not None else ")"))
     else:
         progress.say(f"step {state.step}: val loss {val:.4f}")
 

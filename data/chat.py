@@ -1,0 +1,201 @@
+"""Conversations for supervised fine-tuning: read and checked, rendered with the chat template into token
+ids with the assistant mask, and packed into fixed windows that keep conversations apart.
+
+Input: jsonl, one conversation per line, as `{"conversations": [{"role": ..., "content": ...}, ...]}`
+(MiniMind's SFT format) or `{"messages": [...]}` (the OpenAI / HF format). Roles: an optional `system`
+turn first, then `user` and `assistant` alternating, starting with `user` and ending with `assistant`.
+A line that breaks these rules, or an assistant turn with empty content, is a DataError naming file:line.
+
+Loss mask: exactly the tokens of each assistant turn's content and its end-of-turn token `<|im_end|>`;
+nothing of the system / user turns, the role headers or the padding. It comes from the tokenizer's chat
+template (`{% generation %}` marks the trained part; transformers' apply_chat_template(
+return_assistant_tokens_mask=True) maps it to tokens), so training sees the same tokens as chat does.
+
+A conversation longer than the window is cut to the window (its start is kept; a cut that leaves no
+assistant token drops it), and the run says how many were.
+"""
+import json
+import os
+
+import numpy as np
+import torch
+
+from data.sources import DataError, file_sha1
+from train.stage import IGNORE_INDEX
+
+ROLES = ("system", "user", "assistant")
+
+
+def read_conversations(path):
+    """Yield (messages, where) for each line of a jsonl file of conversations. Raises DataError (file:line)."""
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: conversation file not found")
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+            yield check_conversation(obj, where), where
+
+
+def check_conversation(obj, where):
+    """The list of {"role", "content"} messages of one record, checked. Raises DataError naming `where`."""
+    messages = obj.get("conversations", obj.get("messages")) if isinstance(obj, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: expected an object with a non-empty \"conversations\" or \"messages\" list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: message {i + 1} needs a \"role\" ({', '.join(ROLES)}) and a string \"content\"")
+        out.append({"role": m["role"], "content": m["content"]})
+    turns = out[1:] if out[0]["role"] == "system" else out
+    for i, m in enumerate(turns):
+        want = "user" if i % 2 == 0 else "assistant"
+        if m["role"] != want:
+            raise DataError(f"{where}: message {i + 1 + len(out) - len(turns)} is a {m['role']} turn where a {want} "
+                            f"turn is expected (system first if any, then user / assistant alternating)")
+        if want == "assistant" and not m["content"].strip():
+            raise DataError(f"{where}: message {i + 1 + len(out) - len(turns)}: empty assistant turn")
+    if not turns or turns[-1]["role"] != "assistant":
+        raise DataError(f"{where}: the conversation must end with an assistant turn")
+    return out
+
+
+def tokenize_conversation(tokenizer, messages):
+    """(ids int64 [L], mask bool [L]): the rendered conversation and its assistant-token mask."""
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    return np.asarray(out["input_ids"], dtype=np.int64), np.asarray(out["assistant_masks"], dtype=bool)
+
+
+class Conversations:
+    """Tokenized conversations back to back: ids [N] int64, mask [N] bool, offsets [n + 1] int64."""
+
+    def __init__(self, ids, mask, offsets, truncated=0):
+        self.ids, self.mask, self.offsets, self.truncated = ids, mask, offsets, truncated
+
+    def __len__(self):
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i):
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return self.ids[a:b], self.mask[a:b]
+
+    @property
+    def supervised_tokens(self):
+        return int(self.mask.sum())
+
+
+def load_conversations(path, tokenizer, max_len, cache_dir):
+    """Read, check and tokenize a conversation file (cached by the file's and the tokenizer's content and
+    max_len). Conversations over max_len tokens are cut to max_len. Returns Conversations."""
+    from train.atomic import atomic_file
+    tok_hash = _tokenizer_hash(tokenizer)
+    key = f"{file_sha1(path)[:16]}-{tok_hash}-{max_len}"
+    cache = os.path.join(cache_dir, f"sft-tokens-{key}.npz")
+    if os.path.exists(cache):
+        z = np.load(cache)
+        return Conversations(z["ids"], z["mask"], z["offsets"], int(z["truncated"]))
+    ids, masks, lengths, truncated = [], [], [], 0
+    for messages, _where in read_conversations(path):
+        x, m = tokenize_conversation(tokenizer, messages)
+        if len(x) > max_len:
+            truncated += 1
+            x, m = x[:max_len], m[:max_len]
+            if not m[1:].any():
+                continue
+        ids.append(x)
+        masks.append(m)
+        lengths.append(len(x))
+    if not ids:
+        raise DataError(f"{path}: contains no conversation")
+    conv = Conversations(np.concatenate(ids), np.concatenate(masks),
+                         np.concatenate(([0], np.cumsum(lengths))).astype(np.int64), truncated)
+    os.makedirs(cache_dir, exist_ok=True)
+    with atomic_file(cache) as f:
+        np.savez(f, ids=conv.ids, mask=conv.mask, offsets=conv.offsets, truncated=truncated)
+    return conv
+
+
+def _tokenizer_hash(tokenizer):
+    import hashlib
+    h = hashlib.sha1(tokenizer.backend_tokenizer.to_str().encode())
+    h.update(str(tokenizer.chat_template).encode())
+    return h.hexdigest()[:12]
+
+
+def pack(lengths, order, seq_len):
+    """Greedy packing: conversations in `order` fill windows of seq_len positions one after another; one
+    that does not fit in what is left starts the next window. Returns a list of lists of indices."""
+    windows, current, room = [], [], seq_len
+    for i in order:
+        n = int(lengths[i])
+        if n > room and current:
+            windows.append(current)
+            current, room = [], seq_len
+        current.append(int(i))
+        room -= n
+    if current:
+        windows.append(current)
+    return windows
+
+
+def window_tensors(conv, windows, seq_len, pad_id):
+    """x, y, segment_ids [W, seq_len] int64 for packed windows. In each conversation position t predicts
+    token t + 1 where that token is an assistant token (else IGNORE_INDEX); the conversation's last
+    position predicts nothing, so no position predicts across conversations. Padding: pad_id, segment -1."""
+    W = len(windows)
+    x = torch.full((W, seq_len), pad_id, dtype=torch.int64)
+    y = torch.full((W, seq_len), IGNORE_INDEX, dtype=torch.int64)
+    seg = torch.full((W, seq_len), -1, dtype=torch.int64)
+    for w, members in enumerate(windows):
+        pos = 0
+        for j, i in enumerate(members):
+            ids, mask = conv[i]
+            n = len(ids)
+            x[w, pos:pos + n] = torch.from_numpy(ids)
+            labels = np.where(mask[1:], ids[1:], IGNORE_INDEX)
+            y[w, pos:pos + n - 1] = torch.from_numpy(labels)
+            seg[w, pos:pos + n] = j
+            pos += n
+    return x, y, seg
+
+
+class PackedBatches:
+    """Batches of packed windows (x, y, segment_ids), each [batch_size, seq_len] int64, in an order
+    reshuffled every epoch: conversations are permuted by (seed, epoch), then packed greedily, so the
+    windows are a pure function of (seed, epoch) and `state_dict()` = {"epoch", "cursor"} resumes exactly."""
+
+    def __init__(self, conv, seq_len, batch_size, pad_id, seed=0):
+        self.conv, self.seq_len, self.batch_size, self.pad_id, self.seed = conv, seq_len, batch_size, pad_id, seed
+        self.lengths = np.diff(conv.offsets)
+        self.epoch, self.cursor = 0, 0
+        self._windows = self._epoch_windows(0)
+
+    def _epoch_windows(self, epoch):
+        g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+        return pack(self.lengths, torch.randperm(len(self.conv), generator=g).tolist(), self.seq_len)
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state):
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._windows = self._epoch_windows(self.epoch)
+
+    def next(self):
+        chosen = []
+        while len(chosen) < self.batch_size:
+            if self.cursor == len(self._windows):
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._windows = self._epoch_windows(self.epoch)
+            chosen.append(self._windows[self.cursor])
+            self.cursor += 1
+        return window_tensors(self.conv, chosen, self.seq_len, self.pad_id)

@@ -1,0 +1,117 @@
+"""Supervised fine-tuning: turn the pretrained MoE into a model that answers, on the shared loop.
+
+    python train/sft.py                                  # after train/pretrain.py: embedded stdlib Q&A set
+    python train/sft.py --data_path my_chats.jsonl       # {"conversations": [...]} or {"messages": [...]}
+    python train/sft.py --init_from exports/minimind-moe # start from an exported HF folder instead
+    python scripts/chat.py --ckpt checkpoints/sft        # talk to the result
+
+Starts from `--init_from` (default: the main job's checkpoints/pretrain), writes to --out_dir like
+pretraining: ckpt.pt, config.json, tokenizer/ (with the chat template), metrics.jsonl, loss.png,
+expert_load.png. The loss is the mean over the assistant tokens of the global batch (data/chat.py);
+conversations are packed into --seq_len windows where each attends only to itself. The step-0 evaluation
+is the base model's loss on the held-out conversations.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from data.chat import PackedBatches, load_conversations, pack, window_tensors  # noqa: E402
+from data.corpus import CACHE_DIR  # noqa: E402
+from data.sft_corpus import default_sft_set  # noqa: E402
+from data.sources import DataError  # noqa: E402
+from data.tokenizer import CHAT_TEMPLATE, load_tokenizer, save_tokenizer  # noqa: E402
+from train import flags, trainer  # noqa: E402
+from train.stage import Stage, StageData  # noqa: E402
+
+SAMPLE_QUESTION = "What does `os.path.join` do?"
+
+
+def add_data_flags(g):
+    g.add_argument("--data_path", default=None, help="conversations (.jsonl); None: the embedded stdlib Q&A set")
+    g.add_argument("--val_path", default=None, help="held-out conversations (.jsonl); None: with --data_path, every "
+                   "20th conversation of it; without, the embedded set's held-out functions")
+    g.add_argument("--tokenizer", default=None, help="tokenizer dir; None: the one next to the --init_from weights")
+
+
+def chat_tokenizer(tokenizer_dir, log):
+    """The tokenizer, with our ChatML template (and its {% generation %} mask) when its own template lacks
+    one and it has the ChatML tokens; saved under data/cache so the run folder gets the template too.
+    Returns (tokenizer, folder it loads from)."""
+    tok = load_tokenizer(tokenizer_dir)
+    if "{% generation %}" in str(tok.chat_template or ""):
+        return tok, tokenizer_dir
+    if tok.convert_tokens_to_ids("<|im_end|>") in (None, tok.unk_token_id):
+        raise DataError(f"{tokenizer_dir}: the tokenizer has no <|im_end|> token and no chat template with a "
+                        f"{{% generation %}} block, so the assistant turns cannot be found")
+    tok.chat_template = CHAT_TEMPLATE
+    import hashlib
+    key = hashlib.sha1(tok.backend_tokenizer.to_str().encode()).hexdigest()[:12]
+    folder = os.path.join(CACHE_DIR, f"chat-tokenizer-{key}")
+    if not os.path.exists(os.path.join(folder, "tokenizer.json")):
+        save_tokenizer(tok, folder)
+    log(f"tokenizer: using the ChatML template with an assistant mask ({folder})")
+    return load_tokenizer(folder), folder
+
+
+def split_file(path, cache_dir, every=20):
+    """--data_path without --val_path: (train, val) jsonl files, every `every`-th conversation held out."""
+    from data.sources import file_sha1
+    from train.atomic import atomic_dir
+    out = os.path.join(cache_dir, f"sft-split-{file_sha1(path)[:16]}")
+    paths = {"train": os.path.join(out, "train.jsonl"), "val": os.path.join(out, "val.jsonl")}
+    if not all(os.path.exists(p) for p in paths.values()):
+        with atomic_dir(out) as tmp, open(path, "rb") as f, open(os.path.join(tmp, "train.jsonl"), "wb") as ft, \
+                open(os.path.join(tmp, "val.jsonl"), "wb") as fv:
+            for i, line in enumerate(line for line in f if line.strip()):
+                (fv if i % every == every - 1 else ft).write(line)
+    return paths["train"], paths["val"]
+
+
+def load_data(args, tokenizer_dir, global_batch_size, log):
+    """Conversations -> packed windows of assistant-masked labels, for training (reshuffled every epoch)
+    and evaluation (the held-out conversations in file order)."""
+    if tokenizer_dir is None:
+        raise DataError("no tokenizer: fine-tuning starts from trained weights (--init_from) or takes --tokenizer")
+    tokenizer, tokenizer_dir = chat_tokenizer(tokenizer_dir, log)
+    if args.data_path is None:
+        paths = default_sft_set()
+        train_path, val_path = paths["train"], args.val_path or paths["val"]
+    elif args.val_path is None:
+        train_path, val_path = split_file(args.data_path, CACHE_DIR)
+    else:
+        train_path, val_path = args.data_path, args.val_path
+    train = load_conversations(train_path, tokenizer, args.seq_len, CACHE_DIR)
+    val = load_conversations(val_path, tokenizer, args.seq_len, CACHE_DIR)
+    for name, conv in (("training", train), ("held-out", val)):
+        if conv.truncated:
+            log(f"note: {conv.truncated} {name} conversations are longer than --seq_len {args.seq_len} tokens: cut "
+                f"to it (their end is not trained on)")
+    log(f"data: {args.data_path or 'embedded stdlib Q&A set'}: {len(train):,} train / {len(val):,} held-out "
+        f"conversations, {train.supervised_tokens:,} / {val.supervised_tokens:,} assistant tokens")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    windows = pack(__import__("numpy").diff(val.offsets), range(len(val)), args.seq_len)
+    x, y, seg = window_tensors(val, windows, args.seq_len, pad)
+    val_batches = list(zip(x.split(args.batch_size), y.split(args.batch_size), seg.split(args.batch_size)))
+    return StageData(tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
+                     train_batches=PackedBatches(train, args.seq_len, global_batch_size, pad, seed=args.seed),
+                     val_batches=val_batches, identity={"train_conversations": len(train)})
+
+
+STAGE = Stage(name="sft", description=__doc__, default_out_dir="checkpoints/sft", add_data_flags=add_data_flags,
+              load_data=load_data, data_order_flags=("data_path", "val_path"),
+              sample_prompt=f"<|im_start|>user\n{SAMPLE_QUESTION}<|im_end|>\n<|im_start|>assistant\n",
+              defaults=dict(init_from="checkpoints/pretrain", max_steps=300, learning_rate=1e-3, warmup_steps=20,
+                            seq_len=256, eval_interval=100, save_interval=100, log_interval=10, sample_tokens=64))
+
+
+def parse_args(argv=None):
+    return flags.parse_args(STAGE, argv)
+
+
+def train(args, log=print):
+    return trainer.train(args, log=log, stage=STAGE)
+
+
+if __name__ == "__main__":
+    trainer.run_cli(train, parse_args())
