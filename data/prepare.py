@@ -26,7 +26,8 @@ PARALLEL_FROM_BYTES = 32 << 20  # below this a process pool costs more to start 
 
 
 def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=CACHE_DIR, log=print,
-                 text_field="text", tokenizer_sample_mb=TOKENIZER_SAMPLE_MB, workers=None, progress=False):
+                 text_field="text", tokenizer_sample_mb=TOKENIZER_SAMPLE_MB, workers=None, progress=False,
+                 engine="auto"):
     """Load or build everything the trainer needs.
 
     data_path None -> the embedded stdlib-docstring corpus (its own train/val files); otherwise anything
@@ -34,7 +35,8 @@ def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=
     document is held out for validation. tokenizer_dir None -> a byte-level BPE of `vocab_size` trained
     on the first `tokenizer_sample_mb` MB of training documents (all of them when the corpus is smaller);
     else that tokenizer. workers: tokenization processes (None: one per core for inputs over 32 MB, else
-    0 = in this process). progress: show a progress bar (MB/s, ETA) while tokenizing.
+    0 = in this process). progress: show a progress bar (MB/s, ETA) while tokenizing. engine: "auto"
+    (tiktoken where it gives the tokenizer's ids, data/fast_bpe.py) or "tokenizers" (for comparisons).
 
     Returns dict(tokenizer, tokenizer_dir, train, val (1-D read-only np.memmap of token ids), index (the
     cache's index.json: counts, bytes, entropy), source (description)).
@@ -53,7 +55,7 @@ def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=
         tokenizer, tokenizer_dir = _tokenizer(source, val_source, tokenizer_dir, vocab_size, tokenizer_sample_mb,
                                               fingerprint, cache_dir, log)
         cache = _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cache_dir, workers,
-                             progress, log)
+                             progress, log, engine)
     splits = cache.index["splits"]
     log(f"data: {source.description}: {splits['train']['documents']:,} train / {splits['val']['documents']:,} val "
         f"documents, {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val tokens, tokenizer "
@@ -112,7 +114,8 @@ def _tokenizer(source, val_source, tokenizer_dir, vocab_size, sample_mb, fingerp
     return load_tokenizer(path), path
 
 
-def _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cache_dir, workers, progress, log):
+def _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cache_dir, workers, progress, log,
+                 engine="auto"):
     tokenizer_json = os.path.join(tokenizer_dir, "tokenizer.json")
     with open(tokenizer_json, "rb") as f:
         tok_sha1 = hashlib.sha1(f.read()).hexdigest()
@@ -131,14 +134,14 @@ def _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cach
     bar = _progress_bar(total) if progress and total > PARALLEL_FROM_BYTES else None
     t0 = time.time()
     try:
-        build_token_cache(path, split_documents(source, val_source), tokenizer_json, tokenizer.eos_token_id,
-                          len(tokenizer), meta, workers, bar.update if bar else None)
+        index = build_token_cache(path, split_documents(source, val_source), tokenizer_json, tokenizer.eos_token_id,
+                                  len(tokenizer), meta, workers, bar.update if bar else None, engine)
     finally:
         if bar is not None:
             bar.close()
     seconds = time.time() - t0
     log(f"tokenized {total / 1e6:,.1f} MB in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-9):.1f} MB/s, "
-        f"{max(workers, 1)} process{'es' if workers > 1 else ''})")
+        f"{max(workers, 1)} process{'es' if workers > 1 else ''}, {index['encoder']})")
     return open_token_cache(path)
 
 

@@ -1,0 +1,83 @@
+"""A faster encoder for byte-level BPE tokenizers: the same ids from `tiktoken` when the tokenizer allows it.
+
+HF `tokenizers` and `tiktoken` implement the same algorithm for GPT-2-style byte-level BPE: split the text
+with GPT-2's regex, map each piece's bytes to tokens, then repeatedly merge the adjacent pair whose
+merged token has the lowest rank. HF ranks a pair by its merge's position in `merges`, tiktoken by the
+merged token's id, so the two agree exactly when ids grow with merge order, which is how `tokenizers`'
+BpeTrainer numbers them. On 2 cores of an AMD EPYC tiktoken encoded 13 MB/s of English-like text per
+core against 3-5 MB/s for `tokenizers` (identical ids on 20k documents and the embedded corpus), which
+makes it the bigger half of corpus preparation time.
+
+`tiktoken_for(tokenizer_json)` returns a tiktoken Encoding only for tokenizers it can reproduce (no
+normalizer, a plain ByteLevel pre-tokenizer with the GPT-2 regex, a BPE without dropout, prefixes,
+suffixes, byte fallback or ignore_merges, ids increasing with merge order, every byte in the vocab), and
+only after it gave the same ids as `tokenizers` on a set of probe texts (the caller also compares a
+sample of the corpus); otherwise None, and `tokenizers` is used. Text matching a special token becomes
+that token, as `tokenizers` does with added tokens.
+"""
+import json
+
+GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+PROBES = ["Hello, world! It's 2026; don't   stop.\n\n\tTabs\r\nand CRLF", "emoji 🙂 中文 café naïve Ωmega",
+          "numbers 1234567 3.14 -42 0x1F", "<|endoftext|>inside<|im_start|>text<|im_end|>", "   lead and trail   ",
+          "def f(x):\n    return x ** 2  # comment", "''''' \"\"\" ``` ~~~", "a" * 300]
+
+
+def _byte_decoder():
+    """GPT-2's byte-level alphabet, reversed: the printable character each byte is written as -> the byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def _compatible(spec):
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    return (spec.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+            and not pre.get("add_prefix_space") and model.get("type") == "BPE" and model.get("dropout") is None
+            and not model.get("continuing_subword_prefix") and not model.get("end_of_word_suffix")
+            and not model.get("byte_fallback") and not model.get("ignore_merges"))
+
+
+def tiktoken_for(tokenizer_json):
+    """A tiktoken Encoding giving this tokenizer's ids, or None (not installed, or not reproducible)."""
+    try:
+        import tiktoken
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    with open(tokenizer_json, encoding="utf-8") as f:
+        spec = json.load(f)
+    if not _compatible(spec):
+        return None
+    vocab, merges, to_byte = spec["model"]["vocab"], spec["model"]["merges"], _byte_decoder()
+    specials = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    try:  # (special tokens may sit in the BPE vocab too: they are matched before BPE, never merged into)
+        ranks = {bytes(to_byte[ch] for ch in token): i for token, i in vocab.items() if token not in specials}
+        merged = [vocab["".join(m.split(" ") if isinstance(m, str) else m)] for m in merges]
+    except KeyError:  # a token outside the byte alphabet, or a merge whose result is not in the vocab
+        return None
+    if len(ranks) != len(vocab) - len(set(specials) & set(vocab)) or any(b >= a for a, b in zip(merged[1:], merged)) \
+            or not all(bytes([b]) in ranks for b in range(256)) or set(ranks.values()) & set(specials.values()):
+        return None
+    try:
+        enc = tiktoken.Encoding("bpe", pat_str=GPT2_SPLIT, mergeable_ranks=ranks, special_tokens=specials)
+    except ValueError:
+        return None
+    hf = Tokenizer.from_file(tokenizer_json)
+    return enc if same_ids(enc, hf, PROBES) else None
+
+
+def encode(enc, text):
+    """Ids of `text`; special-token text becomes the special token (as `tokenizers` treats added tokens)."""
+    return enc.encode(text, allowed_special="all")
+
+
+def same_ids(enc, hf_tokenizer, texts):
+    """True when tiktoken and `tokenizers` give the same ids for every text."""
+    hf_ids = [e.ids for e in hf_tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+    return all(encode(enc, t) == ids for t, ids in zip(texts, hf_ids))
