@@ -29,6 +29,25 @@ CHAT_TEMPLATE = (
 )
 
 
+def token_byte_lengths(tokenizer):
+    """int64 [len(tokenizer)]: UTF-8 bytes of the text each token id stands for (0 for special tokens), for
+    bits per byte. Byte-level BPE tokens are read through GPT-2's byte alphabet (exact, also for tokens
+    holding part of a character); other tokenizers through `decode` of the single id."""
+    import numpy as np
+    from data.fast_bpe import _byte_decoder
+    special = set(tokenizer.all_special_ids)
+    to_byte = _byte_decoder()
+    out = np.zeros(len(tokenizer), dtype=np.int64)
+    for token, i in tokenizer.get_vocab().items():
+        if i >= len(out) or i in special:
+            continue
+        if all(ch in to_byte for ch in token):
+            out[i] = len(token)
+        else:
+            out[i] = len(tokenizer.decode([i]).encode("utf-8"))
+    return out
+
+
 def stop_token_ids(tokenizer):
     """Ids that end a generation: the tokenizer's eos and, when it has one, the chat turn end."""
     ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]

@@ -57,6 +57,10 @@ def test_tokenizer_roundtrip_and_autotokenizer():
     assert loaded.eos_token_id == 0 and loaded.pad_token_id == 0
     for s in ("Hello, wörld! 123 \n\t tabs", "emoji 🙂 and 中文"):  # byte-level: any text round-trips
         assert loaded.decode(loaded(s, add_special_tokens=False)["input_ids"]) == s
+    from data.tokenizer import token_byte_lengths
+    text = "Hello, wörld! 🙂 中文 \t tabs <|endoftext|> and more"
+    ids = loaded(text, add_special_tokens=False)["input_ids"]  # bytes per token: exact, specials count 0
+    assert int(token_byte_lengths(loaded)[ids].sum()) == len(text.encode("utf-8")) - len("<|endoftext|>")
     chat = loaded.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", chat
     try:

@@ -43,6 +43,10 @@ def test_tiny_run_learns_and_checkpoint_reloads():
     s = train(args, log=quiet)
     assert s["final_val_loss"] < 0.85 * s["first_val_loss"], f"{s['first_val_loss']:.3f} -> {s['final_val_loss']:.3f}"
     assert s["final_val_loss"] < s["unigram_entropy"], f"{s['final_val_loss']:.3f} vs unigram {s['unigram_entropy']:.3f}"
+    vals = [r for r in s["records"] if "val_loss" in r]  # bits per byte: the loss in another unit, never missing
+    ratios = [r["val_bpb"] / r["val_loss"] for r in vals]
+    assert len(vals) >= 2 and max(ratios) - min(ratios) < 1e-9 and 0.1 < ratios[0] < 1.0, ratios
+    assert abs(s["final_val_bpb"] - s["final_val_loss"] * ratios[0]) < 1e-9
     for name in ("ckpt.pt", "config.json", "loss.png", "metrics.jsonl", "tokenizer/tokenizer.json"):
         assert os.path.exists(os.path.join(out_dir, name)), f"{name} missing"
     ckpt = load_checkpoint(out_dir)

@@ -2,8 +2,10 @@
 from train.atomic import atomic_file
 
 
-def plot_loss_curve(records, path, unigram_entropy=None):
-    """records: dicts with "step" and "train_loss" and/or "val_loss". Writes a PNG atomically."""
+def plot_loss_curve(records, path, unigram_entropy=None, bpb_per_nat=None):
+    """records: dicts with "step" and "train_loss" and/or "val_loss". With bpb_per_nat (the validation
+    set's bits per byte for a loss of 1 nat/token) a right axis reads the validation loss in bits per byte.
+    Writes a PNG atomically."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -19,6 +21,9 @@ def plot_loss_curve(records, path, unigram_entropy=None):
         ax.axhline(unigram_entropy, ls="--", c="gray", lw=1, label=f"unigram entropy {unigram_entropy:.2f}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats / token)")
+    if bpb_per_nat:  # a linear map of the loss axis: exact for the validation points
+        right = ax.secondary_yaxis("right", functions=(lambda n: n * bpb_per_nat, lambda b: b / bpb_per_nat))
+        right.set_ylabel("validation bits per byte")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

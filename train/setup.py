@@ -20,6 +20,7 @@ from train.expert_parallel import expert_param_names, install as install_ep
 from train.flags import adopt_architecture, config_from_args, saved_flags, training_overrides
 from train.metrics import MetricsLog, open_wandb
 from train.run_dir import abandon_run_dir, claim_run_dir
+from train.stage import IGNORE_INDEX
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # What transformers' tokenizers save (and load from) besides the model's files
@@ -88,6 +89,7 @@ def _build(stage, args, ctx, device_type, device, dtype_name, log, lock):
     init_model, tokenizer_dir = weights_source(args)
     # rank 0 builds the caches first, the others then read them
     data = main_rank_first(ctx, lambda: stage.load_data(args, tokenizer_dir, args.batch_size * ctx.world_size, log))
+    data.val_targets, data.val_bytes = count_val_bytes(data)
     if ctx.is_main:
         copy_tokenizer(data.tokenizer_dir, os.path.join(args.out_dir, "tokenizer"))
     config = build_config(args, init_model, len(data.tokenizer), ctx)
@@ -166,6 +168,18 @@ def weights_source(args):
     if init_model is not None:  # a fresh tokenizer would not match the trained embeddings
         raise ValueError(f"{args.init_from}: no tokenizer next to the weights; pass --tokenizer DIR")
     return init_model, None
+
+
+def count_val_bytes(data):
+    """(supervised validation targets, UTF-8 bytes of the text they stand for)."""
+    from data.tokenizer import token_byte_lengths
+    lengths = torch.from_numpy(token_byte_lengths(data.tokenizer))
+    targets = nbytes = 0
+    for _, y, *_ in data.val_batches:
+        y = y[y != IGNORE_INDEX]
+        targets += y.numel()
+        nbytes += int(lengths[y.clamp(max=len(lengths) - 1)].sum())
+    return targets, nbytes
 
 
 def copy_tokenizer(src, dst):

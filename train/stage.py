@@ -24,6 +24,8 @@ class StageData:
     val_batches: list of such tuples (CPU tensors), the same every evaluation.
     identity: values a resume must find unchanged (e.g. {"train_tokens": n}); stored in the checkpoint.
     unigram_entropy: nats/token of the context-free model on the validation tokens (None if not meaningful).
+    val_targets / val_bytes: supervised validation tokens and the UTF-8 bytes of the text they stand for
+        (filled by the loop, for bits per byte).
     """
     tokenizer: object
     tokenizer_dir: str
@@ -31,6 +33,8 @@ class StageData:
     val_batches: list
     identity: dict = field(default_factory=dict)
     unigram_entropy: float | None = None
+    val_targets: int = 0
+    val_bytes: int = 0
 
 
 @dataclass

@@ -273,16 +273,26 @@ def evaluate(run):
     return total / max(count, 1)
 
 
+def bits_per_byte(run, loss):
+    """Validation loss (nats per supervised token) as bits per UTF-8 byte of the text those tokens stand for:
+    comparable across tokenizers. None when the validation text has no bytes."""
+    if not run.data.val_bytes:
+        return None
+    return loss * run.data.val_targets / math.log(2) / run.data.val_bytes
+
+
 def evaluate_and_record(run, state, progress, first=False):
     val = evaluate(run)
+    bpb = bits_per_byte(run, val)
     state.last_val = (state.step, val)
-    run.metrics.record({"step": state.step, "val_loss": val})
+    run.metrics.record({"step": state.step, "val_loss": val, **({"val_bpb": bpb} if bpb is not None else {})})
+    said = f"val loss {val:.4f}" + (f" ({bpb:.3f} bits/byte)" if bpb is not None else "")
     if first:
         h = run.data.unigram_entropy
-        run.log(f"step 0: val loss {val:.4f} (uniform over the vocab would be {math.log(run.config.vocab_size):.4f}"
+        run.log(f"step 0: {said} (uniform over the vocab would be {math.log(run.config.vocab_size):.4f}"
                 + (f"; unigram entropy of the validation tokens {h:.4f})" if h is not None else ")"))
     else:
-        progress.say(f"step {state.step}: val loss {val:.4f}")
+        progress.say(f"step {state.step}: {said}")
 
 
 def save(run, state):
@@ -299,7 +309,8 @@ def save(run, state):
                     extra={**run.data.identity, "world_size": run.ctx.world_size, "ep_size": run.ctx.ep_size,
                            "router_load": state.telemetry.state_dict(), "scaler": run.scaler.state_dict()})
     atomic_write_text(os.path.join(out, "config.json"), run.config.to_json_string())
-    plot_loss_curve(run.metrics.records, os.path.join(out, "loss.png"), run.data.unigram_entropy)
+    plot_loss_curve(run.metrics.records, os.path.join(out, "loss.png"), run.data.unigram_entropy,
+                    bits_per_byte(run, 1.0))
     if state.telemetry.total is not None:
         plot_expert_load(state.telemetry.run_fractions(), os.path.join(out, "expert_load.png"),
                          f"share of routed tokens per expert, steps {state.start_step + 1}-{state.step}")
@@ -315,10 +326,12 @@ def finish(run, state):
     run.metrics.close()
     val, first = state.last_val[1], run.metrics.first("val_loss")
     h = run.data.unigram_entropy
-    summary = {"final_val_loss": val, "first_val_loss": first, "unigram_entropy": h,
-               "checkpoint": os.path.join(args.out_dir, CKPT_NAME), "loss_curve": os.path.join(args.out_dir, "loss.png"),
+    summary = {"final_val_loss": val, "final_val_bpb": bits_per_byte(run, val), "first_val_loss": first,
+               "unigram_entropy": h, "checkpoint": os.path.join(args.out_dir, CKPT_NAME), "loss_curve": os.path.join(args.out_dir, "loss.png"),
                "records": run.metrics.records, "ep_bytes": ep_bytes(run.model)}
-    run.log(f"final val loss {val:.4f}" + (f" vs step-0 {first:.4f} ({100 * (1 - val / first):.1f}% lower)" if first else "")
+    bpb = summary["final_val_bpb"]
+    run.log(f"final val loss {val:.4f}" + (f" ({bpb:.3f} bits/byte)" if bpb is not None else "")
+            + (f" vs step-0 {first:.4f} ({100 * (1 - val / first):.1f}% lower)" if first else "")
             + (f"; unigram entropy of the validation tokens {h:.4f} ({'below' if val < h else 'NOT below'} it)"
                if h is not None else ""))
     run.log(f"checkpoint: {summary['checkpoint']}\nloss curve: {summary['loss_curve']}")
