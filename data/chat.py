@@ -12,7 +12,8 @@ template (`{% generation %}` marks the trained part; transformers' apply_chat_te
 return_assistant_tokens_mask=True) maps it to tokens), so training sees the same tokens as chat does.
 
 A conversation longer than the window is cut to the window (its start is kept; a cut that leaves no
-assistant token drops it), and the run says how many were.
+assistant token leaves it out), and the run says how many were. Text that spells a special token
+(`<|im_end|>`) inside a message becomes that token, as the chat template's tokenizer makes it.
 """
 import json
 import os
@@ -20,7 +21,7 @@ import os
 import numpy as np
 import torch
 
-from data.sources import DataError, file_sha1
+from data.sources import DataError, _decoded_lines, file_sha1, json_error
 from train.stage import IGNORE_INDEX
 
 ROLES = ("system", "user", "assistant")
@@ -30,20 +31,15 @@ def read_conversations(path):
     """Yield (messages, where) for each line of a jsonl file of conversations. Raises DataError (file:line)."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: conversation file not found")
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
-            yield check_conversation(obj, where), where
+    for lineno, line in _decoded_lines(path):
+        where = f"{path}:{lineno}"
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: malformed JSON ({json_error(e)})") from None
+        yield check_conversation(obj, where), where
 
 
 def check_conversation(obj, where):
@@ -76,10 +72,21 @@ def tokenize_conversation(tokenizer, messages):
 
 
 class Conversations:
-    """Tokenized conversations back to back: ids [N] int64, mask [N] bool, offsets [n + 1] int64."""
+    """Tokenized conversations back to back: ids [N] int64, mask [N] bool, offsets [n + 1] int64; truncated /
+    dropped: how many of the file's conversations were cut to the window / left out (no assistant token in
+    the window); sha1: the source file's hash."""
 
-    def __init__(self, ids, mask, offsets, truncated=0):
-        self.ids, self.mask, self.offsets, self.truncated = ids, mask, offsets, truncated
+    def __init__(self, ids, mask, offsets, truncated=0, dropped=0, sha1=""):
+        self.ids, self.mask, self.offsets = ids, mask, offsets
+        self.truncated, self.dropped, self.sha1 = truncated, dropped, sha1
+
+    def select(self, indices):
+        """The conversations at `indices` (in that order), as a new Conversations."""
+        parts = [self[i] for i in indices]
+        lengths = [len(p[0]) for p in parts]
+        return Conversations(np.concatenate([p[0] for p in parts]) if parts else self.ids[:0],
+                             np.concatenate([p[1] for p in parts]) if parts else self.mask[:0],
+                             np.concatenate(([0], np.cumsum(lengths))).astype(np.int64), sha1=self.sha1)
 
     def __len__(self):
         return len(self.offsets) - 1
@@ -95,32 +102,34 @@ class Conversations:
 
 def load_conversations(path, tokenizer, max_len, cache_dir):
     """Read, check and tokenize a conversation file (cached by the file's and the tokenizer's content and
-    max_len). Conversations over max_len tokens are cut to max_len. Returns Conversations."""
+    max_len). A conversation over max_len tokens is cut to max_len, or left out when no assistant token
+    remains. Returns Conversations in file order. Raises DataError (file:line, or what to change)."""
     from train.atomic import atomic_file
-    tok_hash = _tokenizer_hash(tokenizer)
-    key = f"{file_sha1(path)[:16]}-{tok_hash}-{max_len}"
-    cache = os.path.join(cache_dir, f"sft-tokens-{key}.npz")
-    if os.path.exists(cache):
+    sha1 = file_sha1(path) if os.path.isfile(path) else ""
+    cache = os.path.join(cache_dir, f"sft-tokens-v2-{sha1[:16]}-{_tokenizer_hash(tokenizer)}-{max_len}.npz")
+    if sha1 and os.path.exists(cache):
         z = np.load(cache)
-        return Conversations(z["ids"], z["mask"], z["offsets"], int(z["truncated"]))
-    ids, masks, lengths, truncated = [], [], [], 0
+        return Conversations(z["ids"], z["mask"], z["offsets"], int(z["truncated"]), int(z["dropped"]), sha1)
+    ids, masks, lengths, truncated, dropped = [], [], [], 0, 0
     for messages, _where in read_conversations(path):
         x, m = tokenize_conversation(tokenizer, messages)
         if len(x) > max_len:
-            truncated += 1
             x, m = x[:max_len], m[:max_len]
             if not m[1:].any():
+                dropped += 1
                 continue
+            truncated += 1
         ids.append(x)
         masks.append(m)
         lengths.append(len(x))
     if not ids:
-        raise DataError(f"{path}: contains no conversation")
+        raise DataError(f"{path}: no conversation" + (f" has an assistant token within --seq_len {max_len} tokens; "
+                                                      f"raise --seq_len" if dropped else ""))
     conv = Conversations(np.concatenate(ids), np.concatenate(masks),
-                         np.concatenate(([0], np.cumsum(lengths))).astype(np.int64), truncated)
+                         np.concatenate(([0], np.cumsum(lengths))).astype(np.int64), truncated, dropped, sha1)
     os.makedirs(cache_dir, exist_ok=True)
     with atomic_file(cache) as f:
-        np.savez(f, ids=conv.ids, mask=conv.mask, offsets=conv.offsets, truncated=truncated)
+        np.savez(f, ids=conv.ids, mask=conv.mask, offsets=conv.offsets, truncated=truncated, dropped=dropped)
     return conv
 
 

@@ -8,9 +8,11 @@ fingerprint, vocab size and sample size; the token cache by the source's and the
 process at a time prepares a given corpus (a file lock); another one waits, then reuses the result.
 """
 import fcntl
+import glob
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -52,10 +54,16 @@ def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=
         fingerprint = hashlib.sha1((fingerprint + val_source.fingerprint(memo)).encode()).hexdigest()[:16]
     _save_memo(cache_dir, memo)
     with _lock(os.path.join(cache_dir, f".prepare-{fingerprint}.lock"), log):
+        trained = tokenizer_dir is None
         tokenizer, tokenizer_dir = _tokenizer(source, val_source, tokenizer_dir, vocab_size, tokenizer_sample_mb,
                                               fingerprint, cache_dir, log)
-        cache = _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cache_dir, workers,
-                             progress, log, engine)
+        try:
+            cache = _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cache_dir, workers,
+                                 progress, log, engine)
+        except DataError:  # a bad line after the tokenizer's sample: nothing of this corpus stays in the cache
+            if trained:
+                shutil.rmtree(tokenizer_dir, ignore_errors=True)
+            raise
     splits = cache.index["splits"]
     log(f"data: {source.description}: {splits['train']['documents']:,} train / {splits['val']['documents']:,} val "
         f"documents, {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val tokens, tokenizer "
@@ -106,11 +114,16 @@ def _tokenizer(source, val_source, tokenizer_dir, vocab_size, sample_mb, fingerp
         return tokenizer, tokenizer_dir
     key = hashlib.sha1(f"{fingerprint}|{vocab_size}|{sample_mb}".encode()).hexdigest()[:12]
     path = os.path.join(cache_dir, f"tokenizer-{key}")
-    if not os.path.exists(os.path.join(path, "tokenizer.json")):
-        t0 = time.time()
-        save_tokenizer(train_tokenizer(_training_sample(source, val_source, int(sample_mb * (1 << 20))), vocab_size), path)
-        log(f"tokenizer: a {vocab_size}-token BPE trained on the first {sample_mb} MB of training documents "
-            f"in {time.time() - t0:.1f} s")
+    _remove_temp_leftovers(cache_dir, f"tokenizer-{key}")
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        try:
+            return load_tokenizer(path), path
+        except DataError as e:
+            log(f"note: the cached tokenizer is damaged ({e}): training it again")
+    t0 = time.time()
+    save_tokenizer(train_tokenizer(_training_sample(source, val_source, int(sample_mb * (1 << 20))), vocab_size), path)
+    log(f"tokenizer: a {vocab_size}-token BPE trained on the first {sample_mb} MB of training documents "
+        f"in {time.time() - t0:.1f} s")
     return load_tokenizer(path), path
 
 
@@ -121,6 +134,7 @@ def _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cach
         tok_sha1 = hashlib.sha1(f.read()).hexdigest()
     key = hashlib.sha1(f"{fingerprint}|{tok_sha1}|{VAL_EVERY}|{val_source is not None}".encode()).hexdigest()[:16]
     path = os.path.join(cache_dir, f"tokens-{key}")
+    _remove_temp_leftovers(cache_dir, f"tokens-{key}")
     cache = open_token_cache(path)
     if cache is not None:
         return cache
@@ -143,6 +157,13 @@ def _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cach
     log(f"tokenized {total / 1e6:,.1f} MB in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-9):.1f} MB/s, "
         f"{max(workers, 1)} process{'es' if workers > 1 else ''}, {index['encoder']})")
     return open_token_cache(path)
+
+
+def _remove_temp_leftovers(cache_dir, name):
+    """Temp folders of an interrupted build of `name` (train/atomic.py names them .<name>.tmp... / .old...);
+    called under the corpus's lock, so no live build of it owns them."""
+    for leftover in glob.glob(os.path.join(cache_dir, f".{name}.tmp*")) + glob.glob(os.path.join(cache_dir, f".{name}.old*")):
+        shutil.rmtree(leftover, ignore_errors=True) if os.path.isdir(leftover) else os.remove(leftover)
 
 
 def _progress_bar(total_bytes):

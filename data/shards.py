@@ -42,8 +42,21 @@ def token_dtype(vocab_size):
     return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
 
-def _init_worker(tokenizer_json, use_tiktoken):
+def _die_with_parent(parent_pid):
+    """Linux: a worker gets SIGKILL when the preparing process dies (a kill -9 leaves no orphan holding the
+    cache lock it inherited with the fork)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+
+def _init_worker(tokenizer_json, use_tiktoken, parent_pid=None):
     global _encoder
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     if use_tiktoken:
         from data.fast_bpe import encode, tiktoken_for
         enc = tiktoken_for(tokenizer_json)
@@ -95,7 +108,7 @@ class TokenEncoder:
             try:
                 self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context(method),
                                                 initializer=_init_worker,
-                                                initargs=(self.tokenizer_json, self.use_tiktoken))
+                                                initargs=(self.tokenizer_json, self.use_tiktoken, os.getpid()))
                 self.pool.submit(int).result()  # the processes start now, while the variable is set
             finally:
                 if saved is None:
@@ -200,10 +213,10 @@ def build_token_cache(path, documents, tokenizer_json, eos_id, vocab_size, meta,
                 w.close()
         splits = {s: w.counts() for s, w in writers.items()}
         split_rule = meta.get("split_rule", "")
-        if splits["val"]["tokens"] < splits["train"]["tokens"] // 100 and splits["train"]["tokens"] > 2:
+        if splits["val"]["tokens"] < max(splits["train"]["tokens"] // 100, 1) and splits["train"]["tokens"] > 2:
             splits, counts_V = _tail_as_validation(tmp, dtype, splits, tokenizer_json, len(counts_V))
-            split_rule = (f"held-out documents gave under 1% of the tokens: validation is the last "
-                          f"{splits['val']['tokens']:,} tokens of the training stream instead")
+            split_rule = (f"held-out documents gave under 1% of the tokens: they went back into training, and "
+                          f"validation is the last {splits['val']['tokens']:,} tokens of the stream instead")
         index = dict(meta, format=FORMAT_VERSION, dtype=np.dtype(dtype).name, vocab_size=vocab_size,
                      splits=splits, val_unigram_entropy=_entropy(counts_V), split_rule=split_rule,
                      encoder=encoder.engine)
@@ -212,23 +225,24 @@ def build_token_cache(path, documents, tokenizer_json, eos_id, vocab_size, meta,
 
 
 def _tail_as_validation(folder, dtype, splits, tokenizer_json, vocab_size):
-    """Too few held-out documents (a corpus of a handful of documents): validation becomes the last
-    max(5%, 2) tokens of the training stream, which is cut there. Returns the new split counts and the
-    validation token counts per id."""
+    """Too few held-out documents (a corpus of a handful of documents): the held-out documents go back at
+    the end of the training stream, and validation becomes the last max(5%, 2) tokens of it, which is cut
+    there. Returns the new split counts and the validation token counts per id."""
     from tokenizers import Tokenizer
-    n = splits["train"]["tokens"]
+    train_file, val_file = os.path.join(folder, "train.bin"), os.path.join(folder, "val.bin")
+    stream = np.concatenate([np.fromfile(train_file, dtype=dtype), np.fromfile(val_file, dtype=dtype)])
+    offsets = np.concatenate([np.fromfile(os.path.join(folder, "train.docs.bin"), dtype=np.int64),
+                              splits["train"]["tokens"] + np.fromfile(os.path.join(folder, "val.docs.bin"), dtype=np.int64)])
+    n = len(stream)
     cut = n - max(n // 20, 2)
-    train_file = os.path.join(folder, "train.bin")
-    tail = np.fromfile(train_file, dtype=dtype)[cut:]
-    with open(train_file, "r+b") as f:
-        f.truncate(cut * np.dtype(dtype).itemsize)
-    tail.tofile(os.path.join(folder, "val.bin"))
+    stream[:cut].tofile(train_file)
+    stream[cut:].tofile(val_file)
     np.zeros(1, np.int64).tofile(os.path.join(folder, "val.docs.bin"))
-    offsets = np.fromfile(os.path.join(folder, "train.docs.bin"), dtype=np.int64)
     offsets[offsets < cut].tofile(os.path.join(folder, "train.docs.bin"))
-    val_bytes = len(Tokenizer.from_file(tokenizer_json).decode(tail.tolist(), skip_special_tokens=False).encode("utf-8"))
-    splits = {"train": {"tokens": cut, "documents": int((offsets < cut).sum()),
-                        "bytes": max(splits["train"]["bytes"] - val_bytes, 0)},
+    tail = stream[cut:]
+    val_bytes = len(Tokenizer.from_file(tokenizer_json).decode(tail.tolist(), skip_special_tokens=True).encode("utf-8"))
+    total_bytes = splits["train"]["bytes"] + splits["val"]["bytes"]
+    splits = {"train": {"tokens": cut, "documents": int((offsets < cut).sum()), "bytes": max(total_bytes - val_bytes, 0)},
               "val": {"tokens": len(tail), "documents": 1, "bytes": val_bytes}}
     return splits, np.bincount(tail, minlength=vocab_size)[:vocab_size]
 

@@ -59,12 +59,16 @@ class DocumentSource:
 
     def fingerprint(self, memo=None):
         """Content hash (hex, 16 chars) of the input and of how it is read (kind, text field). A hub
-        dataset is keyed by its name only (its content is not read to compute a key). `memo`: a dict
+        dataset is keyed by its name only (its content is not read to compute a key); a local folder
+        given as hf:DIR by its files. `memo`: a dict
         {path|size|mtime: sha1} reused across calls so a warm start does not re-read gigabytes."""
         h = hashlib.sha1(f"text_field={self.text_field}".encode())
+        files = self.files or (_all_files(self.dataset_dir) if self.dataset_dir else ())
         if self.hub is not None:
             h.update(f"hub:{self.hub}".encode())
-        for path in self.files or (_all_files(self.dataset_dir) if self.dataset_dir else ()):
+            local = self.hub.partition(":")[0]
+            files = _all_files(local) if os.path.isdir(local) else ()  # a local dataset folder: by content
+        for path in files:
             h.update(os.path.splitext(path)[1].lower().encode() + file_sha1(path, memo).encode())
         return h.hexdigest()[:16]
 
@@ -100,11 +104,12 @@ def _check_kind(path):
 
 
 def _all_files(folder):
+    """Every non-hidden file under folder (hidden folders skipped), sorted by path."""
     out = []
     for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        out += [os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith(".")]
-    return out
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        out += [os.path.join(dirpath, f) for f in filenames if not f.startswith(".")]
+    return sorted(out)
 
 
 def _is_saved_dataset(folder):
@@ -128,16 +133,27 @@ def file_sha1(path, memo=None):
 
 
 def _decoded_lines(path):
-    """(line number, str) of a file read as UTF-8, newlines normalised to "\\n" as Python's text mode does."""
+    """(line number, str) of a file read as UTF-8 (a leading byte-order mark dropped), newlines "\\r\\n" and
+    "\\r" turned into "\\n" as Python's text mode does (a bare "\\r" ends a line too)."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-            if "\r" in line:
-                line = line.replace("\r\n", "\n").replace("\r", "\n")
-            yield lineno, line
+            if "\r" not in line:
+                yield lineno, line
+                continue
+            for part in line.replace("\r\n", "\n").replace("\r", "\n").splitlines(keepends=True):
+                yield lineno, part
+
+
+def json_error(e):
+    """A json.JSONDecodeError as "what at column N" (its msg sometimes ends in "at" already)."""
+    msg = e.msg[:-3] if e.msg.endswith(" at") else e.msg
+    return f"{msg} at column {e.colno}"
 
 
 def _text_of(obj, field, where):
@@ -154,7 +170,7 @@ def _jsonl_documents(path, field):
     first = _first_char(path)
     if first == "[":  # one JSON array: read whole
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:
                 records = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{path}: malformed JSON array ({e})") from None
@@ -169,7 +185,7 @@ def _jsonl_documents(path, field):
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+            raise DataError(f"{path}:{lineno}: malformed JSON ({json_error(e)})") from None
         text = _text_of(obj, field, f"{path}:{lineno}")
         if text.strip():
             yield text, f"{path}:{lineno}"
@@ -177,7 +193,7 @@ def _jsonl_documents(path, field):
 
 def _first_char(path):
     with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
+        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
     return head[:1].decode("ascii", "replace")
 
 
@@ -209,7 +225,14 @@ def _parquet_documents(path, field):
         raise DataError(f"{path}: no column \"{field}\" (columns: {', '.join(pf.schema_arrow.names[:12])}); "
                         f"see --text_field")
     row = 0
-    for batch in pf.iter_batches(batch_size=1024, columns=[field]):
+    batches = pf.iter_batches(batch_size=1024, columns=[field])
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as e:  # a damaged data page: pyarrow's own error types
+            raise DataError(f"{path}: row {row + 1} onwards cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
+        if batch is None:
+            break
         for text in batch.column(0).to_pylist():
             row += 1
             if text is not None and not isinstance(text, str):
@@ -219,7 +242,7 @@ def _parquet_documents(path, field):
 
 
 def _rows(dataset, field, name):
-    if field not in dataset.column_names:
+    if dataset.column_names is not None and field not in dataset.column_names:
         raise DataError(f"{name}: no column \"{field}\" (columns: {', '.join(dataset.column_names[:12])}); "
                         f"see --text_field")
     row = 0
@@ -249,10 +272,12 @@ def _hub_documents(name, field):
         ds = datasets.load_dataset(path, config or None, split="train", streaming=True)
     except Exception as e:  # no network, unknown name, no train split...
         raise DataError(f"hf:{name}: could not be loaded ({type(e).__name__}: {str(e)[:300]})") from None
-    if ds.column_names is not None and field not in ds.column_names:
-        raise DataError(f"hf:{name}: no column \"{field}\" (columns: {', '.join(ds.column_names[:12])}); "
-                        f"see --text_field")
-    yield from _rows(ds, field, f"hf:{name}")
+    try:
+        yield from _rows(ds, field, f"hf:{name}")
+    except DataError:
+        raise
+    except Exception as e:  # a damaged file inside the dataset, a lost connection...
+        raise DataError(f"hf:{name}: could not be read ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
 
 
 READERS = {"jsonl": _jsonl_documents, "txt": _txt_documents, "parquet": _parquet_documents}

@@ -30,6 +30,7 @@ class Chat:
         self.stop_ids = stop_token_ids(tokenizer)
         self.streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         self.generator = torch.Generator(device=device).manual_seed(args.seed)
+        self.hf = None  # transformers' model, for an exported folder
         self.reset()
 
     def reset(self):
@@ -49,15 +50,18 @@ class Chat:
         return answer
 
     def _max_positions(self):
-        return self.model.config.max_position_embeddings if self.model is not None else 1 << 30
+        model = self.model if self.model is not None else self.hf
+        return model.config.max_position_embeddings
 
     def _generate(self, ids):
         a = self.args
         if self.model is None:  # an exported folder: transformers' generate
+            sampling = dict(do_sample=True, temperature=a.temperature, top_k=a.top_k or None, top_p=a.top_p) \
+                if a.temperature > 0 else dict(do_sample=False, temperature=None, top_k=None, top_p=None)
+            room = self._max_positions() - ids.shape[1]
             return self.hf.generate(ids, attention_mask=torch.ones_like(ids), streamer=self.streamer,
-                                    max_new_tokens=a.max_new_tokens, do_sample=a.temperature > 0,
-                                    temperature=a.temperature or None, top_k=a.top_k or None, top_p=a.top_p,
-                                    eos_token_id=self.stop_ids, pad_token_id=self.tokenizer.pad_token_id)
+                                    max_new_tokens=min(a.max_new_tokens, room), eos_token_id=self.stop_ids,
+                                    pad_token_id=self.tokenizer.pad_token_id, **sampling)
         return self.model.generate(ids, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                                    top_p=a.top_p, eos_token_id=self.stop_ids, generator=self.generator,
                                    streamer=self.streamer)
@@ -87,12 +91,16 @@ def main(argv=None):
         from transformers import AutoModelForCausalLM
         chat.hf = AutoModelForCausalLM.from_pretrained(args.ckpt).to(device).eval()
     if args.prompt is not None:
-        return _turn(chat, args.prompt)
+        if not args.prompt.strip():
+            p.error("--prompt is empty")
+        if _turn(chat, args.prompt) is None:
+            p.error(f"the prompt does not fit in the model's {chat._max_positions()} positions")
+        return
     interactive = sys.stdin.isatty()
     if interactive:
         print("chat: /reset starts over, /quit or Ctrl-D ends", file=sys.stderr)
     for line in sys.stdin if not interactive else iter(lambda: input("> "), None):
-        text = line.strip()
+        text = line.encode("utf-8", "surrogateescape").decode("utf-8", "replace").strip()  # undecodable bytes: U+FFFD
         if text == "/quit":
             break
         if text == "/reset":
@@ -103,10 +111,12 @@ def main(argv=None):
 
 
 def _turn(chat, text):
+    """Ask, print the streamed answer; returns it, or None (and a note) when the conversation is too long."""
     with torch.no_grad():
         answer = chat.ask(text)
     if answer is None:
         print("(the conversation is longer than the model's context: /reset to start over)", file=sys.stderr)
+    return answer
 
 
 if __name__ == "__main__":

@@ -311,13 +311,92 @@ def test_tiktoken_gives_the_tokenizers_ids():
         assert tiktoken_for(tok_json) is not None and tiktoken_for(odd_json) is None
 
 
+def test_odd_inputs_an_adversary_tried():
+    """A BOM, bare-CR line ends, files sorted by full path, a corpus of two documents (validation from the
+    tail, never empty), hf:<local folder> noticing an edit, a bad line in an hf: folder and a damaged
+    parquet page: each works or is one DataError naming the input."""
+    import datasets  # noqa: F401
+    with tempfile.TemporaryDirectory() as d:
+        bom = os.path.join(d, "bom.jsonl")
+        open(bom, "wb").write(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n')
+        assert texts(bom) == ["first", "second"]
+        mac = _write(os.path.join(d, "mac.txt"), "one\rline\r\rtwo\r")
+        assert texts(mac) == ["one\nline", "two\n"]
+        os.makedirs(os.path.join(d, "tree", "a"))
+        _jsonl(os.path.join(d, "tree", "b.jsonl"), ["from b"])
+        _jsonl(os.path.join(d, "tree", "a", "z.jsonl"), ["from a/z"])
+        _jsonl(os.path.join(d, "tree", "c.jsonl"), ["from c"])
+        assert texts(os.path.join(d, "tree")) == ["from a/z", "from b", "from c"]
+        two = _jsonl(os.path.join(d, "two.jsonl"), ["alpha beta gamma delta " * 5, "epsilon zeta eta " * 5])
+        data = quiet_prepare(two, os.path.join(d, "c1"))
+        assert len(data["val"]) >= 2 and data["index"]["splits"]["val"]["tokens"] == len(data["val"])
+        assert len(data["train"]) + len(data["val"]) == sum(data["index"]["splits"][s]["tokens"] for s in ("train", "val"))
+        hub = os.path.join(d, "hub")
+        os.makedirs(hub)
+        _jsonl(os.path.join(hub, "train.jsonl"), _corpus_docs(60))
+        first = quiet_prepare("hf:" + hub, os.path.join(d, "c2"))["index"]["splits"]["train"]["documents"]
+        _jsonl(os.path.join(hub, "train.jsonl"), _corpus_docs(30))
+        again = quiet_prepare("hf:" + hub, os.path.join(d, "c2"))["index"]["splits"]["train"]["documents"]
+        assert again < first, (first, again)
+        with open(os.path.join(hub, "train.jsonl"), "a") as f:
+            f.write('{"text": broken\n')
+        for bad, name in (("hf:" + hub, "hf:"), (_damaged_parquet(d), "damaged.parquet")):
+            try:
+                quiet_prepare(bad, os.path.join(d, "c3"))
+            except DataError as e:
+                assert name in str(e), e
+            else:
+                raise AssertionError(f"{bad} accepted")
+
+
+def _damaged_parquet(d):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path = os.path.join(d, "damaged.parquet")
+    pq.write_table(pa.table({"text": _corpus_docs(400)}), path, row_group_size=100, compression="snappy")
+    blob = bytearray(open(path, "rb").read())
+    for i in range(len(blob) // 3, len(blob) // 3 + 2000):
+        blob[i] ^= 0x5A
+    open(path, "wb").write(bytes(blob))
+    return path
+
+
+def test_killed_preparation_leaves_no_orphan_and_no_partial_cache():
+    """kill -9 of a process preparing with 2 workers: its workers die with it (they inherited the cache
+    lock), and the next preparation neither waits forever nor leaves the partial temp folder behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    with tempfile.TemporaryDirectory() as d:
+        path, cache = _jsonl(os.path.join(d, "c.jsonl"), _corpus_docs(6000)), os.path.join(d, "cache")
+        tok = quiet_prepare(_jsonl(os.path.join(d, "small.jsonl"), _corpus_docs(100)), cache)["tokenizer_dir"]
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); import data.shards as s; s.BATCH_BYTES = 20000; "
+                "import time; from data.prepare import prepare_data; "
+                "prepare_data(sys.argv[2], tokenizer_dir=sys.argv[3], cache_dir=sys.argv[4], workers=2, log=print)")
+        proc = subprocess.Popen([sys.executable, "-c", code, root, path, tok, cache], stdout=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline and not [n for n in os.listdir(cache) if n.startswith(".tokens-")]:
+            time.sleep(0.05)
+        assert [n for n in os.listdir(cache) if n.startswith(".tokens-")], "the build never started"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        time.sleep(1.0)
+        r = subprocess.run([sys.executable, "-c", code, root, path, tok, cache], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert not [n for n in os.listdir(cache) if ".tmp" in n], os.listdir(cache)
+
+
 TESTS = [test_default_corpus_is_deterministic_real_prose, test_tokenizer_roundtrip_and_autotokenizer,
          test_user_files_jsonl_and_txt, test_bad_files_name_file_and_line, test_window_batches_resume_exactly,
          test_fixed_windows_and_entropy, test_parallel_preparation_equals_in_process,
          test_formats_give_the_same_documents, test_malformed_line_near_the_end_leaves_nothing_in_the_cache,
          test_damaged_cache_is_rebuilt_with_a_message, test_two_processes_prepare_one_corpus_at_once,
          test_tokenizer_trained_on_a_bounded_sample, test_memmap_windows_equal_in_memory_windows,
-         test_tiktoken_gives_the_tokenizers_ids]
+         test_tiktoken_gives_the_tokenizers_ids, test_odd_inputs_an_adversary_tried,
+         test_killed_preparation_leaves_no_orphan_and_no_partial_cache]
 
 if __name__ == "__main__":
     run(TESTS)

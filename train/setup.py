@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from data.sources import DataError
 from model.hf_adapter import is_hf_folder
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from train.atomic import atomic_dir
@@ -179,6 +180,8 @@ def count_val_bytes(data):
         y = y[y != IGNORE_INDEX]
         targets += y.numel()
         nbytes += int(lengths[y.clamp(max=len(lengths) - 1)].sum())
+    if not targets:
+        raise DataError("the validation split has no token to predict (a corpus of a few tokens?); add data")
     return targets, nbytes
 
 
@@ -231,8 +234,9 @@ def restore(args, model, optimizer, scaler, data, device_type, log):
     ckpt = args._checkpoint
     for key, value in data.identity.items():
         if ckpt.get(key) not in (None, value):
-            raise ValueError(f"{args.resume}: the checkpoint was trained with {key}={ckpt[key]:,} but the data now "
-                             f"gives {value:,}; resume needs the same data and tokenizer")
+            show = lambda v: f"{v:,}" if isinstance(v, int) else repr(v)  # noqa: E731
+            raise ValueError(f"{args.resume}: the checkpoint was trained with {key}={show(ckpt[key])} but the data now "
+                             f"gives {show(value)}; resume needs the same data and tokenizer")
     model.load_state_dict(ckpt["model"], strict=True)
     optimizer.load_state_dict(ckpt["optimizer"])
     if scaler.is_enabled() and ckpt.get("scaler"):

@@ -54,18 +54,13 @@ def chat_tokenizer(tokenizer_dir, log):
     return load_tokenizer(folder), folder
 
 
-def split_file(path, cache_dir, every=20):
-    """--data_path without --val_path: (train, val) jsonl files, every `every`-th conversation held out."""
-    from data.sources import file_sha1
-    from train.atomic import atomic_dir
-    out = os.path.join(cache_dir, f"sft-split-{file_sha1(path)[:16]}")
-    paths = {"train": os.path.join(out, "train.jsonl"), "val": os.path.join(out, "val.jsonl")}
-    if not all(os.path.exists(p) for p in paths.values()):
-        with atomic_dir(out) as tmp, open(path, "rb") as f, open(os.path.join(tmp, "train.jsonl"), "wb") as ft, \
-                open(os.path.join(tmp, "val.jsonl"), "wb") as fv:
-            for i, line in enumerate(line for line in f if line.strip()):
-                (fv if i % every == every - 1 else ft).write(line)
-    return paths["train"], paths["val"]
+def held_out_split(conv, path, every=20):
+    """--data_path without --val_path: (train, val) with every `every`-th conversation of the file held out."""
+    n = len(conv)
+    if n < every:
+        raise DataError(f"{path}: {n} conversations are too few to hold every {every}th out for evaluation; "
+                        f"pass --val_path")
+    return conv.select([i for i in range(n) if i % every != every - 1]), conv.select(range(every - 1, n, every))
 
 
 def load_data(args, tokenizer_dir, global_batch_size, log):
@@ -74,19 +69,17 @@ def load_data(args, tokenizer_dir, global_batch_size, log):
     if tokenizer_dir is None:
         raise DataError("no tokenizer: fine-tuning starts from trained weights (--init_from) or takes --tokenizer")
     tokenizer, tokenizer_dir = chat_tokenizer(tokenizer_dir, log)
-    if args.data_path is None:
-        paths = default_sft_set()
-        train_path, val_path = paths["train"], args.val_path or paths["val"]
-    elif args.val_path is None:
-        train_path, val_path = split_file(args.data_path, CACHE_DIR)
+    paths = default_sft_set() if args.data_path is None else {"train": args.data_path, "val": args.val_path}
+    train = load_conversations(paths["train"], tokenizer, args.seq_len, CACHE_DIR)
+    if args.data_path is not None and args.val_path is None:
+        train, val = held_out_split(train, args.data_path)
     else:
-        train_path, val_path = args.data_path, args.val_path
-    train = load_conversations(train_path, tokenizer, args.seq_len, CACHE_DIR)
-    val = load_conversations(val_path, tokenizer, args.seq_len, CACHE_DIR)
+        val = load_conversations(args.val_path or paths["val"], tokenizer, args.seq_len, CACHE_DIR)
     for name, conv in (("training", train), ("held-out", val)):
-        if conv.truncated:
-            log(f"note: {conv.truncated} {name} conversations are longer than --seq_len {args.seq_len} tokens: cut "
-                f"to it (their end is not trained on)")
+        if conv.truncated or conv.dropped:
+            log(f"note: {conv.truncated + conv.dropped} {name} conversations are longer than --seq_len {args.seq_len} "
+                f"tokens: {conv.truncated} cut to it (their end is not trained on), {conv.dropped} left out (no "
+                f"assistant token within it)")
     log(f"data: {args.data_path or 'embedded stdlib Q&A set'}: {len(train):,} train / {len(val):,} held-out "
         f"conversations, {train.supervised_tokens:,} / {val.supervised_tokens:,} assistant tokens")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -95,7 +88,7 @@ def load_data(args, tokenizer_dir, global_batch_size, log):
     val_batches = list(zip(x.split(args.batch_size), y.split(args.batch_size), seg.split(args.batch_size)))
     return StageData(tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
                      train_batches=PackedBatches(train, args.seq_len, global_batch_size, pad, seed=args.seed),
-                     val_batches=val_batches, identity={"train_conversations": len(train)})
+                     val_batches=val_batches, identity={"train_conversations": len(train), "train_sha1": train.sha1[:16]})
 
 
 STAGE = Stage(name="sft", description=__doc__, default_out_dir="checkpoints/sft", add_data_flags=add_data_flags,

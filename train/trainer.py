@@ -108,7 +108,8 @@ def train_step(run, state):
         # DDP all-reduces only on the last micro-step of an accumulation
         no_sync = ctx.distributed and i < len(batches) - 1
         with run.train_model.no_sync() if no_sync else contextlib.nullcontext():
-            micro_ce, micro_aux = forward_backward(run, *(t[run.my_rows] for t in batch), n_global=n_global)
+            x, y, *segment_ids = (t[run.my_rows] for t in batch)
+            micro_ce, micro_aux = forward_backward(run, x, y, n_global, *segment_ids)
         ce_part, aux_part = ce_part + micro_ce, aux_part + micro_aux
     run.scaler.unscale_(run.optimizer)
     if ctx.ep_size > 1:
@@ -122,7 +123,7 @@ def train_step(run, state):
     return StepResult(lr=lr, ce_part=ce_part, aux_part=aux_part, grad_norm=grad_norm, load_LE=load_LE)
 
 
-def forward_backward(run, x, y, segment_ids=None, n_global=None):
+def forward_backward(run, x, y, n_global, segment_ids=None):
     """Forward + backward of one micro-batch (x, y: this rank's [B, S] rows, on the CPU; segment_ids [B, S]
     for windows packed with several sequences, see train/stage.py).
 
