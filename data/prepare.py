@@ -23,7 +23,7 @@ from data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from train.atomic import atomic_write_text
 
 VAL_EVERY = 20  # every 20th document of a user corpus is held out
-TOKENIZER_SAMPLE_MB = 32  # the BPE is trained on the first this-many MB of training documents
+TOKENIZER_SAMPLE_MB = 16  # the BPE is trained on the first this-many MB of training documents (see README)
 PARALLEL_FROM_BYTES = 32 << 20  # below this a process pool costs more to start than it saves
 
 

@@ -5,7 +5,8 @@
     python scripts/bench_data.py --sizes_mb 400 --old_tree /work/old   # side by side with an old commit
 
 For every size it runs `train/pretrain.py --data_path corpus.jsonl --max_steps 20` twice in a fresh
-process each: cold (an empty data cache: preparation + training) and warm (the prepared cache), and
+process each: cold (an empty data cache: preparation + training) and warm (the prepared cache), after
+timing `prepare_data` alone (in a fresh process, after its imports, on an empty cache) for every tree, and
 prints one row per run: documents, tokens, preparation time and MB/s, peak RSS during preparation and
 during training (and the PSS of the preparing process plus its tokenizer workers), the trainer's own
 count of seconds from its start (after Python's imports) to its first training step (its "setup:" line),
@@ -137,6 +138,22 @@ def import_seconds(tree):
     return time.time() - t0
 
 
+PREP_ONLY = ("import sys, time; sys.path.insert(0, sys.argv[1]); from data.prepare import prepare_data; t = time.time(); "
+             "prepare_data(sys.argv[2], cache_dir=sys.argv[3], log=lambda *a: None); "
+             "print(f'data: prepare_data took {time.time() - t:.3f} s', flush=True)")
+
+
+def prep_only(tree, corpus, work):
+    """prepare_data alone in a fresh process and an empty cache: (seconds of the call, after the imports;
+    peak RSS of the process MB; peak PSS with its workers MB)."""
+    cache = os.path.join(work, "prep-cache")
+    shutil.rmtree(cache, ignore_errors=True)
+    r = timed_run([sys.executable, "-c", PREP_ONLY, tree, corpus, cache], work)
+    shutil.rmtree(cache, ignore_errors=True)
+    seconds = float(next(l for l in r["log"].splitlines() if "prepare_data took" in l).split()[3])
+    return seconds, r["prep_rss_mb"], r["prep_tree_mb"]
+
+
 def train_cmd(tree, corpus, out_dir, steps):
     return [sys.executable, os.path.join(tree, "train", "pretrain.py"), "--data_path", corpus, "--out_dir", out_dir,
             "--max_steps", str(steps), "--log_interval", "1", "--eval_tokens", "4096", "--eval_interval", "100000",
@@ -173,15 +190,21 @@ def main():
     trees = [("ours", ROOT)] + ([("old", os.path.abspath(args.old_tree))] if args.old_tree else [])
     imports = {label: import_seconds(tree) for label, tree in trees}
     print(f"uptime before: {os.getloadavg()}; import seconds: {imports}", flush=True)
-    head = (f"{'size':>6} {'tree':>5} {'run':>5} {'documents':>10} {'train tokens':>13} {'prep s':>7} {'prep MB/s':>9} "
+    head = (f"{'size':>6} {'tree':>5} {'run':>5} {'documents':>10} {'train tokens':>13} {'data at s':>9} {'MB/s':>7} "
             f"{'prep RSS MB':>11} {'+workers':>8} {'train RSS MB':>12} {'1st step s':>10} {'wall s':>7}")
-    rows = []
+    rows, prep_rows = [], []
+    prep_head = f"{'size':>6} {'tree':>5} {'prep s':>8} {'MB/s':>9} {'RSS MB':>11} {'+workers':>8}"
+    print("preparation alone (prepare_data, after the imports, empty cache):\n" + prep_head, flush=True)
     for size in args.sizes_mb:
         corpus = synthetic_corpus(os.path.join(args.work_dir, f"corpus-{args.corpus}-{size}mb.jsonl"), size,
                                   kind=args.corpus)
         mb = os.path.getsize(corpus) / 1e6
-        runs = [(label, tree, True) for label, tree in trees if label == "ours" or size <= args.old_max_mb]
-        runs.append(("ours", ROOT, False))
+        for label, tree in trees:  # the preparation alone, each tree in turn
+            if label == "ours" or size <= args.old_max_mb:
+                seconds, rss, pss = prep_only(tree, corpus, args.work_dir)
+                prep_rows.append(f"{size:>6} {label:>5} {seconds:>8.1f} {mb / seconds:>9.2f} {rss:>11.0f} {pss:>8.0f}")
+                print(prep_rows[-1], flush=True)
+        runs = [("ours", ROOT, True), ("ours", ROOT, False)]
         for label, tree, cold in runs:
             r = bench(tree, label, corpus, args.work_dir, args.steps, cold)
             prep = r["prep_s"] if cold else None
@@ -191,11 +214,13 @@ def main():
             prep_rss = f"{r['prep_rss_mb']:.0f}" if cold else "-"
             tree = f"{r['prep_tree_mb']:.0f}" if cold else "-"
             row = (f"{size:>6} {label:>5} {'cold' if cold else 'warm':>5} {r['docs']:>10} {r['tokens']:>13} "
-                   f"{prep_s:>7} {rate:>9} {prep_rss:>11} {tree:>8} {r['train_rss_mb']:>12.0f} {first:>10.1f} {r['wall']:>7.1f}")
+                   f"{prep_s:>9} {rate:>7} {prep_rss:>11} {tree:>8} {r['train_rss_mb']:>12.0f} {first:>10.1f} {r['wall']:>7.1f}")
             rows.append(row)
             print(head + "\n" + row if len(rows) == 1 else row, flush=True)
     print(f"\nuptime after: {os.getloadavg()}")
-    print("\n" + head + "\n" + "\n".join(rows))
+    print("\npreparation alone (prepare_data, after the imports, empty cache):\n" + prep_head + "\n" + "\n".join(prep_rows))
+    print("\ntraining runs (--max_steps %d; cold: empty cache, so preparation included):\n" % args.steps + head + "\n"
+          + "\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def add_data_flags(g):
     g.add_argument("--text_field", default="text", help="the text field of jsonl / parquet / datasets records")
     g.add_argument("--tokenizer", default=None, help="existing tokenizer dir; None: train a BPE on the data (cached)")
     g.add_argument("--vocab_size", type=int, default=6400, help="BPE vocabulary size when training a tokenizer")
-    g.add_argument("--tokenizer_sample_mb", type=int, default=32,
+    g.add_argument("--tokenizer_sample_mb", type=int, default=16,
                    help="a new BPE is trained on the first this-many MB of training documents")
     g.add_argument("--data_workers", type=int, default=None,
                    help="processes tokenizing a new corpus; None: one per core above 32 MB of input, else 0 (in-process)")
