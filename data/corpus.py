@@ -37,7 +37,9 @@ def _module_docstrings(path):
     return docs
 
 
-def _pydoc_topics(stdlib):
+def pydoc_topics(stdlib):
+    """[(topic, text)] of `pydoc_data.topics` (the language reference pages), sorted by topic; read with
+    `ast`, not imported."""
     path = os.path.join(stdlib, "pydoc_data", "topics.py")
     if not os.path.exists(path):
         return []
@@ -46,7 +48,7 @@ def _pydoc_topics(stdlib):
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "topics" for t in node.targets):
             topics = ast.literal_eval(node.value)
-            return [topics[k].strip() for k in sorted(topics) if topics[k].strip()]
+            return [(k, topics[k].strip()) for k in sorted(topics) if topics[k].strip()]
     return []
 
 
@@ -60,7 +62,7 @@ def iter_documents():
                 docs = _module_docstrings(os.path.join(dirpath, name))
                 if docs:
                     yield "\n\n".join(docs)
-    yield from _pydoc_topics(stdlib)
+    yield from (text for _, text in pydoc_topics(stdlib))
 
 
 def default_corpus(cache_dir=CACHE_DIR):

@@ -22,7 +22,7 @@ import re
 import sys
 import sysconfig
 
-from data.corpus import CACHE_DIR
+from data.corpus import CACHE_DIR, pydoc_topics
 from train.atomic import atomic_dir
 
 BUILDER_VERSION = 1
@@ -112,7 +112,7 @@ def iter_conversations(seed=0):
                 turns = [qa for e in group for qa in _questions(e)[:1 if pair else 2]]
                 rng.shuffle(turns) if not pair else None
                 yield _key(group), _conversation(turns, rng)
-    for key, text in _pydoc_topics(stdlib):
+    for key, text in pydoc_topics(stdlib):
         answer = first_paragraph(text)
         if len(answer) >= 20:
             yield key, _conversation([(f"Explain `{key}` in Python.", answer)], rng)
@@ -127,19 +127,6 @@ def _conversation(turns, rng):
     for q, a in turns:
         messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
     return messages
-
-
-def _pydoc_topics(stdlib):
-    path = os.path.join(stdlib, "pydoc_data", "topics.py")
-    if not os.path.exists(path):
-        return []
-    with open(path, "rb") as f:
-        tree = ast.parse(f.read(), filename=path)
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "topics" for t in node.targets):
-            topics = ast.literal_eval(node.value)
-            return [(k, topics[k]) for k in sorted(topics) if topics[k].strip()]
-    return []
 
 
 def held_out(key, every=20):
