@@ -15,13 +15,12 @@ A conversation longer than the window is cut to the window (its start is kept; a
 assistant token leaves it out), and the run says how many were. Text that spells a special token
 (`<|im_end|>`) inside a message becomes that token, as the chat template's tokenizer makes it.
 """
-import json
 import os
 
 import numpy as np
 import torch
 
-from data.sources import DataError, _decoded_lines, file_sha1, json_error
+from data.sources import DataError, file_sha1, jsonl_records
 from train.stage import IGNORE_INDEX
 
 ROLES = ("system", "user", "assistant")
@@ -31,14 +30,7 @@ def read_conversations(path):
     """Yield (messages, where) for each line of a jsonl file of conversations. Raises DataError (file:line)."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: conversation file not found")
-    for lineno, line in _decoded_lines(path):
-        where = f"{path}:{lineno}"
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: malformed JSON ({json_error(e)})") from None
+    for obj, where in jsonl_records(path):
         yield check_conversation(obj, where), where
 
 

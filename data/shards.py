@@ -34,7 +34,7 @@ SPLITS = ("train", "val")
 BATCH_BYTES = 4 << 20  # text per tokenization task
 BATCH_DOCS = 4096
 
-_encoder = None  # the worker's tokenizer (set by _init_worker, or in-process by TokenEncoder)
+_encoder = None  # texts -> ids lists: set by TokenEncoder before its workers fork (a spawned worker builds its own)
 
 
 def token_dtype(vocab_size):
@@ -53,18 +53,23 @@ def _die_with_parent(parent_pid):
             os._exit(1)
 
 
-def _init_worker(tokenizer_json, use_tiktoken, parent_pid=None):
-    global _encoder
-    if parent_pid is not None:
-        _die_with_parent(parent_pid)
+def _make_encoder(tokenizer_json, use_tiktoken):
+    """texts -> lists of ids, with tiktoken (data/fast_bpe.py) or `tokenizers`."""
     if use_tiktoken:
         from data.fast_bpe import encode, tiktoken_for
         enc = tiktoken_for(tokenizer_json)
-        _encoder = lambda texts: [encode(enc, t) for t in texts]  # noqa: E731
-    else:
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(tokenizer_json)
-        _encoder = lambda texts: [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]  # noqa: E731
+        return lambda texts: [encode(enc, t) for t in texts]
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(tokenizer_json)
+    return lambda texts: [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+
+def _init_worker(tokenizer_json, use_tiktoken, parent_pid):
+    """A pool worker: dies with its parent; a forked one already holds the parent's encoder."""
+    global _encoder
+    _die_with_parent(parent_pid)
+    if _encoder is None:  # spawned (not Linux): build it here
+        _encoder = _make_encoder(tokenizer_json, use_tiktoken)
 
 
 def _encode_batch(texts, eos_id, dtype):
@@ -99,6 +104,8 @@ class TokenEncoder:
         self.engine = "tiktoken" if enc is not None else "tokenizers"
 
     def __enter__(self):
+        global _encoder
+        _encoder = _make_encoder(self.tokenizer_json, self.use_tiktoken)  # once; forked workers inherit it
         if self.workers > 0:
             # fork where it is safe (Linux): workers start at once and share the parent's memory (a spawned
             # worker would re-import the trainer, ~300 MB each). Like torch's DataLoader workers.
@@ -115,8 +122,6 @@ class TokenEncoder:
                     del os.environ["TOKENIZERS_PARALLELISM"]
                 else:
                     os.environ["TOKENIZERS_PARALLELISM"] = saved
-        else:
-            _init_worker(self.tokenizer_json, self.use_tiktoken)
         return self
 
     def __exit__(self, *exc):

@@ -179,16 +179,22 @@ def _jsonl_documents(path, field):
             if text.strip():
                 yield text, f"{path}[{i}]"
         return
+    for obj, where in jsonl_records(path):
+        text = _text_of(obj, field, where)
+        if text.strip():
+            yield text, where
+
+
+def jsonl_records(path):
+    """(parsed object, "file:line") for every non-blank line of a jsonl file. Raises DataError naming
+    file:line for bytes that are not UTF-8 or a line that is not JSON."""
     for lineno, line in _decoded_lines(path):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            yield json.loads(line), f"{path}:{lineno}"
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: malformed JSON ({json_error(e)})") from None
-        text = _text_of(obj, field, f"{path}:{lineno}")
-        if text.strip():
-            yield text, f"{path}:{lineno}"
 
 
 def _first_char(path):

@@ -11,8 +11,11 @@ expert_load.png. The loss is the mean over the assistant tokens of the global ba
 conversations are packed into --seq_len windows where each attends only to itself. The step-0 evaluation
 is the base model's loss on the held-out conversations.
 """
+import hashlib
 import os
 import sys
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -45,7 +48,6 @@ def chat_tokenizer(tokenizer_dir, log):
         raise DataError(f"{tokenizer_dir}: the tokenizer has no <|im_end|> token and no chat template with a "
                         f"{{% generation %}} block, so the assistant turns cannot be found")
     tok.chat_template = CHAT_TEMPLATE
-    import hashlib
     key = hashlib.sha1(tok.backend_tokenizer.to_str().encode()).hexdigest()[:12]
     folder = os.path.join(CACHE_DIR, f"chat-tokenizer-{key}")
     if not os.path.exists(os.path.join(folder, "tokenizer.json")):
@@ -83,7 +85,7 @@ def load_data(args, tokenizer_dir, global_batch_size, log):
     log(f"data: {args.data_path or 'embedded stdlib Q&A set'}: {len(train):,} train / {len(val):,} held-out "
         f"conversations, {train.supervised_tokens:,} / {val.supervised_tokens:,} assistant tokens")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    windows = pack(__import__("numpy").diff(val.offsets), range(len(val)), args.seq_len)
+    windows = pack(np.diff(val.offsets), range(len(val)), args.seq_len)
     x, y, seg = window_tensors(val, windows, args.seq_len, pad)
     val_batches = list(zip(x.split(args.batch_size), y.split(args.batch_size), seg.split(args.batch_size)))
     return StageData(tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
