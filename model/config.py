@@ -56,11 +56,21 @@ class MiniMindConfig(PreTrainedConfig):
         moe_expert_alignment: pad every expert's row count to a multiple of this (1 = no padding).
         moe_impl: how the MoE layer runs its experts (same parameters, same function): "sorted" (default;
             one host sync per layer, bitwise equal to the masked reference) or "fused" (no host sync,
-            grouped GEMM and Triton/PyTorch permute kernels; equal up to rounding; see model/dispatch.py and model/experts.py).
+            grouped GEMM and Triton/PyTorch permute kernels; equal up to rounding; see model/dispatch.py and model/experts.py),
+            or "masked": the per-expert masked loop that sorted dispatch replaced, 3 host syncs per expert
+            (model/moe.py: masked_expert_loop); for baselines and benchmarks only.
+        linear_backend: the engine of the attention projections, the LM head and the dense FFN
+            (kernels/cpu_linear.py): "auto" (default; oneDNN for CPU fp32 outside autocast, where torch's MKL
+            path is slower, else F.linear), "onednn" (that or an error) or "torch" (F.linear always). Same
+            weights, same function; the fp32 results differ by rounding. The MoE experts ignore it.
+        attn_impl: "sdpa" (F.scaled_dot_product_attention), "explicit" (the scores written out: two batched
+            GEMMs and an fp32 softmax, faster on CPU under bf16 autocast at training lengths;
+            model_minimind.explicit_attention) or "auto" (default: sdpa in the model; the trainer replaces it
+            with the faster of the two, measured at setup: train/cpu_engines.py). Same function, rounding differs.
         initializer_range: std of the normal init of linear and embedding weights.
 
     Fields declared with `_training(...)` (the router losses, moe_impl, moe_expert_alignment,
-    router_dtype) are training choices; `MiniMindConfig.training_fields()` lists them.
+    router_dtype, linear_backend, attn_impl) are training choices; `MiniMindConfig.training_fields()` lists them.
 
     Raises:
         ValueError: naming the field, when a value or a combination is invalid.
@@ -95,6 +105,8 @@ class MiniMindConfig(PreTrainedConfig):
     router_z_loss_coef: float = _training(0.0)
     router_bias_update_rate: float = 0.0
     router_dtype: str | None = _training(None)
+    linear_backend: str = _training("auto")
+    attn_impl: str = _training("auto")
     initializer_range: float = 0.02
     pad_token_id: int | None = 0
     bos_token_id: int | None = None
@@ -154,6 +166,10 @@ class MiniMindConfig(PreTrainedConfig):
             raise ValueError("MiniMindConfig.router_bias_update_rate > 0 needs use_moe=True (a dense model has no router)")
         if self.router_dtype not in (None, "float32"):
             raise ValueError(f"MiniMindConfig.router_dtype must be None or 'float32', got {self.router_dtype!r}")
-        if self.moe_impl not in ("sorted", "fused"):
-            raise ValueError(f"MiniMindConfig.moe_impl must be 'sorted' or 'fused', got {self.moe_impl!r}")
+        if self.moe_impl not in ("sorted", "fused", "masked"):
+            raise ValueError(f"MiniMindConfig.moe_impl must be 'sorted', 'fused' or 'masked', got {self.moe_impl!r}")
+        if self.linear_backend not in ("auto", "onednn", "torch"):
+            raise ValueError(f"MiniMindConfig.linear_backend must be 'auto', 'onednn' or 'torch', got {self.linear_backend!r}")
+        if self.attn_impl not in ("auto", "sdpa", "explicit"):
+            raise ValueError(f"MiniMindConfig.attn_impl must be 'auto', 'sdpa' or 'explicit', got {self.attn_impl!r}")
         super().__post_init__(**kwargs)

@@ -30,6 +30,7 @@ from torch import nn
 
 from kernels.backend import interpreting, warn_once
 from kernels.cpu_experts import cpu_experts, cpu_experts_supported
+from kernels.cpu_linear import Linear
 from kernels.grouped_gemm import grouped_swiglu
 from model.dispatch import compute_dtype
 
@@ -37,13 +38,17 @@ IMPLS = ("loop", "grouped", "cpu_chains", "auto")
 
 
 class FeedForward(nn.Module):
-    """SwiGLU FFN: down(silu(gate(x)) * up(x)). x: [..., D] -> [..., D]. Names match HF (`gate_proj`...)."""
+    """SwiGLU FFN: down(silu(gate(x)) * up(x)). x: [..., D] -> [..., D]. Names match HF (`gate_proj`...).
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    linear_backend (kernels/cpu_linear.py): "torch" (default) = nn.Linear's F.linear, what the experts use
+    (the sorted layer's bitwise contract is with the masked loop over these modules); the dense FFN of a
+    dense model passes its config's `linear_backend`."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, linear_backend: str = "torch"):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, linear_backend)
+        self.up_proj = Linear(hidden_size, intermediate_size, linear_backend)
+        self.down_proj = Linear(intermediate_size, hidden_size, linear_backend)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

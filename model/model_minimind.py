@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from dataclasses import dataclass
 
 
+from kernels.cpu_linear import Linear
 from model.config import MiniMindConfig
 from model.moe import FeedForward, MOEFeedForward  # noqa: F401  (public re-exports)
 from model.router import layer_mean, minimind_aux_loss  # noqa: F401  (minimind_aux_loss: public re-export)
@@ -52,18 +53,40 @@ def apply_rope(x, cos, sin):
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def explicit_attention(q_BHSD, k_BGLD, v_BGLD, attn_mask=None, is_causal=False, enable_gqa=True, dropout_p=0.0):
+    """softmax(q k^T / sqrt(Dh) + mask) v with the scores written out: two batched GEMMs and an fp32 softmax,
+    the same function as F.scaled_dot_product_attention (same arguments; attn_mask bool, True = may
+    attend, broadcast to [B, H, S, L]; is_causal needs S == L). On CPU under bf16 autocast at training
+    lengths this beats torch's fused CPU kernel (measured fwd+bwd at B=8, S=128, 4 heads of 64 on an AMD
+    EPYC with AVX512-BF16: 3.7 ms vs 10.5 ms), at the cost of an [B, H, S, L] fp32 score buffer."""
+    H, G = q_BHSD.shape[1], k_BGLD.shape[1]
+    if G != H:
+        k_BGLD, v_BGLD = k_BGLD.repeat_interleave(H // G, dim=1), v_BGLD.repeat_interleave(H // G, dim=1)
+    S, L = q_BHSD.shape[2], k_BGLD.shape[2]
+    scores = (q_BHSD @ k_BGLD.transpose(-1, -2)).float() * q_BHSD.shape[-1] ** -0.5
+    if is_causal:
+        attn_mask = torch.ones(S, L, dtype=torch.bool, device=q_BHSD.device).tril()
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    probs = scores.softmax(-1).to(v_BGLD.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return probs @ v_BGLD
+
+
 class Attention(nn.Module):
     def __init__(self, config: MiniMindConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, config.linear_backend)
+        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, config.linear_backend)
+        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, config.linear_backend)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, config.linear_backend)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.dropout = config.dropout
+        self.attn_impl = config.attn_impl
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x_BSD, cos, sin, past_kv=None, use_cache=False, attn_mask_B1SL=None):
@@ -86,8 +109,9 @@ class Attention(nn.Module):
         else:  # several new queries after a cache: query i sees keys up to L - S + i
             mask = torch.ones(S, L, dtype=torch.bool, device=x_BSD.device).tril(diagonal=L - S)
             causal = False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True,
-                                             dropout_p=self.dropout if self.training else 0.0)
+        attend = explicit_attention if self.attn_impl == "explicit" else F.scaled_dot_product_attention
+        out = attend(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True,
+                     dropout_p=self.dropout if self.training else 0.0)
         out = self.resid_dropout(self.o_proj(out.transpose(1, 2).reshape(B, S, -1)))
         return out, ((k, v) if use_cache else None)
 
@@ -98,7 +122,8 @@ class MiniMindBlock(nn.Module):
         self.self_attn = Attention(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MOEFeedForward(config) if config.use_moe else FeedForward(config.hidden_size, config.intermediate_size)
+        self.mlp = (MOEFeedForward(config) if config.use_moe else
+                    FeedForward(config.hidden_size, config.intermediate_size, config.linear_backend))
         self.mlp_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, cos, sin, past_kv=None, use_cache=False, token_mask=None, attn_mask=None):
@@ -247,7 +272,7 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
     def __init__(self, config: MiniMindConfig):
         super().__init__(config)
         self.model = MiniMindModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, config.linear_backend)
         self.post_init()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -11,9 +11,13 @@ F expert intermediate size, N = T*K routed (token, slot) pairs, P dispatched row
     5. combine   (model/dispatch.py) each token's weighted sum     self.dispatcher.combine
 
 `moe_impl="sorted"` (default) pairs the SortedDispatcher with the per-expert loop: one host sync per layer,
-bitwise the per-expert masked loop (MiniMind's original layer, kept as `scripts/moe_reference.py`).
+bitwise the per-expert masked loop (MiniMind's original layer: `masked_expert_loop` below, with MiniMind's
+routing in `scripts/moe_reference.py`).
 `moe_impl="fused"` pairs the RowMapDispatcher with grouped GEMMs (or, on CPU, the oneDNN expert chains):
-no host sync, equal up to rounding. Expert parallelism replaces `self.dispatcher` (train/expert_parallel.py).
+no host sync, equal up to rounding. `moe_impl="masked"` runs steps 3-5 as that masked loop
+(`masked_expert_loop`, 3 host syncs per expert; for baselines and benchmarks only), with the same routing,
+router losses, load telemetry and capacity / padding-token policy as the others. Expert parallelism
+replaces `self.dispatcher` (train/expert_parallel.py).
 """
 import warnings
 from dataclasses import dataclass
@@ -63,7 +67,7 @@ class MOEFeedForward(nn.Module):
 
     Components (public attributes): `dispatcher` (SortedDispatcher or RowMapDispatcher, by
     config.moe_impl; its `permute_backend` for the row-map one) and `experts` (SwiGLUExperts: `impl`
-    "loop" for sorted, "auto" for fused, and `gemm_backend`).
+    "loop" for sorted and masked, "auto" for fused, and `gemm_backend`).
 
     Load telemetry: in training the router's choices per expert (real tokens only, before capacity
     dropping) are summed until `pop_load()` hands them over (train/ does, once per step).
@@ -96,11 +100,16 @@ class MOEFeedForward(nn.Module):
         topk_idx_TK, topk_weight_TK, balance_loss, z_loss = self._route_and_account(x_TD, token_mask_T, B)
         # 2. capacity / padding policy: padding tokens and pairs over capacity go to no expert (-1)
         topk_idx_TK, layout = drop_and_pad(self.config, topk_idx_TK, topk_weight_TK, token_mask_T)
+        if self.config.moe_impl == "masked":  # 3-5 as MiniMind's loop; row padding is the grouped paths' layout
+            y_TD = masked_expert_loop(self.experts, x_TD, topk_idx_TK, topk_weight_TK, self.training)
+            load_E = tokens_per_expert(topk_idx_TK, self.config.num_experts)
+            self.stats = MoEStats(load_E, None, balance_loss, z_loss)
+            return y_TD.view(B, S, D)
         # 3. dispatch (the CPU expert chains gather their own rows: then nothing is permuted)
         permute = not self.experts.gathers_own_rows(x_TD)
-        rows, tokens_per_expert, handle = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout, permute)
+        rows, rows_per_expert, handle = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout, permute)
         # 4. experts
-        rows = self.experts(rows, tokens_per_expert, handle)
+        rows = self.experts(rows, rows_per_expert, handle)
         # 5. combine
         y_TD = self.dispatcher.combine(rows, handle)
         self.stats = MoEStats(handle.tokens_per_expert_E, handle.padded_tokens_per_expert_E, balance_loss, z_loss)
@@ -188,3 +197,24 @@ class MOEFeedForward(nn.Module):
             warnings.warn("MoE with num_experts_per_tok=1 and norm_topk_prob=True: every combine weight is "
                           "exactly 1, so the router gets no gradient from the language-model loss (only from "
                           "the aux / z losses). Set norm_topk_prob=False or use k >= 2.", stacklevel=4)
+
+
+def masked_expert_loop(experts, x_TD, topk_idx_TK, topk_weight_TK, training):
+    """The per-expert masked loop that sorted dispatch replaced (MiniMind's original layer): steps 3-5 of
+    the layer, the bitwise reference of moe_impl="sorted". For each expert it asks the device three
+    questions whose answers come back to the host (`mask.any()`, the length of `nonzero()`, the length of the
+    boolean-mask gather): 3 syncs per expert.
+
+    Args: experts (iterable of E SwiGLU FFNs), x_TD [T, D], topk_idx_TK int64 [T, K] in [-1, E) (-1: no
+    expert), topk_weight_TK [T, K], training (keep idle experts in the graph). Returns y_TD [T, D] of x's dtype.
+    """
+    y_TD = torch.zeros_like(x_TD)
+    for e, expert in enumerate(experts):
+        mask_TK = topk_idx_TK == e
+        if mask_TK.any():
+            token_idx = mask_TK.any(dim=-1).nonzero().flatten()
+            weight = topk_weight_TK[mask_TK].view(-1, 1)  # (a token holds expert e in at most one slot)
+            y_TD.index_add_(0, token_idx, (expert(x_TD[token_idx]) * weight).to(y_TD.dtype))
+        elif training:  # keep the idle expert in the autograd graph with a zero gradient (DDP needs every grad)
+            y_TD[:1, :1] += 0 * sum(p.sum() for p in expert.parameters())  # (an empty slice when T = 0)
+    return y_TD

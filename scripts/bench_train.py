@@ -7,8 +7,8 @@
 
 The three runs share initial weights and batches (random token ids: throughput does not depend on the
 text). Steps run in rounds, one block of steps per implementation per round, so machine drift hits all
-alike; the figure is total tokens / total time over the timed rounds. The masked run is the sorted model
-with every MoE layer's forward swapped for scripts/moe_reference.py's loop (same math and aux loss).
+alike; the figure is total tokens / total time over the timed rounds. The masked run is moe_impl="masked"
+(model/moe.py: masked_expert_loop; the same routing and aux loss as the others).
 """
 import argparse
 import os
@@ -20,18 +20,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import torch  # noqa: E402
 
-from moe_reference import reference_masked_forward  # noqa: E402
-from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, MOEFeedForward  # noqa: E402
-from model.router import minimind_aux_loss  # noqa: E402
-
-
-def masked_forward(self, x):
-    """MOEFeedForward.forward replaced by the masked reference loop, with the same aux loss."""
-    if self.training and self.config.router_aux_loss_coef > 0:
-        scores_TE, _, topk_idx_TK = self.route(x.reshape(-1, x.shape[-1]))
-        self.aux_loss = minimind_aux_loss(scores_TE, topk_idx_TK, self.config.num_experts,
-                                          self.config.router_aux_loss_coef)
-    return reference_masked_forward(self, x)
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 
 
 def main():
@@ -56,12 +45,8 @@ def main():
         cfg = MiniMindConfig(vocab_size=6400, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
                              num_attention_heads=4, num_key_value_heads=2, use_moe=True, num_experts=args.num_experts,
                              num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_intermediate_size,
-                             moe_impl="fused" if impl == "fused" else "sorted")
+                             moe_impl=impl)
         model = MiniMindForCausalLM(cfg).to(device).train()
-        if impl == "masked":
-            for m in model.modules():
-                if isinstance(m, MOEFeedForward):
-                    m.forward = masked_forward.__get__(m)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     runs = {impl: make(impl) for impl in ("masked", "sorted", "fused")}

@@ -73,7 +73,7 @@ def test_ddp_ep_matches_single_process():
     changes the gradients slightly every step and compounds over 20 steps: looser bound."""
     for coef, bound in (("0", 1e-5), ("0.01", 5e-3)):
         common = TINY + ["--data_path", data_file(), "--max_steps", "20", "--save_interval", "20",
-                         "--aux_loss_coef", coef]
+                         "--aux_loss_coef", coef, "--dtype", "float32", "--moe_impl", "sorted"]
         ep_dir, one_dir = os.path.join(_TMP, f"ep2_{coef}"), os.path.join(_TMP, f"one_{coef}")
         launch(2, common + ["--batch_size", "4", "--ep_size", "2", "--out_dir", ep_dir])
         single(common + ["--batch_size", "8", "--out_dir", one_dir])
@@ -106,6 +106,23 @@ def test_dense_weights_identical_across_ranks():
     for r in range(1, 4):
         for n, v in states[0].items():
             assert torch.equal(v, states[r][n]), f"{n} differs between rank 0 and rank {r}"
+
+
+def test_time_budget_ranks_stop_together():
+    """--time_budget_s 2 on 2 ranks (DDP x EP=2): the ranks agree on the training clock at log steps (in the
+    all-reduce that carries stop signals), so they use the same LR and stop at the same log step, the first
+    past the budget, with identical dense weights."""
+    from train.checkpoint import load_checkpoint
+    out = os.path.join(_TMP, "budget")
+    argv = TINY + ["--data_path", data_file(), "--time_budget_s", "2", "--log_interval", "4", "--batch_size", "2",
+                   "--ep_size", "2", "--out_dir", out]
+    states = spawn_ranks(dense_state_worker, 2, argv, init_group=False)
+    for n, v in states[0].items():
+        assert torch.equal(v, states[1][n]), f"{n} differs between rank 0 and rank 1"
+    times = [r["train_time_s"] for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "train_loss" in r]
+    step = load_checkpoint(out)["step"]
+    # (train_time_s is logged to the ms: the step before may read 2.0 after rounding)
+    assert step % 4 == 0 and len(times) == step // 4 and times[-2] < 2 + 5e-4 and 2 <= times[-1], (step, times[-3:])
 
 
 def test_resume_across_ep_sizes():
@@ -146,7 +163,7 @@ def test_bad_setups_fail_fast():
 
 
 TESTS = [test_ddp_ep_matches_single_process, test_dense_weights_identical_across_ranks, test_resume_across_ep_sizes,
-         test_bad_setups_fail_fast]
+         test_bad_setups_fail_fast, test_time_budget_ranks_stop_together]
 
 if __name__ == "__main__":
     run(TESTS)

@@ -14,10 +14,12 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from testlib import Skip, run  # noqa: E402,F401
 from kernels.backend import choose, cpu_values, interpreting, triton_importable  # noqa: E402
 from kernels.cpu_experts import cpu_experts, cpu_experts_supported  # noqa: E402
+from kernels.cpu_linear import Linear, bf16_gemm_speedup, linear, onednn_linear_fits  # noqa: E402
 from kernels.grouped_gemm import (ScaledSwiGLU, SwiGLU, grouped_mm, grouped_swiglu, onednn_supports,  # noqa: E402
                                   torch_grouped_mm_supports)
 from kernels.permute import (combine_rows, combine_rows_reference, gather_rows, gather_rows_reference,  # noqa: E402
@@ -455,7 +457,57 @@ def test_kernels_compile_for_hopper():
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
 
 
-TESTS = [test_row_map_layout, test_gather_rows_bitwise, test_combine_rows_bitwise, test_hole_free_fast_path_is_the_same,
+def test_onednn_linear_matches_fp64():
+    """kernels/cpu_linear.py against F.linear in fp64: forward, grad x, grad W within 1e-5 relative (fp32
+    rounding of a K <= 384 dot product, in oneDNN's summation order; measured ~8e-7), for 2-D, 3-D and
+    non-contiguous inputs; the "torch" backend is F.linear bitwise."""
+    if not onednn_linear_fits(torch.zeros(1), torch.zeros(1)):
+        raise Skip("this torch has no oneDNN for CPU fp32")
+    gen = torch.Generator().manual_seed(0)
+    for shape, N in [((1024, 256), 6400), ((8, 128, 256), 768), ((3, 5, 7), 9), ((1, 384), 256)]:
+        x = torch.randn(*shape, generator=gen)
+        if len(shape) == 3:
+            x = x.transpose(0, 1).contiguous().transpose(0, 1)  # non-contiguous view
+        w = torch.randn(N, shape[-1], generator=gen)
+        g = torch.randn(*shape[:-1], N, generator=gen)
+        x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = linear(x1, w1, "onednn")
+        y.backward(g)
+        xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+        yd = F.linear(xd, wd)
+        yd.backward(g.double())
+        for got, want, what in [(y, yd, "y"), (x1.grad, xd.grad, "grad x"), (w1.grad, wd.grad, "grad W")]:
+            rel = ((got.double() - want).abs().max() / want.abs().max()).item()
+            assert got.dtype == torch.float32 and rel < 1e-5, f"{shape} {what}: relative error {rel:.2e}"
+        assert torch.equal(linear(x, w, "torch"), F.linear(x, w))
+
+
+def test_onednn_linear_choices():
+    """"auto" leaves autocast and non-fp32 operands to F.linear (bitwise), "onednn" refuses them, a bad
+    backend is a ValueError; Linear keeps nn.Linear's parameters and state_dict keys."""
+    x, w = torch.randn(4, 16), torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not onednn_linear_fits(x, w)
+        assert torch.equal(linear(x, w), F.linear(x, w)) and linear(x, w).dtype == torch.bfloat16
+        try:
+            linear(x, w, "onednn")
+            raise AssertionError("onednn under autocast did not raise")
+        except ValueError as e:
+            assert "autocast" in str(e)
+    xd, wd = x.double(), w.double()
+    assert torch.equal(linear(xd, wd), F.linear(xd, wd))
+    for bad in ("mkl", None):
+        try:
+            linear(x, w, bad)
+            raise AssertionError(f"backend {bad!r} did not raise")
+        except ValueError:
+            pass
+    layer = Linear(16, 8, "auto")
+    assert isinstance(layer, torch.nn.Linear) and layer.bias is None and list(layer.state_dict()) == ["weight"]
+    assert 0.0 <= bf16_gemm_speedup(64, 32, 64, reps=1) < 100
+
+
+TESTS = [test_onednn_linear_matches_fp64, test_onednn_linear_choices, test_row_map_layout, test_gather_rows_bitwise, test_combine_rows_bitwise, test_hole_free_fast_path_is_the_same,
          test_permute_combine_autograd, test_grouped_mm_triton_forward_backward, test_grouped_mm_torch_backend_on_cpu,
          test_grouped_mm_onednn_backend_on_cpu, test_embedding_bag_combine_is_the_reference, test_scaled_swiglu_gradients,
          test_cpu_experts_chains, test_cpu_experts_autograd_modes, test_cpu_values_refuses_device_tensors,

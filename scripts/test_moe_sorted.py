@@ -223,6 +223,47 @@ def test_cuda_bitwise_and_syncs():
         assert n == 1, f"E={e}: {n} CUDA syncs"
 
 
+def test_masked_impl_equals_sorted():
+    """moe_impl="masked" (the reference loop inside the layer) against "sorted" with the same weights, CPU fp32:
+    output and grads bitwise, and the same aux loss, router load and routed-pair counts, with padding
+    tokens, capacity dropping, aux-loss-free bias and the balance loss types. (With moe_pad_to_capacity the
+    sorted experts run on zero-padded row blocks, which changes the GEMMs' rounding, so only allclose there.)"""
+    cases = [dict(num_experts=4, num_experts_per_tok=2), dict(num_experts=8, num_experts_per_tok=1),
+             dict(num_experts=8, num_experts_per_tok=3, router_aux_loss_type="sequence", router_z_loss_coef=1e-3),
+             dict(num_experts=4, num_experts_per_tok=2, capacity_factor=0.75, moe_drop_policy="position",
+                  router_aux_loss_type="switch", router_bias_update_rate=1e-2),
+             dict(num_experts=4, num_experts_per_tok=2, capacity_factor=1.0, moe_pad_to_capacity=True)]
+    torch.manual_seed(21)
+    x = torch.randn(3, 11, 64)
+    mask = torch.ones(3, 11, dtype=torch.bool)
+    mask[0, 8:] = mask[2, :3] = False  # right and left padding
+    for kw in cases:
+        sorted_mod, masked = build(seed=3, **kw), build(seed=3, moe_impl="masked", **kw)
+        if sorted_mod.expert_bias is not None:
+            sorted_mod.expert_bias.copy_(torch.linspace(-0.05, 0.05, kw["num_experts"]))
+        masked.load_state_dict(sorted_mod.state_dict())
+        for train in (True, False):
+            res, seen = [], []
+            for mod in (sorted_mod.train(train), masked.train(train)):
+                xi = x.clone().requires_grad_()
+                y = mod(xi, token_mask=mask)
+                loss = (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum() + mod.aux_loss
+                loss.backward()
+                res.append({"y": y.detach(), "x_grad": xi.grad,
+                            "grads": {n: None if p.grad is None else p.grad.clone() for n, p in mod.named_parameters()}})
+                seen.append((mod.aux_loss.detach(), mod.stats.tokens_per_expert, mod.pop_load()))
+                mod.zero_grad(set_to_none=True)
+            what = f"{kw} train={train}"
+            if kw.get("moe_pad_to_capacity"):
+                assert torch.allclose(res[0]["y"], res[1]["y"], rtol=1e-5, atol=1e-6), what
+            else:
+                assert_same(*res, kw["num_experts_per_tok"], what)
+            assert torch.equal(res[0]["y"][~mask], torch.zeros_like(res[0]["y"][~mask])), f"{what}: padding output"
+            (aux_s, tpe_s, load_s), (aux_m, tpe_m, load_m) = seen
+            assert torch.equal(aux_s, aux_m) and torch.equal(tpe_s, tpe_m), f"{what}: aux loss or counts differ"
+            assert (load_s is None) == (load_m is None) and (load_s is None or torch.equal(load_s, load_m)), what
+
+
 def test_user_acceptance_file():
     """The user's own acceptance test (../shared/acceptance/test_moe_sorted.py), when it is present."""
     path = os.path.join(SHARED, "acceptance", "test_moe_sorted.py")
@@ -237,7 +278,7 @@ def test_user_acceptance_file():
 TESTS = [test_bitwise_vs_masked_reference, test_odd_hidden_and_intermediate_sizes, test_idle_experts_and_tiny_batches,
          test_zero_token_grads_train_vs_eval, test_empty_input, test_bf16_on_cpu, test_aux_loss_and_state_dict,
          test_single_sync_per_layer, test_sync_counter_sees_known_syncs, test_deterministic,
-         test_cuda_bitwise_and_syncs, test_user_acceptance_file]
+         test_cuda_bitwise_and_syncs, test_masked_impl_equals_sorted, test_user_acceptance_file]
 
 if __name__ == "__main__":
     run(TESTS)

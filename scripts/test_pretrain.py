@@ -95,7 +95,7 @@ def test_resume_equals_continuous_run():
     la = [json.loads(l) for l in open(os.path.join(a_dir, "metrics.jsonl"))]
     lb = [json.loads(l) for l in open(os.path.join(b_dir, "metrics.jsonl"))]
     # everything but the timing, the expert-load telemetry of the interval the resume cuts included
-    key = lambda rs: [{k: v for k, v in r.items() if k != "tok_per_s"} for r in rs]  # noqa: E731
+    key = lambda rs: [{k: v for k, v in r.items() if k not in ("tok_per_s", "train_time_s")} for r in rs]  # noqa: E731
     assert key(la) == key(lb), "logged records differ between the continuous and the resumed run"
 
 
@@ -147,8 +147,10 @@ def test_corrupt_checkpoint_is_refused():
 
 def test_fused_impl_trains_like_sorted_and_switches_on_resume():
     """--moe_impl fused gives the sorted run's loss curve (within fp32 rounding) and its checkpoint
-    resumes under --moe_impl sorted (the implementation is not part of the architecture)."""
-    common = TINY + ["--data_path", text_file(), "--max_steps", "20", "--eval_interval", "10", "--save_interval", "10"]
+    resumes under --moe_impl sorted (the implementation is not part of the architecture). fp32: under bf16
+    autocast (what --dtype auto picks on CPUs with native bf16) the two round differently by ~5e-4."""
+    common = TINY + ["--data_path", text_file(), "--max_steps", "20", "--eval_interval", "10", "--save_interval", "10",
+                     "--dtype", "float32"]
     runs = {}
     for impl in ("sorted", "fused"):
         out_dir = os.path.join(_TMP, f"impl_{impl}")
@@ -162,6 +164,60 @@ def test_fused_impl_trains_like_sorted_and_switches_on_resume():
     assert len(a) == len(b) > 0
     worst = max(abs(x - y) / x for x, y in zip(a, b))
     assert worst < 1e-4, f"sorted vs fused loss curves differ by {worst:.1e} relative"
+
+
+def test_time_budget_ends_the_schedule_and_resume_continues_it():
+    """--time_budget_s 3: the run stops on its first step past 3 s of training (no --max_steps needed), the LR
+    follows the cosine of the time used (lr/10 at the budget), the final evaluation and checkpoint are at
+    that step; a run stopped early resumes with the training seconds it had used (the checkpoint carries
+    them). (Timing-based: on a machine busy enough to make a step take ~0.3 s the lr/10 check is skipped.)"""
+    from train.flags import UNLIMITED_STEPS
+    from train.schedule import lr_at
+    budget, lr = 3.0, 3e-3
+    common = TINY + ["--data_path", text_file(), "--time_budget_s", str(budget), "--learning_rate", str(lr),
+                     "--eval_interval", "100000", "--save_interval", "100000", "--log_interval", "1"]
+    for name, stop_after in (("budget", None), ("budget_resumed", "10")):
+        out_dir = os.path.join(_TMP, name)
+        if stop_after:
+            first = train(parse_args(common + ["--out_dir", out_dir, "--stop_after", stop_after]), log=quiet)
+            used = load_checkpoint(out_dir)["train_time_s"]
+            assert first["stopped_by"] == "--stop_after" and 0 < used < budget, (first["stopped_by"], used)
+            s = train(parse_args(["--resume", "--out_dir", out_dir]), log=quiet)
+        else:
+            args = parse_args(common + ["--out_dir", out_dir])
+            assert args.max_steps == UNLIMITED_STEPS
+            s = train(args, log=quiet)
+        steps = [r for r in s["records"] if "train_loss" in r]  # every step (--log_interval 1)
+        times = [r["train_time_s"] for r in steps]
+        assert times == sorted(times) and times[-2] < budget <= times[-1], times[-3:]
+        assert abs(s["train_time_s"] - times[-1]) < 1e-3 and s["stopped_by"] is None, (s["train_time_s"], times[-1])
+        for before, r in zip(steps[4:], steps[5:]):  # (after the 5 warmup steps) the LR of the time used before
+            want = lr_at(r["step"] - 1, 0, lr, 5, progress=before["train_time_s"] / budget)
+            assert abs(r["lr"] - want) < 2e-3 * lr, (r, want)
+        if len(steps) >= 20:
+            assert lr * 0.1 <= steps[-1]["lr"] < lr * 0.11, f"last lr {steps[-1]['lr']:.3e}, not ~lr/10"
+        ckpt = load_checkpoint(out_dir)
+        assert ckpt["step"] == steps[-1]["step"] == s["records"][-1]["step"] and "val_loss" in s["records"][-1]
+        assert abs(ckpt["train_time_s"] - s["train_time_s"]) < 0.5, (ckpt["train_time_s"], s["train_time_s"])
+
+
+def test_bench_quality_smoke_run():
+    """scripts/bench_quality.py end to end on a tiny model with 1-s budgets: a row per run, read back from the
+    run's metrics, and the dense row's active parameters equal the top-2 MoE's (but for the router)."""
+    import bench_quality
+    out_dir = os.path.join(_TMP, "bench_quality")
+    tiny = ["--hidden_size", "32", "--num_hidden_layers", "2", "--seq_len", "32", "--batch_size", "4",
+            "--moe_intermediate_size", "32", "--vocab_size", "512", "--eval_tokens", "1024"]
+    bench_quality.main(["--rows", "dense,masked", "--budget_s", "1", "--out_dir", out_dir, *tiny])
+    rows = json.load(open(os.path.join(out_dir, "results.json")))["results"]
+    assert [r["row"] for r in rows] == ["dense", "masked"] and not any("error" in r for r in rows), rows
+    for r in rows:
+        assert r["steps"] > 0 and r["tok_per_s"] > 0 and 1 <= r["train_time_s"] and r["val_bpb"] > 0, r
+        assert os.path.exists(os.path.join(out_dir, r["row"], "metrics.jsonl")), r["row"]
+    dense, masked = rows
+    assert "--use_moe 0" in dense["command"] and "--moe_impl masked" in masked["command"], (dense, masked)
+    assert masked["active_params"] - dense["active_params"] == 2 * 32 * 4, (dense, masked)  # the gates: L x D x E
+    assert open(os.path.join(out_dir, "results.md")).read().startswith("| row | model |")
 
 
 def _refused(parse, argv):
@@ -219,7 +275,9 @@ def test_parse_errors_are_one_line_naming_the_flag_as_typed():
                       (["--top_k", "x"], "argument --top_k: invalid int value"),
                       (["--bogus"], "unrecognized arguments: --bogus"),
                       (["--seq_len", "4096"], "--seq_len 4096 exceeds --max_position_embeddings 2048"),
-                      (["--learning_rate", "-1"], "--learning_rate must be > 0")):
+                      (["--learning_rate", "-1"], "--learning_rate must be > 0"),
+                      (["--ep_size", "2", "--moe_impl", "masked"], "--ep_size 2 needs --moe_impl sorted or fused"),
+                      (["--time_budget_s", "-5"], "--time_budget_s must be >= 0")):
         error = _one_error(parse_args, argv, msg)
         assert "MiniMindConfig" not in error and ("--warmup_steps" not in error), error
     r = _cli("--top_k", "8")
@@ -273,7 +331,8 @@ TESTS = [test_tiny_run_learns_and_checkpoint_reloads, test_fused_impl_trains_lik
          test_resume_equals_continuous_run, test_bad_inputs_fail_fast_with_clear_messages, test_resume_refuses_a_changed_data_order,
          test_corrupt_checkpoint_is_refused, test_help_shows_every_default_range_and_output_file,
          test_parse_errors_are_one_line_naming_the_flag_as_typed, test_numeric_ranges_are_checked_at_parse_time,
-         test_short_validation_split_is_announced]
+         test_short_validation_split_is_announced, test_time_budget_ends_the_schedule_and_resume_continues_it,
+         test_bench_quality_smoke_run]
 
 if __name__ == "__main__":
     run(TESTS)

@@ -29,7 +29,8 @@ OLD_NAMES = {old: new for new, old in ALIASES.items()}
 # MiniMindConfig's own fields (not those it inherits from transformers' PreTrainedConfig, e.g. dtype)
 CONFIG_FIELDS = set(MiniMindConfig.__dataclass_fields__) - set(MiniMindConfig.__mro__[1].__dataclass_fields__)
 # Flags a resume never takes from the checkpoint: they describe this invocation, not the run.
-PER_INVOCATION = ("resume", "stop_after", "ep_size", "overwrite")
+PER_INVOCATION = ("resume", "stop_after", "ep_size", "overwrite", "threads")
+UNLIMITED_STEPS = 10**12  # --max_steps of a new --time_budget_s run that names none
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ RANGES = {
                      "max_position_embeddings", "moe_expert_alignment", "max_steps", "batch_size", "seq_len",
                      "grad_accum", "eval_interval", "eval_tokens", "save_interval", "log_interval", "ep_size"),
                     AT_LEAST_1),
-    **dict.fromkeys(("warmup_steps", "weight_decay", "grad_clip", "stop_after", "sample_tokens"), AT_LEAST_0),
+    **dict.fromkeys(("warmup_steps", "weight_decay", "grad_clip", "stop_after", "sample_tokens", "time_budget_s"),
+                    AT_LEAST_0),
     "learning_rate": POSITIVE, "capacity_factor": POSITIVE, "dropout": Range(0, 1, hi_open=True),
     "router_aux_loss_coef": Range(0, 10), "router_z_loss_coef": Range(0, 10), "router_bias_update_rate": Range(0, 1),
     "seed": Range(0, 2**32 - 1),
@@ -89,9 +91,16 @@ class Parser(argparse.ArgumentParser):
 
     def typed(self, dest):
         """The flag setting `dest` as this command line spells it (its last use), else its main name."""
-        names = next((a.option_strings for a in self._actions if a.dest == dest and a.option_strings), [f"--{dest}"])
+        names = self._names(dest)
         used = [a.split("=")[0] for a in self.argv if a.split("=")[0] in names]
         return used[-1] if used else names[0]
+
+    def given(self, dest):
+        """Whether this command line sets `dest` (under any of its names)."""
+        return any(a.split("=")[0] in self._names(dest) for a in self.argv)
+
+    def _names(self, dest):
+        return next((a.option_strings for a in self._actions if a.dest == dest and a.option_strings), [f"--{dest}"])
 
     def error(self, message):
         m = re.match(r"argument (\S+): ", message)  # argparse names an option by all its spellings: a/b
@@ -161,9 +170,11 @@ def add_model_flags(p):
     _field_flag(g, "dropout", type=float, default=0.0, help="dropout probability")
     _field_flag(g, "max_position_embeddings", type=int, default=2048, help="longest sequence the model supports")
     g = p.add_argument_group("training choices (MiniMindConfig training fields: may change on --resume)")
-    _field_flag(g, "moe_impl", default="sorted", choices=("sorted", "fused"),
-                help="MoE expert compute: sorted (bitwise = masked reference, 1 host sync per layer) or fused "
-                "(no host sync, grouped GEMM + Triton kernels on GPU)")
+    _field_flag(g, "moe_impl", default="fused", choices=("sorted", "fused", "masked"),
+                help="MoE expert compute: fused (no host sync; grouped GEMM + Triton kernels on GPU, oneDNN expert "
+                "chains on CPU; the fastest end to end, scripts/bench_step.py; the default is sorted under --ep_size > 1), sorted (bitwise = masked reference, 1 "
+                "host sync per layer) or masked (MiniMind's per-expert loop, 3 host "
+                "syncs per expert: a baseline for benchmarks; not with --ep_size > 1)")
     _field_flag(g, "moe_expert_alignment", type=int, default=1, help="pad each expert's rows to a multiple of this")
     _field_flag(g, "router_aux_loss_coef", type=float, default=0.01, help="load-balancing loss weight")
     _field_flag(g, "router_aux_loss_type", default="minimind", choices=("minimind", "switch", "sequence", "none"),
@@ -172,19 +183,49 @@ def add_model_flags(p):
     _field_flag(g, "router_z_loss_coef", type=float, default=0.0, help="router z-loss weight (ST-MoE; 0 = off)")
     _field_flag(g, "router_dtype", default=None, choices=("float32",),
                 help="float32: router logits/softmax/top-k in fp32 under bf16/fp16 autocast (None: autocast's)")
+    _field_flag(g, "attn_impl", default="auto", choices=("auto", "sdpa", "explicit"),
+                help="attention kernel: sdpa (torch's fused), explicit (scores written out; faster on CPU in bf16 at "
+                "short lengths), auto = on CPU the faster one measured at setup (kept in the checkpoint), else sdpa")
+    _field_flag(g, "linear_backend", default="auto", choices=("auto", "onednn", "torch"),
+                help="engine of the attention / LM-head / dense-FFN GEMMs: auto = oneDNN for CPU fp32 (faster than "
+                "torch's MKL path on many CPUs), else F.linear; torch = F.linear always")
 
 
 def add_optim_flags(p):
     g = p.add_argument_group("optimisation")
-    g.add_argument("--max_steps", type=int, default=1250, help="optimizer steps")
+    g.add_argument("--max_steps", type=int, default=1250,
+                   help="optimizer steps (with --time_budget_s only an upper bound: a new run's default is then "
+                   "unlimited)")
     g.add_argument("--batch_size", type=int, default=8, help="sequences per micro-batch and rank")
     g.add_argument("--seq_len", type=int, default=128, help="tokens per sequence")
     g.add_argument("--grad_accum", type=int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--learning_rate", type=float, default=3e-3, help="peak learning rate")
     g.add_argument("--warmup_steps", type=int, default=50, help="linear warmup steps, then cosine to lr/10")
+    g.add_argument("--time_budget_s", type=float, default=0.0,
+                   help="train for this many seconds of training wall clock (train steps and logging; not setup, "
+                   "evaluation or saving; --resume continues the budget) with the LR planned by time: after "
+                   "--warmup_steps the cosine decay's progress is the fraction of the budget used, reaching lr/10 at "
+                   "the budget; then the final evaluation and checkpoint, as at --max_steps. Checked after every "
+                   "step in one process; with several ranks every --log_interval steps, where the all-reduce that "
+                   "already carries stop signals gives every rank the largest clock (the LR then moves at log steps "
+                   "and a run may pass the budget by up to log_interval - 1 steps). The LR then depends on the "
+                   "machine's speed, so such a run does not repeat bit for bit. 0 = off")
     g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay on matrices")
     g.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0 = off)")
     g.add_argument("--seed", type=int, default=1337, help="seed for init and data order")
+
+
+def threads_flag(value):
+    """--threads: "auto" or an int >= 1."""
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be auto or an integer >= 1, got {value!r}")
+    return n
 
 
 def add_run_flags(p, default_out_dir):
@@ -192,7 +233,11 @@ def add_run_flags(p, default_out_dir):
     g.add_argument("--out_dir", default=default_out_dir, help="where checkpoint, tokenizer and plots go")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="autocast dtype; auto = bfloat16 on CUDA, float32 on CPU (weights stay fp32)")
+                   help="autocast dtype; auto = bfloat16 on CUDA; on CPU bfloat16 where measured faster (native bf16 GEMMs: AVX512-BF16 / AMX), else float32 (weights stay fp32)")
+    g.add_argument("--threads", type=threads_flag, default="auto",
+                   help="CPU threads: auto = the fastest of torch's count, half of it, ... 1, re-measured while "
+                   "training (train/threads.py: another busy process on the cores can make fewer threads much "
+                   "faster); N = fixed. Multi-process runs keep torch's count (OMP_NUM_THREADS)")
     g.add_argument("--eval_interval", type=int, default=250, help="steps between validation runs")
     g.add_argument("--eval_tokens", type=int, default=16384, help="validation tokens per evaluation")
     g.add_argument("--save_interval", type=int, default=250, help="steps between checkpoints")
@@ -277,6 +322,8 @@ def parse_args(stage, argv=None):
     args._checkpoint = None
     if args.resume:
         args = _merge_resume(parser, stage, args, argv)
+    elif args.time_budget_s and not parser.given("max_steps"):
+        args.max_steps = UNLIMITED_STEPS  # the budget ends the run (a resume keeps the checkpoint's value)
     _validate(parser, args)
     _check_config(parser, args)
     args.stage = stage.name
@@ -355,6 +402,10 @@ def _check_config(parser, args):
     run's from the checkpoint with these training fields. (--init_from's is checked when its weights load:
     every flag that may change it has been range-checked.)"""
     from huggingface_hub.errors import StrictDataclassError
+    if args.ep_size > 1 and not args.resume and not parser.given("moe_impl"):
+        # the default under EP: fused + EP can break when a rank's experts receive no token (a gloo size
+        # mismatch seen with --router_aux_loss_coef 0; balanced routing works); sorted has no such case
+        args.moe_impl = "sorted"
     if args.init_from and not args.resume:
         return
     try:
@@ -372,6 +423,8 @@ def _check_config(parser, args):
     if args.ep_size > 1 and (not config.use_moe or config.num_experts % args.ep_size):
         parser.error(f"--ep_size {args.ep_size} must divide {parser.typed('num_experts')} {config.num_experts} of an "
                      f"MoE model")
+    if args.ep_size > 1 and config.moe_impl == "masked":  # the loop runs every expert here: nothing to shard
+        parser.error(f"--ep_size {args.ep_size} needs {parser.typed('moe_impl')} sorted or fused, not masked")
 
 
 def name_flags(parser, message):

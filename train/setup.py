@@ -15,6 +15,7 @@ from data.sources import DataError
 from model.hf_adapter import is_hf_folder
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from train.atomic import atomic_dir
+from train.cpu_engines import cpu_attention, cpu_dtype
 from train.checkpoint import load_checkpoint, load_hf_checked, model_from_checkpoint
 from train.distributed import check_same_on_all_ranks
 from train.expert_parallel import expert_param_names, install as install_ep
@@ -65,8 +66,8 @@ def resolve_device(args):
     device_type = args.device.split(":")[0] if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but CUDA is not available")
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device_type == "cuda" else "float32")
-    return device_type, dtype
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device_type == "cuda" else "auto")
+    return device_type, dtype  # "auto" on CPU: cpu_dtype decides once the model's shape is known
 
 
 def setup(stage, args, ctx, device_type, dtype_name, log):
@@ -94,6 +95,11 @@ def _build(stage, args, ctx, device_type, device, dtype_name, log, lock):
     if ctx.is_main:
         copy_tokenizer(data.tokenizer_dir, os.path.join(args.out_dir, "tokenizer"))
     config = build_config(args, init_model, len(data.tokenizer), ctx)
+    if dtype_name == "auto":
+        dtype_name = cpu_dtype(ctx, log)
+    if config.attn_impl == "auto":  # resolved once: the checkpoint keeps the choice, a resume reuses it
+        choice = cpu_attention(DTYPES[dtype_name], log) if device_type == "cpu" else "sdpa"
+        config.attn_impl = args.attn_impl = choice
     if ctx.distributed:
         log(describe_ranks(ctx, config))
     model = MiniMindForCausalLM(config)

@@ -31,10 +31,11 @@ from train.flags import saved_flags
 from train.metrics import Progress
 from train.plot import plot_expert_load, plot_loss_curve
 from train.router_balance import LoadTelemetry, router_step
-from train.schedule import lr_at
+from train.schedule import TrainClock, lr_at
 from train.setup import PeerFailed, resolve_device, setup
 from train.signals import StopSignal
 from train.stage import IGNORE_INDEX
+from train.threads import ThreadTuner
 
 
 @dataclass
@@ -49,6 +50,9 @@ class TrainState:
     first_bad_step: torch.Tensor | None = None  # on the device: the first step with a non-finite loss/grad norm
     stop_signal: StopSignal = field(default_factory=StopSignal)
     stopped_by: str | None = None      # why the loop ended early: "--stop_after" or a signal name
+    clock: TrainClock = field(default_factory=TrainClock)  # training seconds, this and earlier invocations
+    train_s: float = 0.0               # the clock as all ranks agree on it (stop_reason): the LR and budget use it
+    out_of_time: bool = False          # --time_budget_s is spent: this step is the run's last
 
 
 @dataclass
@@ -75,13 +79,23 @@ def train(args, log=print, stage=None):
         state = TrainState(step=run.start_step, start_step=run.start_step)
         if args.resume and args._checkpoint.get("router_load"):
             state.telemetry.load_state_dict(args._checkpoint["router_load"])
+        if args.resume:  # (checkpoints older than --time_budget_s have no clock: they had no budget)
+            state.clock = TrainClock(args._checkpoint.get("train_time_s", 0.0))
+            state.train_s = state.clock.read()
+            state.out_of_time = spent(args, state.train_s)
         if state.step == 0:
             evaluate_and_record(run, state, None, first=True)
         run.log(f"setup: {time.time() - t_start:.1f} s to the first step (data, model{', step-0 evaluation' if state.step == 0 else ''})")
-        progress = Progress(stage.name, state.step, args.max_steps, ctx.is_main and not args.no_progress, run.log)
+        progress = Progress(stage.name, state.step, None if args.time_budget_s else args.max_steps,
+                            ctx.is_main and not args.no_progress, run.log)
+        tuner = thread_tuner(run)
+        state.clock.start()
         with state.stop_signal:
-            while state.step < args.max_steps:
+            while state.step < args.max_steps and not state.out_of_time:
+                t_step = time.perf_counter()
                 result = train_step(run, state)
+                if tuner:  # (on CPU the step has finished here: nothing runs asynchronously)
+                    tuner.observe(time.perf_counter() - t_step)
                 if after_step(run, state, result, progress):
                     break
         progress.close()
@@ -93,12 +107,23 @@ def train(args, log=print, stage=None):
     return summary
 
 
+def thread_tuner(run):
+    """--threads: a fixed count, or (auto, one CPU process) a ThreadTuner; None when nothing is tuned."""
+    if run.device != "cpu":
+        return None
+    if run.args.threads != "auto":
+        torch.set_num_threads(run.args.threads)
+        return None
+    return None if run.ctx.distributed else ThreadTuner(torch.get_num_threads(), log=run.log)
+
+
 def train_step(run, state):
     """One optimizer step, in this order: micro-steps with gradient accumulation, gradient reduction
     (DDP all-reduces the dense grads inside the last backward; EP reduces the expert grads here),
     clipping, the optimizer step, then the router's own update (aux-loss-free expert bias)."""
     args, ctx = run.args, run.ctx
-    lr = lr_at(state.step, args.max_steps, args.learning_rate, args.warmup_steps)
+    lr = lr_at(state.step, args.max_steps, args.learning_rate, args.warmup_steps,
+               progress=state.train_s / args.time_budget_s if args.time_budget_s else None)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
     batches = [run.data.train_batches.next() for _ in range(args.grad_accum)]  # global batches, on the CPU
@@ -157,44 +182,59 @@ def clip_gradients(run):
 
 
 def after_step(run, state, result, progress):
-    """Log, evaluate and save when due; returns True to stop early (--stop_after)."""
+    """Log, evaluate and save when due (evaluating and saving off the training clock); returns True to end
+    the loop: early (--stop_after, a signal) or when --time_budget_s is spent."""
     args = run.args
     state.interval_steps += 1
     state.telemetry.add(result.load_LE)
     track_finite(run, state, result)
-    last = state.step == args.max_steps
+    state.stopped_by = stop_reason(run, state)  # (also decides out_of_time, before this step's log and eval)
+    last = state.step == args.max_steps or state.out_of_time
     fields = None
     if state.step % args.log_interval == 0 or last:
         check_finite(run, state)
         fields = log_train(run, state, result)
     progress.update(fields, show_load=bool(args.show_load))
     if state.step % args.eval_interval == 0 or last:
-        evaluate_and_record(run, state, progress)
-    state.stopped_by = stop_reason(run, state)
+        with state.clock.paused():
+            evaluate_and_record(run, state, progress)
     if state.step % args.save_interval == 0 or last or state.stopped_by:
         check_finite(run, state)
-        save(run, state)
+        with state.clock.paused():
+            save(run, state)
     if state.stopped_by:
         progress.say(f"stopped at step {state.step} ({state.stopped_by}); continue with: python train/{run.stage.name}.py "
                      f"--resume --out_dir {run.args.out_dir}")
-    return state.stopped_by is not None
+    return state.stopped_by is not None or state.out_of_time
 
 
 def stop_reason(run, state):
     """"--stop_after" when this invocation has run its steps, a signal's name after Ctrl-C / SIGTERM, else
-    None. Ranks must stop at the same step: with several, a signal is acted on at the next log step, where
-    one all-reduce makes every rank see it."""
+    None; and updates state.train_s / out_of_time (--time_budget_s spent: the run's planned end, not a stop).
+    Ranks must stop at the same step and use the same LR: with several, signals and the clock are acted on
+    at log steps, where one all-reduce (MAX) gives every rank the same flag and clock."""
     args = run.args
-    if args.stop_after and state.step - state.start_step >= args.stop_after:
-        return "--stop_after"
     received = state.stop_signal.received
     if not run.ctx.distributed:
-        return received
-    if state.step % args.log_interval:
+        state.train_s = state.clock.read()
+    elif state.step % args.log_interval == 0:
+        shared = torch.tensor([float(received is not None), state.clock.read()], dtype=torch.float64, device=run.device)
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+        state.train_s = float(shared[1])
+        received = (received or "a signal on another rank") if shared[0] else None
+    else:
+        received = None
+    state.out_of_time = spent(args, state.train_s)
+    if state.out_of_time:  # the run ends as planned (final evaluation, checkpoint, summary)
         return None
-    flag = torch.tensor(int(received is not None), device=run.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return (received or "a signal on another rank") if int(flag) else None
+    if args.stop_after and state.step - state.start_step >= args.stop_after:
+        return "--stop_after"
+    return received
+
+
+def spent(args, train_s):
+    """Whether --time_budget_s (when set) is used up after train_s seconds of training."""
+    return bool(args.time_budget_s) and train_s >= args.time_budget_s
 
 
 def track_finite(run, state, result):
@@ -249,7 +289,8 @@ def log_train(run, state, result):
         dist.all_reduce(parts)
         ce, aux = parts[0], parts[1]
     ce = float(ce)
-    r = {"step": state.step, "train_loss": ce, "aux_loss": float(aux), "lr": result.lr, "tok_per_s": tok_s}
+    r = {"step": state.step, "train_loss": ce, "aux_loss": float(aux), "lr": result.lr, "tok_per_s": tok_s,
+         "train_time_s": round(state.train_s, 3)}
     if result.grad_norm is not None:
         r["grad_norm"] = float(result.grad_norm)
     r.update(state.telemetry.flush())
@@ -308,7 +349,8 @@ def save(run, state):
     save_checkpoint(os.path.join(out, CKPT_NAME), run.model, run.optimizer, state.step,
                     run.data.train_batches.state_dict(), saved_flags(run.args),
                     extra={**run.data.identity, "world_size": run.ctx.world_size, "ep_size": run.ctx.ep_size,
-                           "router_load": state.telemetry.state_dict(), "scaler": run.scaler.state_dict()})
+                           "router_load": state.telemetry.state_dict(), "scaler": run.scaler.state_dict(),
+                           "train_time_s": state.clock.read()})
     atomic_write_text(os.path.join(out, "config.json"), run.config.to_json_string())
     plot_loss_curve(run.metrics.records, os.path.join(out, "loss.png"), run.data.unigram_entropy,
                     bits_per_byte(run, 1.0))
@@ -322,6 +364,9 @@ def finish(run, state):
     args = run.args
     if state.start_step >= args.max_steps:
         run.log(f"nothing to do: checkpoint is at step {state.start_step} >= --max_steps {args.max_steps}")
+    elif args.time_budget_s:
+        run.log(f"trained {state.train_s:.1f} s of --time_budget_s {args.time_budget_s:g} in {state.step} steps"
+                + (" (nothing to do: the checkpoint had spent it)" if state.step == state.start_step else ""))
     if state.last_val is None or state.last_val[0] != state.step:
         state.last_val = (state.step, evaluate(run))
     run.metrics.close()
@@ -329,7 +374,7 @@ def finish(run, state):
     h = run.data.unigram_entropy
     summary = {"final_val_loss": val, "final_val_bpb": bits_per_byte(run, val), "first_val_loss": first,
                "unigram_entropy": h, "checkpoint": os.path.join(args.out_dir, CKPT_NAME), "loss_curve": os.path.join(args.out_dir, "loss.png"),
-               "records": run.metrics.records, "ep_bytes": ep_bytes(run.model)}
+               "records": run.metrics.records, "ep_bytes": ep_bytes(run.model), "train_time_s": state.train_s}
     bpb = summary["final_val_bpb"]
     run.log(f"final val loss {val:.4f}" + (f" ({bpb:.3f} bits/byte)" if bpb is not None else "")
             + (f" vs step-0 {first:.4f} ({100 * (1 - val / first):.1f}% lower)" if first else "")

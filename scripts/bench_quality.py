@@ -1,0 +1,227 @@
+"""Iso-time training comparisons: which model reaches the lowest validation loss in the same wall-clock time
+on this machine? Layer benchmarks (bench_moe.py, bench_train.py) measure speed; this measures what the
+speed buys.
+
+    python scripts/bench_quality.py                                  # 5 rows x 240 s: ~22 min on 2 CPU cores
+    python scripts/bench_quality.py --rows dense,sorted --budget_s 20                    # a smoke run
+    python scripts/bench_quality.py --data_path my.jsonl --budget_s 600 --extra "--warmup_steps 100"
+
+Every row is one `train/pretrain.py` run, as a subprocess, one at a time (never in parallel: they would
+share the cores), each with the same --time_budget_s (seconds of training, not counting setup, evaluation
+or saving; the cosine LR schedule is planned to end at the budget, so no run is cut off mid-schedule), the
+same data (the embedded corpus, or --data_path), tokenizer (the corpus's cached BPE, or --tokenizer), seed,
+batch, sequence length and learning rate, in its own temporary --out_dir. Its numbers come from that
+folder's metrics.jsonl: steps and training seconds from the last training record, the final validation
+loss (nats per token) and bits per byte (comparable across tokenizers) from the last evaluation; real
+tokens/s = tokens trained / training seconds. The load average is read just before and after each run
+(a busy machine slows a run far more than its share of the cores: compare rows only at similar load).
+
+Rows (--rows picks and orders them; F = --moe_intermediate_size, default 384):
+  dense   dense SwiGLU FFN of width 2F: the active FFN parameters of the top-2 MoE rows
+  masked  E=4, top-2, experts of width F, --moe_impl masked (MiniMind's per-expert loop: the baseline)
+  sorted  E=4, top-2, F, --moe_impl sorted
+  fused   E=4, top-2, F, --moe_impl fused
+  fine    E=16, top-4, experts of width F/2, --moe_impl fused (finer experts, the same 2F active width)
+
+Defaults: D=256, 4 layers, batch 8 x 256 tokens, the trainer's LR and warmup, 240 s per row; evaluation on
+the trainer's 16384 validation tokens at step 0 and at the end only. Each run adds ~10-20 s of setup and
+evaluation around its budget (the first run on a fresh machine also builds the data cache, ~1 min), so the
+default five rows take about 22 minutes on 2 CPU cores.
+
+Prints the command line of every run (rerun one with it), then the table and the val-bpb differences
+(dense vs the best MoE row; masked vs the best of ours); writes results.json and results.md, and per row
+its log and metrics.jsonl, to --out_dir.
+"""
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+ROWS = ("dense", "masked", "sorted", "fused", "fine")
+OUR_MOE_ROWS = ("sorted", "fused", "fine")
+
+
+def row_flags(row, f):
+    """The model flags of a row; f is the width of one expert of the top-2 rows."""
+    if row == "dense":
+        return ["--use_moe", "0", "--intermediate_size", str(2 * f)]
+    e, k, width, impl = (16, 4, f // 2, "fused") if row == "fine" else (4, 2, f, row)
+    return ["--use_moe", "1", "--num_experts", str(e), "--num_experts_per_tok", str(k),
+            "--moe_intermediate_size", str(width), "--moe_impl", impl]
+
+
+def command(args, row, out_dir):
+    """argv of one row's training run."""
+    argv = [sys.executable, os.path.join(ROOT, "train", "pretrain.py"), "--out_dir", out_dir,
+            "--time_budget_s", f"{args.budget_s:g}", "--hidden_size", str(args.hidden_size),
+            "--num_hidden_layers", str(args.num_hidden_layers), "--batch_size", str(args.batch_size),
+            "--seq_len", str(args.seq_len), "--seed", str(args.seed), "--eval_tokens", str(args.eval_tokens),
+            "--eval_interval", "1000000000", "--save_interval", "1000000000", "--no_progress", "--sample_tokens", "0",
+            *row_flags(row, args.moe_intermediate_size)]
+    for flag in ("data_path", "tokenizer", "vocab_size", "learning_rate"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag}", str(getattr(args, flag))]
+    return argv + shlex.split(args.extra)
+
+
+def count_params(config_path):
+    """(total, active) parameters of the model a run's config.json describes (built on the meta device)."""
+    import torch
+
+    from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+    with open(config_path, encoding="utf-8") as f:
+        config = MiniMindConfig.from_dict(json.load(f))
+    with torch.device("meta"):
+        total = sum(p.numel() for p in MiniMindForCausalLM(config).parameters())
+    idle = 0
+    if config.use_moe:  # the experts a token does not use, in every layer
+        idle = config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * 3 * config.hidden_size \
+            * config.moe_intermediate_size
+    return total, total - idle
+
+
+def shape(flags):
+    """The FFN of a run as its resolved flags (--extra included) describe it."""
+    if not flags.use_moe:
+        return f"dense F={flags.intermediate_size}"
+    return f"E={flags.num_experts} k={flags.num_experts_per_tok} F={flags.moe_intermediate_size} {flags.moe_impl}"
+
+
+def resolved_flags(args, row):
+    """The row's training flags as train/pretrain.py resolves them (it exits with a one-line error on a bad
+    value, e.g. in --extra: checked for every row before any training)."""
+    from train.pretrain import parse_args
+    return parse_args(command(args, row, os.path.join(tempfile.gettempdir(), "unused"))[2:])
+
+
+def run_row(args, row, flags):
+    """Train one row (a subprocess); returns its result dict (with "error" when the run failed)."""
+    from train.metrics import read_records
+    keep = os.path.join(args.out_dir, row)
+    os.makedirs(keep, exist_ok=True)
+    run_dir = tempfile.mkdtemp(prefix=f"bench_quality_{row}_")
+    argv = command(args, row, run_dir)
+    print(f"\n[{row}] {shlex.join(argv)}", flush=True)
+    result = {"row": row, "shape": shape(flags), "command": shlex.join(argv), "load_before": os.getloadavg()[0]}
+    t0 = time.time()
+    with open(os.path.join(keep, "log.txt"), "w", encoding="utf-8") as log:
+        proc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    result.update(wall_s=time.time() - t0, load_after=os.getloadavg()[0])
+    try:
+        if proc.returncode != 0:
+            tail = open(os.path.join(keep, "log.txt"), encoding="utf-8").read().strip().splitlines()[-3:]
+            return {**result, "error": f"exit code {proc.returncode}: " + " | ".join(tail)}
+        shutil.copy(os.path.join(run_dir, "metrics.jsonl"), keep)
+        records = read_records(os.path.join(run_dir, "metrics.jsonl"))
+        last_train = [r for r in records if "train_loss" in r][-1]
+        last_val = [r for r in records if "val_loss" in r][-1]
+        tokens = last_train["step"] * flags.batch_size * flags.seq_len * flags.grad_accum
+        total, active = count_params(os.path.join(run_dir, "config.json"))
+        return {**result, "params": total, "active_params": active, "steps": last_train["step"],
+                "train_time_s": last_train["train_time_s"], "tok_per_s": tokens / last_train["train_time_s"],
+                "val_loss": last_val["val_loss"], "val_bpb": last_val.get("val_bpb")}
+    finally:
+        if not args.keep_runs:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def table(results):
+    """The results as markdown table lines."""
+    head = ["row", "model", "params", "active", "steps", "train s", "tokens/s", "val loss", "val bpb",
+            "load before/after", "wall s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        load = f"{r['load_before']:.1f} / {r['load_after']:.1f}"
+        if "error" in r:
+            cells = [r["row"], r["shape"], *["-"] * 7, load, f"{r['wall_s']:.0f}"]
+        else:
+            bpb = "-" if r["val_bpb"] is None else f"{r['val_bpb']:.3f}"
+            cells = [r["row"], r["shape"], f"{r['params'] / 1e6:.2f}M", f"{r['active_params'] / 1e6:.2f}M",
+                     str(r["steps"]), f"{r['train_time_s']:.1f}", f"{r['tok_per_s']:,.0f}", f"{r['val_loss']:.4f}",
+                     bpb, load, f"{r['wall_s']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def comparisons(results):
+    """Lines comparing val bpb: dense vs the best of our MoE rows (not the masked baseline), and the masked
+    baseline vs that best."""
+    ok = {r["row"]: r for r in results if "error" not in r and r["val_bpb"] is not None}
+    ours = [ok[r] for r in OUR_MOE_ROWS if r in ok]
+    if not ours:
+        return []
+    best, lines = min(ours, key=lambda r: r["val_bpb"]), []
+    if "dense" in ok:
+        d = best["val_bpb"] - ok["dense"]["val_bpb"]
+        lines.append(f"best MoE ({best['row']}) {best['val_bpb']:.3f} bpb vs dense {ok['dense']['val_bpb']:.3f}: "
+                     f"{d:+.3f} bpb ({'MoE ahead' if d < 0 else 'dense ahead'})")
+    if "masked" in ok:
+        d = ok["masked"]["val_bpb"] - best["val_bpb"]
+        lines.append(f"masked baseline {ok['masked']['val_bpb']:.3f} bpb vs best of ours ({best['row']}) "
+                     f"{best['val_bpb']:.3f}: {d:+.3f} bpb ({'ours ahead' if d > 0 else 'masked not behind'})")
+    return lines
+
+
+def parse_cli(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows, of {', '.join(ROWS)}")
+    p.add_argument("--budget_s", type=float, default=240.0, help="training seconds per row (--time_budget_s)")
+    p.add_argument("--hidden_size", type=int, default=256)
+    p.add_argument("--num_hidden_layers", type=int, default=4)
+    p.add_argument("--moe_intermediate_size", type=int, default=384,
+                   help="F: expert width of the top-2 rows (dense: 2F; fine: F/2)")
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--learning_rate", type=float, default=None, help="None: the trainer's default")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--eval_tokens", type=int, default=16384, help="validation tokens of the step-0 and final evaluations")
+    p.add_argument("--data_path", default=None, help="training text (see train/pretrain.py); None: the embedded corpus")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir; None: the corpus's cached BPE (one for all rows)")
+    p.add_argument("--vocab_size", type=int, default=None, help="BPE size when one is trained; None: the trainer's")
+    p.add_argument("--extra", default="", help='more train/pretrain.py flags for every run, e.g. "--dtype bfloat16"')
+    p.add_argument("--out_dir", default=os.path.join("bench_out", "quality"), help="results.json/.md and per-row logs")
+    p.add_argument("--keep_runs", action="store_true", help="keep each run's folder (checkpoint, plots)")
+    args = p.parse_args(argv)
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    bad = [r for r in rows if r not in ROWS]
+    if bad or not rows:
+        p.error(f"--rows: unknown {bad} (choose from {', '.join(ROWS)})")
+    if not args.budget_s > 0:
+        p.error(f"--budget_s must be > 0, got {args.budget_s}")
+    args.rows = rows
+    return args
+
+
+def main(argv=None):
+    args = parse_cli(argv)
+    flags = {row: resolved_flags(args, row) for row in args.rows}
+    os.makedirs(args.out_dir, exist_ok=True)
+    print(f"iso-time benchmark: rows {', '.join(args.rows)}; {args.budget_s:g} s of training each, one at a time; "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
+    results = []
+    for row in args.rows:
+        r = run_row(args, row, flags[row])
+        results.append(r)
+        print(f"[{row}] " + (r["error"] if "error" in r else
+                             f"{r['steps']} steps in {r['train_time_s']:.0f} s, {r['tok_per_s']:,.0f} tokens/s, "
+                             f"val loss {r['val_loss']:.4f}, {r['wall_s']:.0f} s wall"), flush=True)
+    lines = table(results) + [""] + comparisons(results)
+    print("\n" + "\n".join(lines))
+    with open(os.path.join(args.out_dir, "results.json"), "w", encoding="utf-8") as f:
+        json.dump({"settings": vars(args), "results": results}, f, indent=1)
+    with open(os.path.join(args.out_dir, "results.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"\nwrote {os.path.join(args.out_dir, 'results.json')} and results.md")
+    return results
+
+
+if __name__ == "__main__":
+    main()

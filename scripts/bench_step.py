@@ -1,0 +1,171 @@
+"""Whole training steps on CPU, side by side: which engines make the step fast on this machine, and what a
+busy machine does to it.
+
+    python scripts/bench_step.py                    # engines: fp32 MKL / oneDNN linears, bf16, attention kernels
+    python scripts/bench_step.py --busy 1           # the same with 1 busy process beside it, threads 2 vs 1
+    python scripts/bench_step.py --old_tree /work/old --steps 150   # main job vs another checkout's, alternating
+
+Engines mode: the main job's model (D=256, 4 layers, E=4 top-2, F=384, batch 8 x 128; `--impl`,
+`--use_moe 0`) on random tokens, full AdamW steps (forward, backward, clipping, optimizer); each variant
+is a freshly built model with the same weights, run in rounds (`--rounds` x `--steps` steps per variant
+per round) so that machine drift hits all alike; tokens/s = total tokens / total time of the timed rounds.
+Variants: fp32 with torch's nn.Linear (MKL; the engines before issue 14), fp32 with the oneDNN linears
+(kernels/cpu_linear.py), bf16 autocast with torch's SDPA, bf16 with the written-out attention.
+
+Busy mode (`--busy N`): starts N single-threaded busy loops first (the other jobs of a shared machine) and
+times 1, 2, ... threads, printing each as a share of the idle figure measured just before.
+
+Old-tree mode: runs `train/pretrain.py --max_steps N` in this checkout and in `--old_tree` alternately
+(`--rounds` each, fresh out dirs) and reads tokens/s from metrics.jsonl (the mean over log intervals after
+the first); `--busy` applies there too. Check `uptime` first: numbers from a loaded machine are noise.
+"""
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
+
+VARIANTS = {  # name: (linear_backend, attn_impl, autocast bf16)
+    "fp32 MKL linears, sdpa": ("torch", "sdpa", False),
+    "fp32 oneDNN linears, sdpa": ("auto", "sdpa", False),
+    "bf16, sdpa": ("auto", "sdpa", True),
+    "bf16, explicit attention": ("auto", "explicit", True),
+}
+
+
+def make_step(args, linear_backend, attn_impl, bf16):
+    torch.manual_seed(0)
+    cfg = MiniMindConfig(vocab_size=6400, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+                         num_attention_heads=4, num_key_value_heads=2, use_moe=bool(args.use_moe), num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=384, intermediate_size=768,
+                         moe_impl=args.impl, linear_backend=linear_backend, attn_impl=attn_impl)
+    model = MiniMindForCausalLM(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1)
+    batch = torch.randint(0, 6400, (args.batch_size, args.seq_len + 1), generator=gen)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            out = model(batch[:, :-1], labels=batch[:, 1:])
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def timed(step, n):
+    t = time.perf_counter()
+    for _ in range(n):
+        step()
+    return time.perf_counter() - t
+
+
+def engines(args):
+    steps = {name: make_step(args, *v) for name, v in VARIANTS.items()}
+    for step in steps.values():
+        timed(step, 2)  # warm-up: oneDNN builds its kernels on first use
+    total = dict.fromkeys(steps, 0.0)
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            total[name] += timed(step, args.steps)
+    tokens = args.rounds * args.steps * args.batch_size * args.seq_len
+    base = tokens / total[next(iter(total))]
+    kind = f"MoE {args.impl}" if args.use_moe else "dense"
+    print(f"{kind}, D={args.hidden_size}, {args.num_layers} layers, batch {args.batch_size} x {args.seq_len}, "
+          f"{torch.get_num_threads()} threads")
+    for name, t in total.items():
+        print(f"  {name:28s} {tokens / t:8.0f} tokens/s  {tokens / t / base:5.2f}x")
+
+
+@contextlib.contextmanager
+def busy_loops(n):
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.5 if n else 0)
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def busy(args):
+    name = "bf16, explicit attention"
+    step = make_step(args, *VARIANTS[name])
+    counts = [n for n in (os.cpu_count(), 2, 1) if n <= os.cpu_count()]
+    idle = {}
+    for n in dict.fromkeys(counts):
+        torch.set_num_threads(n)
+        timed(step, 2)
+        idle[n] = args.steps / timed(step, args.steps)
+    tokens = args.batch_size * args.seq_len
+    print(f"{name}, MoE {args.impl}; idle, then with {args.busy} busy process(es)")
+    with busy_loops(args.busy):
+        for n in dict.fromkeys(counts):
+            torch.set_num_threads(n)
+            timed(step, 2)
+            rate = args.steps / timed(step, args.steps)
+            print(f"  threads={n}: idle {idle[n] * tokens:7.0f} tokens/s, busy {rate * tokens:7.0f} tokens/s "
+                  f"= {rate / max(idle.values()):.0%} of the best idle figure")
+
+
+def main_job_rate(tree, args):
+    out = tempfile.mkdtemp(prefix="bench_step_")
+    cmd = [sys.executable, os.path.join(tree, "train/pretrain.py"), "--out_dir", os.path.join(out, "run"),
+           "--max_steps", str(args.steps), "--no_progress", "--eval_interval", "100000", "--sample_tokens", "0",
+           *args.extra.split()]
+    subprocess.run(cmd, cwd=tree, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rates = [json.loads(line).get("tok_per_s") for line in open(os.path.join(out, "run", "metrics.jsonl"))]
+    rates = [r for r in rates if r][1:]
+    return sum(rates) / len(rates)
+
+
+def old_tree(args):
+    trees = {"this checkout": ROOT, "old tree": os.path.abspath(args.old_tree)}
+    results = {k: [] for k in trees}
+    with busy_loops(args.busy):
+        for _ in range(args.rounds):
+            for name, tree in trees.items():
+                results[name].append(main_job_rate(tree, args))
+                print(f"  {name}: {results[name][-1]:.0f} tokens/s", flush=True)
+    mean = {k: sum(v) / len(v) for k, v in results.items()}
+    print(f"main job ({args.steps} steps, {args.busy} busy process(es)): this checkout {mean['this checkout']:.0f} "
+          f"tokens/s, old tree {mean['old tree']:.0f}: {mean['this checkout'] / mean['old tree']:.2f}x")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--impl", default="fused", choices=("sorted", "fused"))
+    p.add_argument("--use_moe", type=int, default=1, choices=(0, 1))
+    p.add_argument("--hidden_size", type=int, default=256)
+    p.add_argument("--num_layers", type=int, default=4)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5, help="steps per variant per round (old-tree mode: per run)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--busy", type=int, default=0, help="busy single-threaded processes to run beside")
+    p.add_argument("--old_tree", default=None, help="another checkout: compare the main job's tokens/s")
+    p.add_argument("--extra", default="", help="old-tree mode: flags added to both main jobs")
+    args = p.parse_args()
+    if args.old_tree:
+        old_tree(args)
+    elif args.busy:
+        busy(args)
+    else:
+        engines(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""CPU thread count chosen by measurement while training, so a busy machine does not stall the run.
+
+torch's CPU kernels run as OpenMP teams of `torch.get_num_threads()` threads that meet at a barrier after
+every parallel region. When another process holds one of the cores, the thread sharing that core waits for
+the scheduler while the others spin at the barrier, for every one of the hundreds of regions in a step:
+measured on a 2-core AMD EPYC with one busy Python loop beside the main job, 2 threads ran at ~30% of their
+idle tokens/s and 1 thread at ~65% (`scripts/bench_step.py --busy 1` measures it on your machine). Which
+count is fastest depends on what else runs, and that changes during a run, so `ThreadTuner` measures:
+
+- it times every training step at the current count (the median of the last `window` steps);
+- every `probe_every` steps it runs `window` steps at a neighbouring count (half or double, within
+  [1, max_threads]) and keeps whichever median is lower by at least 7%;
+- a probe that loses doubles the wait before the next one (up to `max_probe_every`), so an idle machine
+  pays ~1% for the probes; a step median that moves by 30% from where it settled (the load changed)
+  brings the next probe forward.
+
+The thread count does not change the results on this repo's training step (the kernels split rows, not
+sums, between threads: `scripts/test_reliability.py` checks a step bitwise at 1 and 2 threads), so
+switching keeps runs reproducible.
+"""
+import statistics
+
+import torch
+
+
+def halving(n):
+    """[n, n//2, ..., 1]: the thread counts the tuner moves between."""
+    out = [n]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out
+
+
+class ThreadTuner:
+    """observe(step_seconds) after every training step; sets torch.set_num_threads when a count wins.
+
+    max_threads: the largest count (e.g. the cores this process may use); log(str): where switches are
+    reported (one line each). Raises ValueError on max_threads < 1.
+    """
+
+    def __init__(self, max_threads, window=4, probe_every=50, max_probe_every=800, log=print):
+        if max_threads < 1:
+            raise ValueError(f"ThreadTuner: max_threads must be >= 1, got {max_threads}")
+        self.counts = halving(max_threads)
+        self.window, self.base_every, self.max_every, self.log = window, probe_every, max_probe_every, log
+        self.current = max_threads
+        torch.set_num_threads(max_threads)
+        self.every = probe_every
+        self.until_probe = probe_every
+        self.recent = []         # step seconds at the current count
+        self.settled = None      # median when the current count last won or was confirmed
+        self.probe = None        # (count, [step seconds]) while probing
+        self.skip = 2            # steps to ignore: the first steps (kernel setup) and the one after a switch
+        self.direction = -1      # which neighbour to probe next where both exist
+
+    def _neighbour(self):
+        i = self.counts.index(self.current)
+        lower = self.counts[i + 1] if i + 1 < len(self.counts) else None
+        higher = self.counts[i - 1] if i > 0 else None
+        self.direction = -self.direction
+        pick = (higher, lower) if self.direction > 0 else (lower, higher)
+        return pick[0] if pick[0] is not None else pick[1]
+
+    def observe(self, seconds):
+        if self.skip:
+            self.skip -= 1
+            return
+        if self.probe is not None:
+            count, times = self.probe
+            times.append(seconds)
+            if len(times) >= self.window:
+                self._finish_probe(count, statistics.median(times))
+            return
+        self.recent = (self.recent + [seconds])[-self.window:]
+        if len(self.recent) < self.window:
+            return
+        now = statistics.median(self.recent)
+        if self.settled is None:
+            self.settled = now
+        elif not self.settled / 1.3 < now < self.settled * 1.3:  # the machine changed: look again soon
+            self.settled, self.every, self.until_probe = now, self.base_every, min(self.until_probe, self.window)
+        self.until_probe -= 1
+        if self.until_probe <= 0:
+            count = self._neighbour()
+            if count is None:  # one core: nothing to try
+                self.until_probe = 1 << 30
+                return
+            torch.set_num_threads(count)
+            self.probe, self.skip = (count, []), 1
+
+    def _finish_probe(self, count, median):
+        now = statistics.median(self.recent)
+        self.probe = None
+        if median < 0.93 * now:
+            self.log(f"threads: {self.current} -> {count} ({now * 1e3:.0f} -> {median * 1e3:.0f} ms per step; "
+                     "the machine's load changed)")
+            self.current, self.settled, self.recent, self.every = count, median, [], self.base_every
+        else:
+            torch.set_num_threads(self.current)
+            self.every = min(2 * self.every, self.max_every)
+        self.skip = 1
+        self.until_probe = self.every
