@@ -4,6 +4,7 @@ busy machine does to it.
     python scripts/bench_step.py                    # engines: fp32 MKL / oneDNN linears, bf16, attention kernels
     python scripts/bench_step.py --busy 1           # the same with 1 busy process beside it, threads 2 vs 1
     python scripts/bench_step.py --old_tree /work/old --steps 150   # main job vs another checkout's, alternating
+    python scripts/bench_step.py --split            # time per step: attention, FFN / MoE, LM head, optimizer
 
 Engines mode: the main job's model (D=256, 4 layers, E=4 top-2, F=384, batch 8 x 128; `--impl`,
 `--use_moe 0`) on random tokens, full AdamW steps (forward, backward, clipping, optimizer); each variant
@@ -14,6 +15,11 @@ Variants: fp32 with torch's nn.Linear (MKL; the engines before issue 14), fp32 w
 
 Busy mode (`--busy N`): starts N single-threaded busy loops first (the other jobs of a shared machine) and
 times 1, 2, ... threads, printing each as a share of the idle figure measured just before.
+
+Split mode (`--split`): where a step's time goes, dense vs MoE at equal active parameters (dense FFN of
+width 2F vs E=4 top-2 experts of width F, `--impl`), in the engines the main job picks: forward + backward
+of all attention sublayers (with their norms), of all FFN / MoE sublayers, of the LM head with the loss,
+and the AdamW step, each timed alone on the same activations (ms per step; their sum is close to a step).
 
 Old-tree mode: runs `train/pretrain.py --max_steps N` in this checkout and in `--old_tree` alternately
 (`--rounds` each, fresh out dirs) and reads tokens/s from metrics.jsonl (the mean over log intervals after
@@ -33,6 +39,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 
@@ -121,6 +128,58 @@ def busy(args):
                   f"= {rate / max(idle.values()):.0%} of the best idle figure")
 
 
+def split(args):
+    from kernels.cpu_linear import bf16_gemm_speedup
+    from train.cpu_engines import BF16_MIN_SPEEDUP
+    bf16 = bf16_gemm_speedup(1024, 512, 2048, reps=5) >= BF16_MIN_SPEEDUP  # as --dtype auto decides
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    B, S, D = args.batch_size, args.seq_len, args.hidden_size
+    print(f"ms per step (fwd+bwd), batch {B} x {S}, D={D}, {args.num_layers} layers, "
+          f"{'bf16 autocast' if bf16 else 'fp32'}, {torch.get_num_threads()} threads")
+    rows = {}
+    for use_moe in (0, 1):
+        a = argparse.Namespace(**{**vars(args), "use_moe": use_moe})
+        torch.manual_seed(0)
+        cfg = MiniMindConfig(vocab_size=6400, hidden_size=D, num_hidden_layers=args.num_layers, num_attention_heads=4,
+                             num_key_value_heads=2, use_moe=bool(use_moe), num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=384, intermediate_size=768, moe_impl=a.impl,
+                             attn_impl="explicit" if bf16 else "sdpa")
+        model = MiniMindForCausalLM(cfg).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        h = torch.randn(B, S, D)
+        labels = torch.randint(0, 6400, (B, S))
+        cos, sin = model.model.rope(0, S, "cpu")
+        blocks = model.model.layers
+
+        def part(fn):
+            def run():
+                x = h.clone().requires_grad_()
+                with torch.autocast("cpu", dtype=dtype, enabled=bf16):
+                    out = fn(x)
+                out.float().sum().backward()
+            run()
+            total = 0.0
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                run()
+                total += time.perf_counter() - t
+            return total / args.steps * 1e3
+
+        t_attn = sum(part(lambda x, b=b: b.self_attn(b.input_layernorm(x), cos, sin)[0]) for b in blocks)
+        t_ffn = sum(part(lambda x, b=b: b.mlp(b.post_attention_layernorm(x))) for b in blocks)
+        t_head = part(lambda x: F.cross_entropy(model.lm_head(model.model.norm(x)).float().view(-1, 6400),
+                                                labels.view(-1)))
+        opt.step()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            opt.step()
+        t_opt = (time.perf_counter() - t0) / args.steps * 1e3
+        rows["dense F=768" if not use_moe else f"MoE E=4 k=2 F=384 {a.impl}"] = (t_attn, t_ffn, t_head, t_opt)
+    print(f"  {'model':26s} {'attention':>9s} {'FFN/MoE':>9s} {'LM head':>9s} {'AdamW':>9s} {'sum':>9s}")
+    for name, t in rows.items():
+        print(f"  {name:26s} " + " ".join(f"{x:9.1f}" for x in t) + f" {sum(t):9.1f}")
+
+
 def main_job_rate(tree, args):
     out = tempfile.mkdtemp(prefix="bench_step_")
     cmd = [sys.executable, os.path.join(tree, "train/pretrain.py"), "--out_dir", os.path.join(out, "run"),
@@ -158,8 +217,11 @@ def main():
     p.add_argument("--busy", type=int, default=0, help="busy single-threaded processes to run beside")
     p.add_argument("--old_tree", default=None, help="another checkout: compare the main job's tokens/s")
     p.add_argument("--extra", default="", help="old-tree mode: flags added to both main jobs")
+    p.add_argument("--split", action="store_true", help="time per step split into attention, FFN, LM head, AdamW")
     args = p.parse_args()
-    if args.old_tree:
+    if args.split:
+        split(args)
+    elif args.old_tree:
         old_tree(args)
     elif args.busy:
         busy(args)

@@ -193,7 +193,7 @@ def add_model_flags(p):
 
 def add_optim_flags(p):
     g = p.add_argument_group("optimisation")
-    g.add_argument("--max_steps", type=int, default=1250,
+    g.add_argument("--max_steps", type=int, default=2000,
                    help="optimizer steps (with --time_budget_s only an upper bound: a new run's default is then "
                    "unlimited)")
     g.add_argument("--batch_size", type=int, default=8, help="sequences per micro-batch and rank")

@@ -8,15 +8,16 @@ idle tokens/s and 1 thread at ~65% (`scripts/bench_step.py --busy 1` measures it
 count is fastest depends on what else runs, and that changes during a run, so `ThreadTuner` measures:
 
 - it times every training step at the current count (the median of the last `window` steps);
-- every `probe_every` steps it runs `window` steps at a neighbouring count (half or double, within
-  [1, max_threads]) and keeps whichever median is lower by at least 7%;
+- right after the start, then every `probe_every` steps, it runs `window` steps at a neighbouring count
+  (half or double, within [1, max_threads]) and keeps whichever median is lower by at least 7%;
 - a probe that loses doubles the wait before the next one (up to `max_probe_every`), so an idle machine
   pays ~1% for the probes; a step median that moves by 30% from where it settled (the load changed)
   brings the next probe forward.
 
-The thread count does not change the results on this repo's training step (the kernels split rows, not
-sums, between threads: `scripts/test_reliability.py` checks a step bitwise at 1 and 2 threads), so
-switching keeps runs reproducible.
+The thread count does not change the results of this repo's training step (`scripts/test_cpu_speed.py`
+checks three AdamW steps bitwise at 1 and 2 threads, dense and MoE, fp32 and bf16), so switching keeps
+runs reproducible. That is a measured property of the kernels this model uses, not a torch guarantee:
+a plain `sum` over millions of elements does round differently at 1 and 2 threads.
 """
 import statistics
 
@@ -46,7 +47,7 @@ class ThreadTuner:
         self.current = max_threads
         torch.set_num_threads(max_threads)
         self.every = probe_every
-        self.until_probe = probe_every
+        self.until_probe = window  # a first look right after the start: a run may begin on a busy machine
         self.recent = []         # step seconds at the current count
         self.settled = None      # median when the current count last won or was confirmed
         self.probe = None        # (count, [step seconds]) while probing
