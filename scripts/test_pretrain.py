@@ -38,7 +38,7 @@ def quiet(*_):
 
 def test_tiny_run_learns_and_checkpoint_reloads():
     out_dir = os.path.join(_TMP, "run")
-    args = parse_args(TINY + ["--data_path", text_file(), "--out_dir", out_dir, "--max_steps", "150",
+    args = parse_args(TINY + ["--data_path", text_file(), "--out_dir", out_dir, "--max_steps", "250",
                               "--eval_interval", "50", "--learning_rate", "1e-2"])
     s = train(args, log=quiet)
     assert s["final_val_loss"] < 0.85 * s["first_val_loss"], f"{s['first_val_loss']:.3f} -> {s['final_val_loss']:.3f}"
@@ -50,7 +50,7 @@ def test_tiny_run_learns_and_checkpoint_reloads():
     for name in ("ckpt.pt", "config.json", "loss.png", "metrics.jsonl", "tokenizer/tokenizer.json"):
         assert os.path.exists(os.path.join(out_dir, name)), f"{name} missing"
     ckpt = load_checkpoint(out_dir)
-    assert ckpt["step"] == 150 and all(v.dtype == torch.float32 for v in ckpt["model"].values() if v.is_floating_point())
+    assert ckpt["step"] == 250 and all(v.dtype == torch.float32 for v in ckpt["model"].values() if v.is_floating_point())
     model = model_from_checkpoint(ckpt).eval()
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(os.path.join(out_dir, "tokenizer"))
