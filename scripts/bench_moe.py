@@ -45,6 +45,7 @@ import torch  # noqa: E402
 
 from moe_reference import reference_masked_forward  # noqa: E402
 from sync_count import count_syncs  # noqa: E402
+from kernels.cpu_linear import _OneDNNLinear  # noqa: E402  (the model's oneDNN linear, forward + backward)
 from model.model_minimind import FeedForward, MiniMindConfig, MOEFeedForward  # noqa: E402
 
 SHAPES = [  # name, hidden D, experts E, top-k, expert width F
@@ -70,23 +71,6 @@ def dense_equivalent(moe):
     return dense
 
 
-class _OneDNNLinearFn(torch.autograd.Function):
-    """y = x @ w^T with oneDNN (kernels.grouped_gemm's CPU engine), forward and backward."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        from kernels.grouped_gemm import _onednn_linear
-        ctx.save_for_backward(x, w)
-        return _onednn_linear(x, w)
-
-    @staticmethod
-    def backward(ctx, g):
-        from kernels.grouped_gemm import _onednn_linear
-        x, w = ctx.saved_tensors
-        g = g.contiguous()
-        return _onednn_linear(g, w.t()), _onednn_linear(g.t(), x.t())
-
-
 class DenseOneDNN(torch.nn.Module):
     """`dense` with its three linears run by oneDNN (same weights, same autograd for the SwiGLU)."""
 
@@ -96,7 +80,7 @@ class DenseOneDNN(torch.nn.Module):
 
     def forward(self, x):
         x2 = x.reshape(-1, x.shape[-1])
-        lin = lambda t, m: _OneDNNLinearFn.apply(t, m.weight)  # noqa: E731
+        lin = lambda t, m: _OneDNNLinear.apply(t, m.weight)  # noqa: E731  (any dtype oneDNN runs)
         d = self.dense
         return lin(torch.nn.functional.silu(lin(x2, d.gate_proj)) * lin(x2, d.up_proj), d.down_proj).view_as(x)
 

@@ -129,20 +129,18 @@ def busy(args):
 
 
 def split(args):
-    from kernels.cpu_linear import bf16_gemm_speedup
-    from train.cpu_engines import BF16_MIN_SPEEDUP
-    bf16 = bf16_gemm_speedup(1024, 512, 2048, reps=5) >= BF16_MIN_SPEEDUP  # as --dtype auto decides
+    from train.cpu_engines import bf16_pays
+    bf16 = bf16_pays()[0]  # as --dtype auto decides
     dtype = torch.bfloat16 if bf16 else torch.float32
     B, S, D = args.batch_size, args.seq_len, args.hidden_size
     print(f"ms per step (fwd+bwd), batch {B} x {S}, D={D}, {args.num_layers} layers, "
           f"{'bf16 autocast' if bf16 else 'fp32'}, {torch.get_num_threads()} threads")
     rows = {}
     for use_moe in (0, 1):
-        a = argparse.Namespace(**{**vars(args), "use_moe": use_moe})
         torch.manual_seed(0)
         cfg = MiniMindConfig(vocab_size=6400, hidden_size=D, num_hidden_layers=args.num_layers, num_attention_heads=4,
                              num_key_value_heads=2, use_moe=bool(use_moe), num_experts=4, num_experts_per_tok=2,
-                             moe_intermediate_size=384, intermediate_size=768, moe_impl=a.impl,
+                             moe_intermediate_size=384, intermediate_size=768, moe_impl=args.impl,
                              attn_impl="explicit" if bf16 else "sdpa")
         model = MiniMindForCausalLM(cfg).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -174,7 +172,7 @@ def split(args):
         for _ in range(args.steps):
             opt.step()
         t_opt = (time.perf_counter() - t0) / args.steps * 1e3
-        rows["dense F=768" if not use_moe else f"MoE E=4 k=2 F=384 {a.impl}"] = (t_attn, t_ffn, t_head, t_opt)
+        rows["dense F=768" if not use_moe else f"MoE E=4 k=2 F=384 {args.impl}"] = (t_attn, t_ffn, t_head, t_opt)
     print(f"  {'model':26s} {'attention':>9s} {'FFN/MoE':>9s} {'LM head':>9s} {'AdamW':>9s} {'sum':>9s}")
     for name, t in rows.items():
         print(f"  {name:26s} " + " ".join(f"{x:9.1f}" for x in t) + f" {sum(t):9.1f}")

@@ -22,12 +22,18 @@ def agree(ctx, yes: bool) -> bool:
     return bool(flag.item())
 
 
-def cpu_dtype(ctx, log):
-    """--dtype auto on CPU: bf16 autocast where this CPU runs a 1024 x 512 x 2048 GEMM in bf16 at least
-    BF16_MIN_SPEEDUP x as fast as fp32 (native bf16: AVX512-BF16 or AMX), else fp32. bf16 without native
+def bf16_pays():
+    """(whether bf16 autocast pays on this CPU, the measured speedup): a 1024 x 512 x 2048 GEMM in bf16 at
+    least BF16_MIN_SPEEDUP x as fast as in fp32 (native bf16: AVX512-BF16 or AMX). bf16 without native
     kernels is emulated and slower."""
     speedup = bf16_gemm_speedup(1024, 512, 2048, reps=5)
-    name = "bfloat16" if agree(ctx, speedup >= BF16_MIN_SPEEDUP) else "float32"
+    return speedup >= BF16_MIN_SPEEDUP, speedup
+
+
+def cpu_dtype(ctx, log):
+    """--dtype auto on CPU: bf16 autocast where `bf16_pays`, else fp32."""
+    pays, speedup = bf16_pays()
+    name = "bfloat16" if agree(ctx, pays) else "float32"
     log(f"dtype auto: {name} (bf16 GEMMs {speedup:.1f}x as fast as fp32 on this CPU; bf16 needs >= {BF16_MIN_SPEEDUP}x)")
     return name
 
