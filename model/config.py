@@ -67,10 +67,15 @@ class MiniMindConfig(PreTrainedConfig):
             GEMMs and an fp32 softmax, faster on CPU under bf16 autocast at training lengths;
             model_minimind.explicit_attention) or "auto" (default: sdpa in the model; the trainer replaces it
             with the faster of the two, measured at setup: train/cpu_engines.py). Same function, rounding differs.
+        lm_loss_impl: how forward(labels=...) computes the LM head's cross-entropy: "chunked"
+            (kernels/linear_cross_entropy.py: no fp32 logits, the softmax chunk by chunk in cache; the
+            output's logits are then None), "torch" (logits, then F.cross_entropy on their fp32 copy) or
+            "auto" (default: chunked on CPU, where it is measured faster; torch elsewhere). Same loss up to
+            rounding. Without labels the logits are always returned.
         initializer_range: std of the normal init of linear and embedding weights.
 
     Fields declared with `_training(...)` (the router losses, moe_impl, moe_expert_alignment,
-    router_dtype, linear_backend, attn_impl) are training choices; `MiniMindConfig.training_fields()` lists them.
+    router_dtype, linear_backend, attn_impl, lm_loss_impl) are training choices; `MiniMindConfig.training_fields()` lists them.
 
     Raises:
         ValueError: naming the field, when a value or a combination is invalid.
@@ -107,6 +112,7 @@ class MiniMindConfig(PreTrainedConfig):
     router_dtype: str | None = _training(None)
     linear_backend: str = _training("auto")
     attn_impl: str = _training("auto")
+    lm_loss_impl: str = _training("auto")
     initializer_range: float = 0.02
     pad_token_id: int | None = 0
     bos_token_id: int | None = None
@@ -172,4 +178,6 @@ class MiniMindConfig(PreTrainedConfig):
             raise ValueError(f"MiniMindConfig.linear_backend must be 'auto', 'onednn' or 'torch', got {self.linear_backend!r}")
         if self.attn_impl not in ("auto", "sdpa", "explicit"):
             raise ValueError(f"MiniMindConfig.attn_impl must be 'auto', 'sdpa' or 'explicit', got {self.attn_impl!r}")
+        if self.lm_loss_impl not in ("auto", "chunked", "torch"):
+            raise ValueError(f"MiniMindConfig.lm_loss_impl must be 'auto', 'chunked' or 'torch', got {self.lm_loss_impl!r}")
         super().__post_init__(**kwargs)

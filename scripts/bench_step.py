@@ -11,7 +11,8 @@ Engines mode: the main job's model (D=256, 4 layers, E=4 top-2, F=384, batch 8 x
 is a freshly built model with the same weights, run in rounds (`--rounds` x `--steps` steps per variant
 per round) so that machine drift hits all alike; tokens/s = total tokens / total time of the timed rounds.
 Variants: fp32 with torch's nn.Linear (MKL; the engines before issue 14), fp32 with the oneDNN linears
-(kernels/cpu_linear.py), bf16 autocast with torch's SDPA, bf16 with the written-out attention.
+(kernels/cpu_linear.py), bf16 autocast with torch's SDPA, bf16 with the written-out attention, then with
+the chunked LM-head loss (kernels/linear_cross_entropy.py), then with torch's fused AdamW (the trainer's).
 
 Busy mode (`--busy N`): starts N single-threaded busy loops first (the other jobs of a shared machine) and
 times 1, 2, ... threads, printing each as a share of the idle figure measured just before.
@@ -41,24 +42,28 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 
-VARIANTS = {  # name: (linear_backend, attn_impl, autocast bf16)
-    "fp32 MKL linears, sdpa": ("torch", "sdpa", False),
-    "fp32 oneDNN linears, sdpa": ("auto", "sdpa", False),
-    "bf16, sdpa": ("auto", "sdpa", True),
-    "bf16, explicit attention": ("auto", "explicit", True),
+VARIANTS = {  # name: (linear_backend, attn_impl, autocast bf16, lm_loss_impl, fused AdamW)
+    "fp32 MKL linears, sdpa": ("torch", "sdpa", False, "torch", False),
+    "fp32 oneDNN linears, sdpa": ("auto", "sdpa", False, "torch", False),
+    "bf16, sdpa": ("auto", "sdpa", True, "torch", False),
+    "bf16, explicit attention": ("auto", "explicit", True, "torch", False),
+    "+ chunked LM loss": ("auto", "explicit", True, "chunked", False),
+    "+ fused AdamW": ("auto", "explicit", True, "chunked", True),
 }
 
 
-def make_step(args, linear_backend, attn_impl, bf16):
+def make_step(args, linear_backend, attn_impl, bf16, lm_loss_impl, fused_adamw):
     torch.manual_seed(0)
     cfg = MiniMindConfig(vocab_size=6400, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
                          num_attention_heads=4, num_key_value_heads=2, use_moe=bool(args.use_moe), num_experts=4,
                          num_experts_per_tok=2, moe_intermediate_size=384, intermediate_size=768,
-                         moe_impl=args.impl, linear_backend=linear_backend, attn_impl=attn_impl)
+                         moe_impl=args.impl, linear_backend=linear_backend, attn_impl=attn_impl,
+                         lm_loss_impl=lm_loss_impl)
     model = MiniMindForCausalLM(cfg).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused_adamw)
     gen = torch.Generator().manual_seed(1)
     batch = torch.randint(0, 6400, (args.batch_size, args.seq_len + 1), generator=gen)
 
@@ -109,8 +114,8 @@ def busy_loops(n):
 
 
 def busy(args):
-    name = "bf16, explicit attention"
-    step = make_step(args, *VARIANTS[name])
+    name = "bf16, explicit attention, chunked LM loss, fused AdamW"
+    step = make_step(args, *VARIANTS["+ fused AdamW"])
     counts = [n for n in (os.cpu_count(), 2, 1) if n <= os.cpu_count()]
     idle = {}
     for n in dict.fromkeys(counts):
@@ -143,7 +148,7 @@ def split(args):
                              moe_intermediate_size=384, intermediate_size=768, moe_impl=args.impl,
                              attn_impl="explicit" if bf16 else "sdpa")
         model = MiniMindForCausalLM(cfg).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as train/setup.py's
         h = torch.randn(B, S, D)
         labels = torch.randint(0, 6400, (B, S))
         cos, sin = model.model.rope(0, S, "cpu")
@@ -165,8 +170,8 @@ def split(args):
 
         t_attn = sum(part(lambda x, b=b: b.self_attn(b.input_layernorm(x), cos, sin)[0]) for b in blocks)
         t_ffn = sum(part(lambda x, b=b: b.mlp(b.post_attention_layernorm(x))) for b in blocks)
-        t_head = part(lambda x: F.cross_entropy(model.lm_head(model.model.norm(x)).float().view(-1, 6400),
-                                                labels.view(-1)))
+        t_head = part(lambda x: linear_cross_entropy(model.model.norm(x).view(-1, D), model.lm_head.weight,
+                                                     labels.view(-1)))  # the chunked loss of lm_loss_impl auto
         opt.step()
         t0 = time.perf_counter()
         for _ in range(args.steps):

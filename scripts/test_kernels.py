@@ -8,6 +8,8 @@ embedding_bag combine (a fused gather-and-sum that adds each bag's rows in index
 grouped GEMM (Triton, torch, oneDNN) and the CPU expert chains: fp32 within 1e-5 relative to the largest
 |value|: each accumulates dot products in another order than the reference's matmul (reassociation only;
 inputs are exact); bf16 within 2e-2 relative (8 mantissa bits, rounded at different points).
+chunked LM-head cross-entropy: against F.cross_entropy in fp64, loss and gradients within 1e-5 relative
+in fp32 (the logits' GEMM and the softmax in another order), within 2e-2 under bf16 autocast.
 """
 import os
 
@@ -20,6 +22,7 @@ from testlib import Skip, run  # noqa: E402,F401
 from kernels.backend import choose, cpu_values, interpreting, triton_importable  # noqa: E402
 from kernels.cpu_experts import cpu_experts, cpu_experts_supported  # noqa: E402
 from kernels.cpu_linear import Linear, bf16_gemm_speedup, linear, onednn_linear_fits  # noqa: E402
+from kernels import linear_cross_entropy as lce  # noqa: E402
 from kernels.grouped_gemm import (ScaledSwiGLU, SwiGLU, grouped_mm, grouped_swiglu, onednn_supports,  # noqa: E402
                                   torch_grouped_mm_supports)
 from kernels.permute import (combine_rows, combine_rows_reference, gather_rows, gather_rows_reference,  # noqa: E402
@@ -507,7 +510,57 @@ def test_onednn_linear_choices():
     assert 0.0 <= bf16_gemm_speedup(64, 32, 64, reps=1) < 100
 
 
-TESTS = [test_onednn_linear_matches_fp64, test_onednn_linear_choices, test_row_map_layout, test_gather_rows_bitwise, test_combine_rows_bitwise, test_hole_free_fast_path_is_the_same,
+def test_linear_cross_entropy_matches_reference():
+    """kernels/linear_cross_entropy.py against F.cross_entropy(F.linear(h, W)) in fp64: the loss and the
+    gradients of h and W within 1e-5 relative to the largest value in fp32 (measured ~1e-6), for a row
+    count that is not a multiple of the chunk, ignored labels and an incoming gradient other than 1;
+    under bf16 autocast within 2e-2 of the fp64 reference and the same dtypes as autocast's path (fp32
+    loss, fp32 leaf gradients); every label ignored gives nan like F.cross_entropy, with a zero gradient;
+    bad shapes raise."""
+    gen = torch.Generator().manual_seed(0)
+    saved = lce.CHUNK_ELEMENTS
+    try:
+        lce.CHUNK_ELEMENTS = 7 * 500  # 7 rows a chunk: the last chunk of 300 rows is partial
+        N, D, V = 300, 48, 500
+        h = torch.randn(N, D, generator=gen)
+        w = torch.randn(V, D, generator=gen) * 0.2
+        labels = torch.randint(0, V, (N,), generator=gen)
+        labels[::9] = -100
+        hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
+        want = F.cross_entropy(F.linear(hd, wd), labels, ignore_index=-100)
+        (want * 0.37).backward()
+        for bf16, tol in ((False, 1e-5), (True, 2e-2)):
+            h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                got = lce.linear_cross_entropy(h1, w1, labels)
+            (got * 0.37).backward()
+            assert got.dtype == torch.float32 and h1.grad.dtype == w1.grad.dtype == torch.float32
+            for g, r, what in ((got, want, "loss"), (h1.grad, hd.grad, "grad h"), (w1.grad, wd.grad, "grad W")):
+                rel = ((g.double() - r).abs().max() / r.abs().max()).item()
+                assert rel < tol, f"bf16={bf16} {what}: relative error {rel:.2e}"
+        h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+        none = lce.linear_cross_entropy(h1, w1, torch.full((N,), -100))
+        none.nan_to_num().backward()  # the trainer's zero share of an unsupervised micro-batch
+        assert none.isnan() and not h1.grad.any() and not w1.grad.any()
+        with torch.no_grad():  # no gradient wanted: the same loss
+            assert torch.equal(lce.linear_cross_entropy(h, w, labels), lce.linear_cross_entropy(h, w, labels))
+    finally:
+        lce.CHUNK_ELEMENTS = saved
+    for bad in ((h, w[:, :5], labels), (h, w, labels[:5]), (h[None], w, labels)):
+        try:
+            lce.linear_cross_entropy(*bad)
+            raise AssertionError("bad shapes did not raise")
+        except ValueError as e:
+            assert "linear_cross_entropy" in str(e)
+    assert lce.use_chunked("auto", "cpu") and lce.use_chunked("chunked", "cpu") and not lce.use_chunked("torch", "cpu")
+    try:
+        lce.use_chunked("fast", "cpu")
+        raise AssertionError("a bad impl did not raise")
+    except ValueError:
+        pass
+
+
+TESTS = [test_linear_cross_entropy_matches_reference, test_onednn_linear_matches_fp64, test_onednn_linear_choices, test_row_map_layout, test_gather_rows_bitwise, test_combine_rows_bitwise, test_hole_free_fast_path_is_the_same,
          test_permute_combine_autograd, test_grouped_mm_triton_forward_backward, test_grouped_mm_torch_backend_on_cpu,
          test_grouped_mm_onednn_backend_on_cpu, test_embedding_bag_combine_is_the_reference, test_scaled_swiglu_gradients,
          test_cpu_experts_chains, test_cpu_experts_autograd_modes, test_cpu_values_refuses_device_tensors,

@@ -81,7 +81,7 @@ def test_config_defaults_and_roundtrip():
 
 def test_forward_loss_and_aux():
     for use_moe in (True, False):
-        model = tiny(use_moe=use_moe).train()
+        model = tiny(use_moe=use_moe, lm_loss_impl="torch").train()
         ids = torch.randint(0, 97, (3, 17))
         out = model(ids, labels=ids)
         assert out.logits.shape == (3, 17, 97)
@@ -92,6 +92,30 @@ def test_forward_loss_and_aux():
             assert out.aux_loss == 0
         out.loss.backward()
         assert all(p.grad is not None for p in model.parameters()), "a parameter got no gradient"
+
+
+def test_chunked_lm_loss_is_the_torch_loss():
+    """lm_loss_impl "chunked" ("auto" on CPU) gives F.cross_entropy's loss and gradients (fp32: within 1e-5
+    relative to the largest value, rounding of the GEMM and softmax order) with ignored labels, tied and
+    untied heads, and returns no logits; without labels the logits are there."""
+    ids = torch.randint(0, 97, (3, 17))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    for tied in (True, False):
+        outs = {}
+        for impl in ("torch", "chunked", "auto"):
+            model = tiny(lm_loss_impl=impl, tie_word_embeddings=tied).train()
+            out = model(ids, labels=labels)
+            out.loss.backward()
+            outs[impl] = (out, {n: p.grad for n, p in model.named_parameters()})
+        want, want_grads = outs["torch"]
+        for impl in ("chunked", "auto"):
+            got, grads = outs[impl]
+            assert got.logits is None and abs(got.ce_loss.item() - want.ce_loss.item()) < 1e-5 * want.ce_loss.item()
+            for name, g in grads.items():
+                rel = ((g - want_grads[name]).abs().max() / want_grads[name].abs().max()).item()
+                assert rel < 1e-5, f"tied={tied} {impl} {name}: {rel:.2e}"
+    assert tiny()(ids).logits.shape == (3, 17, 97)
 
 
 def test_tied_and_untied_embeddings():
@@ -245,7 +269,7 @@ def test_empty_inputs_refused_or_kept_in_the_graph():
 
 
 TESTS = [test_config_errors_name_the_field, test_config_defaults_and_roundtrip, test_save_pretrained_roundtrip,
-         test_forward_loss_and_aux, test_tied_and_untied_embeddings, test_causal, test_kv_cache_matches_full_forward,
+         test_forward_loss_and_aux, test_chunked_lm_loss_is_the_torch_loss, test_tied_and_untied_embeddings, test_causal, test_kv_cache_matches_full_forward,
          test_generate_cache_equals_no_cache, test_generate_stops_at_eos_and_max_len, test_overfit_one_batch,
          test_attention_mask_hides_left_and_right_padding, test_batched_generation_of_different_lengths,
          test_empty_inputs_refused_or_kept_in_the_graph]

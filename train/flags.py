@@ -189,6 +189,9 @@ def add_model_flags(p):
     _field_flag(g, "linear_backend", default="auto", choices=("auto", "onednn", "torch"),
                 help="engine of the attention / LM-head / dense-FFN GEMMs: auto = oneDNN for CPU fp32 (faster than "
                 "torch's MKL path on many CPUs), else F.linear; torch = F.linear always")
+    _field_flag(g, "lm_loss_impl", default="auto", choices=("auto", "chunked", "torch"),
+                help="LM-head cross-entropy: chunked (softmax chunk by chunk in cache, no fp32 logits; faster on "
+                "CPU), torch (F.cross_entropy on fp32 logits), auto = chunked on CPU, else torch")
 
 
 def add_optim_flags(p):

@@ -225,13 +225,18 @@ def build_config(args, init_model, n_tokens, ctx):
 
 
 def make_optimizer(model, args):
-    """AdamW; weight decay only on matrices (not norms), as nanoGPT / MiniMind."""
+    """AdamW; weight decay only on matrices (not norms), as nanoGPT / MiniMind. torch's fused
+    implementation (one pass over each parameter's weights, gradient and moments) where every parameter
+    sits on a CPU or CUDA device in fp32: on CPU it measured ~3x faster than the default per-parameter
+    loop (4.5 ms vs 14 ms a step for the main job's 7.2M parameters, 2 cores of an AMD EPYC), the same
+    update up to rounding (scripts/test_cpu_speed.py)."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype == torch.float32 for p in params)
     return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
-                             lr=args.learning_rate, betas=(0.9, 0.95), eps=1e-8)
+                             lr=args.learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
 
 
 def restore(args, model, optimizer, scaler, data, device_type, log):
