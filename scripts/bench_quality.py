@@ -23,7 +23,7 @@ Rows (--rows picks and orders them; F = --moe_intermediate_size, default 384):
   fused   E=4, top-2, F, --moe_impl fused
   fine    E=16, top-4, experts of width F/2, --moe_impl fused (finer experts, the same 2F active width)
 
-Defaults: D=256, 4 layers, batch 8 x 128 tokens (the main job's), the trainer's LR and warmup, 240 s per row; evaluation on
+Defaults: D=256, 4 layers, batch 16 x 128 tokens (the main job's), the trainer's LR and warmup, 240 s per row; evaluation on
 the trainer's 16384 validation tokens at step 0 and at the end only. Each run adds ~10-20 s of setup and
 evaluation around its budget (the first run on a fresh machine also builds the data cache, ~1 min), so the
 default five rows take about 22 minutes on 2 CPU cores.
@@ -178,7 +178,7 @@ def parse_cli(argv=None):
     p.add_argument("--num_hidden_layers", type=int, default=4)
     p.add_argument("--moe_intermediate_size", type=int, default=384,
                    help="F: expert width of the top-2 rows (dense: 2F; fine: F/2)")
-    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--batch_size", type=int, default=16, help="the main job's")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--learning_rate", type=float, default=None, help="None: the trainer's default")
     p.add_argument("--seed", type=int, default=1337)

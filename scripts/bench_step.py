@@ -6,7 +6,7 @@ busy machine does to it.
     python scripts/bench_step.py --old_tree /work/old --steps 150   # main job vs another checkout's, alternating
     python scripts/bench_step.py --split            # time per step: attention, FFN / MoE, LM head, optimizer
 
-Engines mode: the main job's model (D=256, 4 layers, E=4 top-2, F=384, batch 8 x 128; `--impl`,
+Engines mode: the main job's model (D=256, 4 layers, E=4 top-2, F=384, batch 16 x 128; `--impl`,
 `--use_moe 0`) on random tokens, full AdamW steps (forward, backward, clipping, optimizer); each variant
 is a freshly built model with the same weights, run in rounds (`--rounds` x `--steps` steps per variant
 per round) so that machine drift hits all alike; tokens/s = total tokens / total time of the timed rounds.
@@ -23,8 +23,8 @@ of all attention sublayers (with their norms), of all FFN / MoE sublayers, of th
 and the AdamW step, each timed alone on the same activations (ms per step; their sum is close to a step).
 
 Old-tree mode: runs `train/pretrain.py --max_steps N` in this checkout and in `--old_tree` alternately
-(`--rounds` each, fresh out dirs) and reads tokens/s from metrics.jsonl (the mean over log intervals after
-the first); `--busy` applies there too. Check `uptime` first: numbers from a loaded machine are noise.
+(`--rounds` each, fresh out dirs, no evaluation or checkpoint before the end) and reads tokens/s from
+metrics.jsonl (total tokens / total time of the log intervals after the first); `--busy` applies there too. Check `uptime` first: numbers from a loaded machine are noise.
 """
 import argparse
 import contextlib
@@ -186,12 +186,13 @@ def split(args):
 def main_job_rate(tree, args):
     out = tempfile.mkdtemp(prefix="bench_step_")
     cmd = [sys.executable, os.path.join(tree, "train/pretrain.py"), "--out_dir", os.path.join(out, "run"),
-           "--max_steps", str(args.steps), "--no_progress", "--eval_interval", "100000", "--sample_tokens", "0",
+           "--max_steps", str(args.steps), "--no_progress", "--eval_interval", "100000", "--save_interval", "100000",
+           "--sample_tokens", "0",
            *args.extra.split()]
     subprocess.run(cmd, cwd=tree, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rates = [json.loads(line).get("tok_per_s") for line in open(os.path.join(out, "run", "metrics.jsonl"))]
     rates = [r for r in rates if r][1:]
-    return sum(rates) / len(rates)
+    return len(rates) / sum(1 / r for r in rates)  # equal tokens per interval: total tokens / total time
 
 
 def old_tree(args):
@@ -213,7 +214,7 @@ def main():
     p.add_argument("--use_moe", type=int, default=1, choices=(0, 1))
     p.add_argument("--hidden_size", type=int, default=256)
     p.add_argument("--num_layers", type=int, default=4)
-    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--batch_size", type=int, default=16, help="the main job's")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--steps", type=int, default=5, help="steps per variant per round (old-tree mode: per run)")
     p.add_argument("--rounds", type=int, default=3)

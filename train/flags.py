@@ -196,10 +196,10 @@ def add_model_flags(p):
 
 def add_optim_flags(p):
     g = p.add_argument_group("optimisation")
-    g.add_argument("--max_steps", type=int, default=2000,
+    g.add_argument("--max_steps", type=int, default=1300,
                    help="optimizer steps (with --time_budget_s only an upper bound: a new run's default is then "
                    "unlimited)")
-    g.add_argument("--batch_size", type=int, default=8, help="sequences per micro-batch and rank")
+    g.add_argument("--batch_size", type=int, default=16, help="sequences per micro-batch and rank")
     g.add_argument("--seq_len", type=int, default=128, help="tokens per sequence")
     g.add_argument("--grad_accum", type=int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--learning_rate", type=float, default=3e-3, help="peak learning rate")

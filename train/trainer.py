@@ -44,7 +44,7 @@ class TrainState:
     step: int
     start_step: int
     interval_steps: int = 0
-    interval_start: float = field(default_factory=time.time)
+    interval_start: float = 0.0        # the training clock at the start of the log interval
     last_val: tuple | None = None      # (step, val_loss) of the latest evaluation
     telemetry: LoadTelemetry = field(default_factory=LoadTelemetry)
     first_bad_step: torch.Tensor | None = None  # on the device: the first step with a non-finite loss/grad norm
@@ -90,6 +90,7 @@ def train(args, log=print, stage=None):
                             ctx.is_main and not args.no_progress, run.log)
         tuner = thread_tuner(run)
         state.clock.start()
+        state.interval_start = state.clock.read()
         with state.stop_signal:
             while state.step < args.max_steps and not state.out_of_time:
                 t_step = time.perf_counter()
@@ -280,8 +281,9 @@ def check_state_finite(run, state):
 
 
 def log_train(run, state, result):
-    """One metrics record for the log interval that ends now (losses of its last step, all ranks)."""
-    now = time.time()
+    """One metrics record for the log interval that ends now (losses of its last step, all ranks); its
+    tokens/s are over training time (the clock stops for evaluation and saving)."""
+    now = state.clock.read()
     tok_s = (run.args.batch_size * run.args.seq_len * run.args.grad_accum * run.ctx.world_size
              * state.interval_steps / max(now - state.interval_start, 1e-9))
     state.interval_steps, state.interval_start = 0, now
