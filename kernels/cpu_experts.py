@@ -161,8 +161,8 @@ def cpu_experts(experts, x_TD, scale_P, row_map, out_dtype=None):
     """y[t] = sum over t's routed pairs of w * expert_e(x[t]) on CPU, expert by expert (see module doc).
 
     Args: experts: E SwiGLU FeedForward modules (weights of another dtype are cast to x's, as autocast
-        would; their gradients come back in their own dtype); x_TD [T, D] CPU, fp32 (or bf16 where the CPU has native bf16), the compute
-        dtype; scale_P [P] routing weight of each row of the row map (fp32);
+        would; their gradients come back in their own dtype); x_TD [T, D] CPU, fp32 (or bf16 where the
+        CPU has native bf16), the compute dtype; scale_P [P] routing weight of each row of the row map (fp32);
         row_map: model.dispatch.RowMap of the routed pairs; out_dtype: None = x's dtype.
     Returns: y_TD [T, D] (accumulated in fp32). Differentiable in x, scale_P and the expert weights.
     Raises ValueError when the device or dtype do not fit.

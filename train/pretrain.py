@@ -1,6 +1,6 @@
 """Pretrain a MiniMind-style MoE GPT.
 
-    python train/pretrain.py                       # embedded corpus, small MoE, ~5 min on 2 CPU cores
+    python train/pretrain.py                       # embedded corpus, small MoE, ~4.5 min on 2 CPU cores
     python train/pretrain.py --data_path my.jsonl  # {"text": ...} per line; also .txt, .parquet, dirs, globs
     python train/pretrain.py --resume              # continue checkpoints/pretrain/ckpt.pt exactly
     torchrun --nproc_per_node 4 train/pretrain.py --ep_size 2   # DDP x EP (gloo on CPU, NCCL on GPU)
