@@ -80,15 +80,13 @@ class _CPUExperts(torch.autograd.Function):
         acc = torch.promote_types(x_TD.dtype, torch.float32)
         y_TD = torch.zeros(T, D, dtype=acc)
         keep = any(ctx.needs_input_grad)  # under no_grad / inference nothing is kept past its chain
-        saved, cast = [], []
+        saved = []
         for e, (start, n) in enumerate(segments):
-            gate, up, down = weights[3 * e: 3 * e + 3]
             if n == 0:
-                cast += [None, None]
                 continue
+            gate, up, down = weights[3 * e: 3 * e + 3]
             w_gu = _gate_up_weight(gate, up).to(x_TD.dtype)
             w_down = down.to(x_TD.dtype)
-            cast += [w_gu, w_down]
             m = _bucket(n)
             tok_n = token_of_row_P[start:start + n]
             scale_m = scale_P.new_zeros(m)
@@ -97,23 +95,17 @@ class _CPUExperts(torch.autograd.Function):
             h_mF, silu_mF = scaled_swiglu_forward(gu_m2F, scale_m)
             y_TD.index_add_(0, tok_n, _onednn_linear(h_mF, w_down)[:n].to(acc))
             if keep:
-                saved += [gu_m2F, silu_mF, h_mF, scale_m]
+                saved += [w_gu, w_down, gu_m2F, silu_mF, h_mF, scale_m]
         ctx.segments = segments
         ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
-        ctx.cast_index = [i for i, w in enumerate(cast) if w is not None]
-        ctx.save_for_backward(x_TD, scale_P, token_of_row_P, *[w for w in cast if w is not None], *saved)
+        ctx.save_for_backward(x_TD, scale_P, token_of_row_P, *saved)
         return y_TD.to(out_dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y_TD):
-        x_TD, scale_P, token_of_row_P, *rest = ctx.saved_tensors
+        x_TD, scale_P, token_of_row_P, *saved = ctx.saved_tensors
         E = len(ctx.segments)
-        n_cast = len(ctx.cast_index)
-        cast = [None] * (2 * E)
-        for i, w in zip(ctx.cast_index, rest[:n_cast]):
-            cast[i] = w
-        saved = rest[n_cast:]
         T, D = x_TD.shape
         acc = torch.promote_types(x_TD.dtype, torch.float32)
         need_x, need_scale = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -132,8 +124,7 @@ class _CPUExperts(torch.autograd.Function):
                         shape, dtype = ctx.weight_meta[3 * e + i]
                         grad_w[3 * e + i] = torch.zeros(shape, dtype=dtype)
                 continue
-            w_gu, w_down = cast[2 * e], cast[2 * e + 1]
-            gu_m2F, silu_mF, h_mF, scale_m = saved[4 * chunk: 4 * chunk + 4]
+            w_gu, w_down, gu_m2F, silu_mF, h_mF, scale_m = saved[6 * chunk: 6 * chunk + 6]
             chunk += 1
             m = gu_m2F.shape[0]
             tok_n = token_of_row_P[start:start + n]

@@ -24,26 +24,18 @@ the loss and both gradients against `F.cross_entropy` in fp64 (fp32: within 1e-5
 bf16 autocast: 2e-2, the bf16 rounding of the logits and the gradient).
 """
 import torch
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from kernels.grouped_gemm import _onednn_linear, onednn_runs
+from kernels.cpu_linear import linear
 
 IMPLS = ("auto", "chunked", "torch")
 CHUNK_ELEMENTS = 1 << 18  # fp32 elements of one softmax chunk: 1 MiB, an L2 cache's worth
 
 
-def _linear(x_MK, w_NK):
-    """x @ w^T on oneDNN where it runs (CPU fp32 / native bf16: faster than MKL on some CPUs), else torch."""
-    if x_MK.device.type == "cpu" and onednn_runs(x_MK.device, x_MK.dtype) and w_NK.dtype == x_MK.dtype:
-        return _onednn_linear(x_MK, w_NK)
-    return F.linear(x_MK, w_NK)
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_ND, w_VD, labels_N, ignore_index):
-        logits_NV = _linear(h_ND, w_VD)
+        logits_NV = linear(h_ND, w_VD)  # oneDNN for CPU fp32 (kernels/cpu_linear.py)
         N, V = logits_NV.shape
         valid_N = labels_N != ignore_index
         label_N1 = torch.where(valid_N, labels_N, 0).unsqueeze(1)
@@ -69,10 +61,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss):
         h_ND, w_VD, grad_NV = ctx.saved_tensors
-        grad_h = _linear(grad_NV, w_VD.t()) if ctx.needs_input_grad[0] else None  # [N, D]
-        # grad_W = G^T h, made as (h^T G)^T: the [N, V] gradient is read as the GEMM's transposed second
-        # operand, where oneDNN takes it in place (as the first it would copy it transposed: 2x the time)
-        grad_w = _linear(h_ND.t().contiguous(), grad_NV.t()).t() if ctx.needs_input_grad[1] else None  # [V, D]
+        need_h, need_w = ctx.needs_input_grad[:2]
+        with torch.autocast(h_ND.device.type, enabled=False):  # (a backward called inside autocast)
+            grad_h = linear(grad_NV, w_VD.t()) if need_h else None  # [N, D]
+            # grad_W = G^T h, made as (h^T G)^T: the [N, V] gradient is read as the GEMM's transposed second
+            # operand, where oneDNN takes it in place (as the first it would copy it transposed: 2x the time)
+            grad_w = linear(h_ND.t().contiguous(), grad_NV.t()).t() if need_w else None  # [V, D]
         # the incoming gradient (1 for a plain loss.backward()) scales the two small products, in fp32
         unit = grad_loss.device.type == "cpu" and grad_loss.item() == 1.0
         if not unit:

@@ -24,7 +24,8 @@ and the AdamW step, each timed alone on the same activations (ms per step; their
 
 Old-tree mode: runs `train/pretrain.py --max_steps N` in this checkout and in `--old_tree` alternately
 (`--rounds` each, fresh out dirs, no evaluation or checkpoint before the end) and reads tokens/s from
-metrics.jsonl (total tokens / total time of the log intervals after the first); `--busy` applies there too. Check `uptime` first: numbers from a loaded machine are noise.
+metrics.jsonl (total tokens / total time of the log intervals after the first); `--busy` applies there
+too. Check `uptime` first: numbers from a loaded machine are noise.
 """
 import argparse
 import contextlib

@@ -97,7 +97,8 @@ STAGE = Stage(name="sft", description=__doc__, default_out_dir="checkpoints/sft"
               load_data=load_data, data_order_flags=("data_path", "val_path"),
               sample_prompt=f"<|im_start|>user\n{SAMPLE_QUESTION}<|im_end|>\n<|im_start|>assistant\n",
               defaults=dict(init_from="checkpoints/pretrain", max_steps=300, learning_rate=1e-3, warmup_steps=20,
-                            batch_size=8, seq_len=256, eval_interval=100, save_interval=100, log_interval=10, sample_tokens=64))
+                            batch_size=8, seq_len=256, eval_interval=100, save_interval=100, log_interval=10,
+                            sample_tokens=64))
 
 
 def parse_args(argv=None):

@@ -166,10 +166,9 @@ def forward_backward(run, x, y, n_global, segment_ids=None):
     extra = {} if segment_ids is None else {"segment_ids": segment_ids.to(run.device, non_blocking=True)}
     with run.autocast():
         out = run.train_model(x, labels=y, **extra)
-    # a micro-batch with nothing to predict adds a zero that still reaches every parameter (DDP needs it)
-    # (the chunked LM loss returns no logits; its nan loss then has a zero gradient)
-    ce_share = (out.ce_loss * (n_local * world / n_global) if n_local else
-                out.logits.sum() * 0.0 if out.logits is not None else out.ce_loss.nan_to_num() * 0.0)
+    # a micro-batch with nothing to predict adds a zero that still reaches every parameter (DDP needs it):
+    # its loss is nan (no label to average over) and nan_to_num passes back a zero gradient
+    ce_share = out.ce_loss * (n_local * world / n_global) if n_local else out.ce_loss.nan_to_num() * 0.0
     aux = out.aux_loss / args.grad_accum
     run.scaler.scale(ce_share + aux).backward()
     return ce_share.detach() / world, aux.detach() / world
