@@ -7,31 +7,22 @@ turn first, then `user` and `assistant` alternating, starting with `user` and en
 A line that breaks these rules, or an assistant turn with empty content, is a DataError naming file:line.
 
 Loss mask: exactly the tokens of each assistant turn's content and its end-of-turn token `<|im_end|>`;
-nothing of the system / user turns, the role headers or the padding. It comes from the tokenizer's chat
-template (`{% generation %}` marks the trained part; transformers' apply_chat_template(
-return_assistant_tokens_mask=True) maps it to tokens), so training sees the same tokens as chat does.
-
-A conversation longer than the window is cut to the window (its start is kept; a cut that leaves no
-assistant token leaves it out), and the run says how many were. Text that spells a special token
-(`<|im_end|>`) inside a message becomes that token, as the chat template's tokenizer makes it.
+nothing of the system / user turns, the role headers or the padding. It comes from the chat template's
+`{% generation %}` block (data/tokenizer.py), so training sees the same tokens as chat does. Text that
+spells a special token (`<|im_end|>`) inside a message becomes that token, as the chat template's
+tokenizer makes it.
 """
+import hashlib
 import os
 
 import numpy as np
 import torch
 
+from data.atomic import atomic_file
 from data.sources import DataError, file_sha1, jsonl_records
-from train.stage import IGNORE_INDEX
+from data.dataset import IGNORE_INDEX, EpochBatches
 
 ROLES = ("system", "user", "assistant")
-
-
-def read_conversations(path):
-    """Yield (messages, where) for each line of a jsonl file of conversations. Raises DataError (file:line)."""
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: conversation file not found")
-    for obj, where in jsonl_records(path):
-        yield check_conversation(obj, where), where
 
 
 def check_conversation(obj, where):
@@ -72,13 +63,16 @@ class Conversations:
         self.ids, self.mask, self.offsets = ids, mask, offsets
         self.truncated, self.dropped, self.sha1 = truncated, dropped, sha1
 
+    @classmethod
+    def concat(cls, parts, **kw):
+        """Conversations of a list of (ids, mask) pairs; kw: truncated, dropped, sha1."""
+        return cls(np.concatenate([p[0] for p in parts] or [np.zeros(0, np.int64)]),
+                   np.concatenate([p[1] for p in parts] or [np.zeros(0, bool)]),
+                   np.concatenate(([0], np.cumsum([len(p[0]) for p in parts]))).astype(np.int64), **kw)
+
     def select(self, indices):
         """The conversations at `indices` (in that order), as a new Conversations."""
-        parts = [self[i] for i in indices]
-        lengths = [len(p[0]) for p in parts]
-        return Conversations(np.concatenate([p[0] for p in parts]) if parts else self.ids[:0],
-                             np.concatenate([p[1] for p in parts]) if parts else self.mask[:0],
-                             np.concatenate(([0], np.cumsum(lengths))).astype(np.int64), sha1=self.sha1)
+        return Conversations.concat([self[i] for i in indices], sha1=self.sha1)
 
     def __len__(self):
         return len(self.offsets) - 1
@@ -96,37 +90,33 @@ def load_conversations(path, tokenizer, max_len, cache_dir):
     """Read, check and tokenize a conversation file (cached by the file's and the tokenizer's content and
     max_len). A conversation over max_len tokens is cut to max_len, or left out when no assistant token
     remains. Returns Conversations in file order. Raises DataError (file:line, or what to change)."""
-    from train.atomic import atomic_file
     sha1 = file_sha1(path) if os.path.isfile(path) else ""
     cache = os.path.join(cache_dir, f"sft-tokens-v2-{sha1[:16]}-{_tokenizer_hash(tokenizer)}-{max_len}.npz")
     if sha1 and os.path.exists(cache):
         z = np.load(cache)
         return Conversations(z["ids"], z["mask"], z["offsets"], int(z["truncated"]), int(z["dropped"]), sha1)
-    ids, masks, lengths, truncated, dropped = [], [], [], 0, 0
-    for messages, _where in read_conversations(path):
-        x, m = tokenize_conversation(tokenizer, messages)
+    if not sha1:
+        raise DataError(f"{path}: conversation file not found")
+    parts, truncated, dropped = [], 0, 0
+    for obj, where in jsonl_records(path):
+        x, m = tokenize_conversation(tokenizer, check_conversation(obj, where))
         if len(x) > max_len:
             x, m = x[:max_len], m[:max_len]
             if not m[1:].any():
                 dropped += 1
                 continue
             truncated += 1
-        ids.append(x)
-        masks.append(m)
-        lengths.append(len(x))
-    if not ids:
+        parts.append((x, m))
+    if not parts:
         raise DataError(f"{path}: no conversation" + (f" has an assistant token within --seq_len {max_len} tokens; "
                                                       f"raise --seq_len" if dropped else ""))
-    conv = Conversations(np.concatenate(ids), np.concatenate(masks),
-                         np.concatenate(([0], np.cumsum(lengths))).astype(np.int64), truncated, dropped, sha1)
-    os.makedirs(cache_dir, exist_ok=True)
+    conv = Conversations.concat(parts, truncated=truncated, dropped=dropped, sha1=sha1)
     with atomic_file(cache) as f:
         np.savez(f, ids=conv.ids, mask=conv.mask, offsets=conv.offsets, truncated=truncated, dropped=dropped)
     return conv
 
 
 def _tokenizer_hash(tokenizer):
-    import hashlib
     h = hashlib.sha1(tokenizer.backend_tokenizer.to_str().encode())
     h.update(str(tokenizer.chat_template).encode())
     return h.hexdigest()[:12]
@@ -169,34 +159,18 @@ def window_tensors(conv, windows, seq_len, pad_id):
     return x, y, seg
 
 
-class PackedBatches:
+class PackedBatches(EpochBatches):
     """Batches of packed windows (x, y, segment_ids), each [batch_size, seq_len] int64, in an order
     reshuffled every epoch: conversations are permuted by (seed, epoch), then packed greedily, so the
-    windows are a pure function of (seed, epoch) and `state_dict()` = {"epoch", "cursor"} resumes exactly."""
+    windows are a pure function of (seed, epoch); resumable (data/dataset.py's EpochBatches)."""
 
     def __init__(self, conv, seq_len, batch_size, pad_id, seed=0):
         self.conv, self.seq_len, self.batch_size, self.pad_id, self.seed = conv, seq_len, batch_size, pad_id, seed
         self.lengths = np.diff(conv.offsets)
-        self.epoch, self.cursor = 0, 0
-        self._windows = self._epoch_windows(0)
+        self._start_epoch(0)
 
-    def _epoch_windows(self, epoch):
-        g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+    def _epoch_items(self, g):
         return pack(self.lengths, torch.randperm(len(self.conv), generator=g).tolist(), self.seq_len)
 
-    def state_dict(self):
-        return {"epoch": self.epoch, "cursor": self.cursor}
-
-    def load_state_dict(self, state):
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self._windows = self._epoch_windows(self.epoch)
-
-    def next(self):
-        chosen = []
-        while len(chosen) < self.batch_size:
-            if self.cursor == len(self._windows):
-                self.epoch, self.cursor = self.epoch + 1, 0
-                self._windows = self._epoch_windows(self.epoch)
-            chosen.append(self._windows[self.cursor])
-            self.cursor += 1
-        return window_tensors(self.conv, chosen, self.seq_len, self.pad_id)
+    def _batch(self, windows):
+        return window_tensors(self.conv, windows, self.seq_len, self.pad_id)

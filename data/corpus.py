@@ -3,49 +3,51 @@
 It is the docstrings (module, class and function) of the standard library's `.py` files, read with `ast`
 (no module is imported), joined into one document per module, plus the language reference topics of
 `pydoc_data.topics` (one document per topic). On CPython 3.11.7 that is ~2.3 MB in 724 documents. The
-build is deterministic (sorted walk), cached under `data/cache/`, and every 20th document goes to the
+build is deterministic (sorted walk), cached under CACHE_DIR, and every 20th document goes to the
 held-out validation split (688 train / 36 validation documents there).
+
+CACHE_DIR, where everything derived from a corpus is cached, is `data/cache/`, or the folder named by
+the environment variable MINIMIND_CACHE_DIR (read once, at import; the tests point it at a temp folder).
 """
 import ast
+import contextlib
 import hashlib
 import json
 import os
 import sys
 import sysconfig
 
-from train.atomic import atomic_dir
+from data.atomic import atomic_dir
 
-CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache")
+CACHE_DIR = os.path.abspath(os.environ.get("MINIMIND_CACHE_DIR")
+                            or os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache"))
 BUILDER_VERSION = 1  # bump when the extraction rules change, so old caches are not reused
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 VAL_EVERY = 20
 
 
-def _module_docstrings(path):
-    with open(path, "rb") as f:
-        source = f.read()
+def stdlib_modules(skip_dirs):
+    """Paths of the standard library's .py files in a fixed order (sorted walk), `skip_dirs` left out."""
+    for dirpath, dirnames, filenames in os.walk(sysconfig.get_paths()["stdlib"]):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs)
+        yield from (os.path.join(dirpath, name) for name in sorted(filenames) if name.endswith(".py"))
+
+
+def parse_module(path):
+    """The `ast` of a .py file, or None (a few stdlib files are deliberately invalid, e.g. bad encodings)."""
     try:
-        tree = ast.parse(source, filename=path)
-    except (SyntaxError, ValueError):  # a few stdlib files are deliberately invalid (e.g. bad encodings)
-        return []
-    docs = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            doc = ast.get_docstring(node, clean=True)
-            if doc and doc.strip():
-                docs.append(doc.strip())
-    return docs
+        with open(path, "rb") as f:
+            return ast.parse(f.read(), filename=path)
+    except (SyntaxError, ValueError):
+        return None
 
 
 def pydoc_topics(stdlib):
     """[(topic, text)] of `pydoc_data.topics` (the language reference pages), sorted by topic; read with
     `ast`, not imported."""
     path = os.path.join(stdlib, "pydoc_data", "topics.py")
-    if not os.path.exists(path):
-        return []
-    with open(path, "rb") as f:
-        tree = ast.parse(f.read(), filename=path)
-    for node in tree.body:
+    tree = parse_module(path) if os.path.exists(path) else None
+    for node in tree.body if tree else []:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "topics" for t in node.targets):
             topics = ast.literal_eval(node.value)
             return [(k, topics[k].strip()) for k in sorted(topics) if topics[k].strip()]
@@ -54,34 +56,35 @@ def pydoc_topics(stdlib):
 
 def iter_documents():
     """Yield the corpus documents (str) in a fixed order: stdlib modules sorted by path, then topics."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    for dirpath, dirnames, filenames in os.walk(stdlib):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-        for name in sorted(filenames):
-            if name.endswith(".py"):
-                docs = _module_docstrings(os.path.join(dirpath, name))
-                if docs:
-                    yield "\n\n".join(docs)
-    yield from (text for _, text in pydoc_topics(stdlib))
+    documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    for path in stdlib_modules(_SKIP_DIRS):
+        tree = parse_module(path)
+        docs = [ast.get_docstring(n, clean=True) for n in (ast.walk(tree) if tree else ()) if isinstance(n, documented)]
+        docs = [d.strip() for d in docs if d and d.strip()]
+        if docs:
+            yield "\n\n".join(docs)
+    yield from (text for _, text in pydoc_topics(sysconfig.get_paths()["stdlib"]))
+
+
+def build_splits(cache_dir, name, version, records):
+    """Build (once) and return {'train': path, 'val': path}: jsonl files in `cache_dir/<name>-<key>/`, one
+    line per (split, object) of `records` (an iterator, read only when building). The key is the Python
+    version, the stdlib path and `version`; both files are written into a temp folder renamed into place,
+    so an interrupted build never leaves a partial cache."""
+    key = hashlib.sha1(f"{sys.version}|{sysconfig.get_paths()['stdlib']}|{version}".encode()).hexdigest()[:12]
+    out = os.path.join(cache_dir, f"{name}-{key}")
+    paths = {s: os.path.join(out, f"{s}.jsonl") for s in ("train", "val")}
+    if all(os.path.exists(p) for p in paths.values()):
+        return paths
+    with atomic_dir(out) as tmp, contextlib.ExitStack() as files:  # both splits appear together or not at all
+        f = {s: files.enter_context(open(os.path.join(tmp, f"{s}.jsonl"), "w", encoding="utf-8")) for s in paths}
+        for split, obj in records:
+            f[split].write(json.dumps(obj, ensure_ascii=False) + "\n")
+    return paths
 
 
 def default_corpus(cache_dir=CACHE_DIR):
-    """Build (once) and return {'train': path, 'val': path} of the default corpus as jsonl files.
-
-    Each line is {"text": ...}, MiniMind's pretraining format, so the default corpus goes through the
-    same loader as user data. The cache key is the Python version, the stdlib path and the builder
-    version; both files are written into a temp folder that is renamed into place, so an interrupted
-    build never leaves a partial cache.
-    """
-    key = hashlib.sha1(f"{sys.version}|{sysconfig.get_paths()['stdlib']}|{BUILDER_VERSION}".encode()).hexdigest()[:12]
-    out = os.path.join(cache_dir, f"stdlib-docs-{key}")
-    paths = {"train": os.path.join(out, "train.jsonl"), "val": os.path.join(out, "val.jsonl")}
-    if all(os.path.exists(p) for p in paths.values()):
-        return paths
-    with atomic_dir(out) as tmp:  # both splits appear together or not at all
-        with open(os.path.join(tmp, "train.jsonl"), "w", encoding="utf-8") as ftrain, \
-                open(os.path.join(tmp, "val.jsonl"), "w", encoding="utf-8") as fval:
-            for i, doc in enumerate(iter_documents()):
-                f = fval if i % VAL_EVERY == VAL_EVERY - 1 else ftrain
-                f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
-    return paths
+    """Build (once) and return {'train': path, 'val': path} of the default corpus as jsonl files of
+    {"text": ...} lines, MiniMind's pretraining format, so it goes through the same loader as user data."""
+    return build_splits(cache_dir, "stdlib-docs", BUILDER_VERSION, (
+        ("val" if i % VAL_EVERY == VAL_EVERY - 1 else "train", {"text": doc}) for i, doc in enumerate(iter_documents())))

@@ -6,16 +6,46 @@ array): windows are gathered from them on demand, so nothing here holds a copy o
 import numpy as np
 import torch
 
+from data.shards import entropy
 from data.sources import DataError  # noqa: F401  (re-exported: where the trainer and scripts look for it)
 
+# A label that predicts nothing (F.cross_entropy's default ignore_index): the loss mask travels in the labels
+IGNORE_INDEX = -100
 
-class WindowBatches:
+
+class EpochBatches:
+    """Batches of items (windows) in an order that is a pure function of (seed, epoch), reshuffled every
+    epoch, so `state_dict()` = {"epoch", "cursor"} resumes exactly. A subclass gives
+    `_epoch_items(generator)` (the epoch's items, in order) and `_batch(items)`; `next()` returns the batch
+    of the next batch_size items, crossing into the next epoch where one ends."""
+
+    def _start_epoch(self, epoch, cursor=0):
+        self.epoch, self.cursor = epoch, cursor
+        self._items = self._epoch_items(torch.Generator().manual_seed(self.seed * 100003 + epoch))
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state):
+        self._start_epoch(int(state["epoch"]), int(state["cursor"]))
+
+    def next(self):
+        chosen = []
+        while len(chosen) < self.batch_size:
+            if self.cursor == len(self._items):
+                self._start_epoch(self.epoch + 1)
+            take = min(self.batch_size - len(chosen), len(self._items) - self.cursor)
+            chosen.extend(self._items[self.cursor:self.cursor + take])
+            self.cursor += take
+        return self._batch(chosen)
+
+
+class WindowBatches(EpochBatches):
     """Batches of (seq_len + 1)-token windows starting every seq_len tokens of a stream (neighbours share
     one boundary token, so every token is predicted once per epoch), in an order reshuffled every epoch.
 
     tokens: 1-D array of ids (np.memmap welcome: only the windows of a batch are read). `next()` returns
-    x, y: [B, S] int64 with y = x shifted by one. The order is a pure function of (seed, epoch), so
-    `state_dict()` = {"epoch", "cursor"} resumes exactly.
+    x, y: [B, S] int64 with y = x shifted by one; resumable (EpochBatches).
 
     Raises DataError if the stream holds fewer than one window.
     """
@@ -27,30 +57,13 @@ class WindowBatches:
         if self.num_windows < 1:
             raise DataError(f"{name}: {len(self.tokens)} tokens is too little for one window of "
                             f"seq_len={seq_len} (+1); use a shorter --seq_len or more data")
-        self.epoch, self.cursor = 0, 0
-        self._order = self._epoch_order(0)
+        self._start_epoch(0)
 
-    def _epoch_order(self, epoch):
-        g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+    def _epoch_items(self, g):
         return torch.randperm(self.num_windows, generator=g).numpy()
 
-    def state_dict(self):
-        return {"epoch": self.epoch, "cursor": self.cursor}
-
-    def load_state_dict(self, state):
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self._order = self._epoch_order(self.epoch)
-
-    def next(self):
-        starts = []
-        while len(starts) < self.batch_size:
-            if self.cursor == self.num_windows:
-                self.epoch, self.cursor = self.epoch + 1, 0
-                self._order = self._epoch_order(self.epoch)
-            take = min(self.batch_size - len(starts), self.num_windows - self.cursor)
-            starts.extend(self._order[self.cursor:self.cursor + take] * self.seq_len)
-            self.cursor += take
-        idx = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(self.seq_len + 1)
+    def _batch(self, windows):
+        idx = np.asarray(windows, dtype=np.int64)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         w = torch.from_numpy(np.asarray(self.tokens[idx], dtype=np.int64))
         return w[:, :-1], w[:, 1:]
 
@@ -67,6 +80,4 @@ def fixed_windows(tokens, seq_len, max_tokens):
 
 def unigram_entropy(tokens):
     """Entropy of the empirical token distribution, in nats: the loss of the best context-free model."""
-    counts = np.bincount(np.asarray(tokens))
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
+    return entropy(np.bincount(np.asarray(tokens)))

@@ -3,10 +3,12 @@
     source (data/sources.py) -> tokenizer (given, or a BPE trained on a bounded sample) -> token cache
     (data/shards.py: tokenized once in parallel, then memory-mapped)
 
-Everything derived from a corpus is keyed by content, under `data/cache/`: the tokenizer by the source's
-fingerprint, vocab size and sample size; the token cache by the source's and the tokenizer's hashes. One
-process at a time prepares a given corpus (a file lock); another one waits, then reuses the result.
+Everything derived from a corpus is keyed by content, under CACHE_DIR (`data/cache/`, or
+$MINIMIND_CACHE_DIR: data/corpus.py): the tokenizer by the source's fingerprint, vocab size and sample
+size; the token cache by the source's and the tokenizer's hashes. One process at a time prepares a
+given corpus (a file lock); another one waits, then reuses the result.
 """
+import contextlib
 import fcntl
 import glob
 import hashlib
@@ -16,13 +18,12 @@ import shutil
 import sys
 import time
 
-from data.corpus import CACHE_DIR, default_corpus
+from data.corpus import CACHE_DIR, VAL_EVERY, default_corpus  # VAL_EVERY: also every 20th user document is held out
 from data.shards import build_token_cache, open_token_cache
-from data.sources import DataError, DocumentSource, open_source  # noqa: F401  (DataError: re-exported)
+from data.sources import DataError, DocumentSource, file_sha1, open_source  # noqa: F401  (DataError: re-exported)
 from data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
-from train.atomic import atomic_write_text
+from data.atomic import atomic_write_text
 
-VAL_EVERY = 20  # every 20th document of a user corpus is held out
 TOKENIZER_SAMPLE_MB = 16  # the BPE is trained on the first this-many MB of training documents (see README)
 PARALLEL_FROM_BYTES = 32 << 20  # below this a process pool costs more to start than it saves
 
@@ -45,7 +46,12 @@ def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=
     Raises DataError for missing, empty or malformed input, naming the file and line.
     """
     os.makedirs(cache_dir, exist_ok=True)
-    source, val_source = _sources(data_path, text_field, cache_dir)
+    if data_path is None:  # the default corpus comes split in two files; a user corpus is one source
+        paths = default_corpus(cache_dir)
+        source = DocumentSource("embedded corpus (Python stdlib docstrings + pydoc topics)", files=(paths["train"],))
+        val_source = DocumentSource("embedded corpus, validation", files=(paths["val"],))
+    else:
+        source, val_source = open_source(data_path, text_field), None
     if next(iter(source.documents()), None) is None:
         raise DataError(f"{source.description}: contains no text")
     memo = _load_memo(cache_dir)  # file hashes by path, size and mtime: a warm start reads no corpus
@@ -72,15 +78,6 @@ def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=
         log(f"note: {cache.index['split_rule']}")
     return dict(tokenizer=tokenizer, tokenizer_dir=tokenizer_dir, train=cache.train, val=cache.val,
                 index=cache.index, source=source.description)
-
-
-def _sources(data_path, text_field, cache_dir):
-    """(source, val_source): the default corpus comes split in two files; a user corpus is one source."""
-    if data_path is None:
-        paths = default_corpus(cache_dir)
-        return (DocumentSource("embedded corpus (Python stdlib docstrings + pydoc topics)", files=(paths["train"],)),
-                DocumentSource("embedded corpus, validation", files=(paths["val"],)))
-    return open_source(data_path, text_field), None
 
 
 def split_documents(source, val_source):
@@ -112,9 +109,7 @@ def _tokenizer(source, val_source, tokenizer_dir, vocab_size, sample_mb, fingerp
         if tokenizer.eos_token_id is None:
             raise DataError(f"{tokenizer_dir}: the tokenizer has no eos token to separate documents with")
         return tokenizer, tokenizer_dir
-    key = hashlib.sha1(f"{fingerprint}|{vocab_size}|{sample_mb}".encode()).hexdigest()[:12]
-    path = os.path.join(cache_dir, f"tokenizer-{key}")
-    _remove_temp_leftovers(cache_dir, f"tokenizer-{key}")
+    path = _cache_entry(cache_dir, "tokenizer", f"{fingerprint}|{vocab_size}|{sample_mb}", 12)
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         try:
             return load_tokenizer(path), path
@@ -127,14 +122,10 @@ def _tokenizer(source, val_source, tokenizer_dir, vocab_size, sample_mb, fingerp
     return load_tokenizer(path), path
 
 
-def _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cache_dir, workers, progress, log,
-                 engine="auto"):
+def _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cache_dir, workers, progress, log, engine):
     tokenizer_json = os.path.join(tokenizer_dir, "tokenizer.json")
-    with open(tokenizer_json, "rb") as f:
-        tok_sha1 = hashlib.sha1(f.read()).hexdigest()
-    key = hashlib.sha1(f"{fingerprint}|{tok_sha1}|{VAL_EVERY}|{val_source is not None}".encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir, f"tokens-{key}")
-    _remove_temp_leftovers(cache_dir, f"tokens-{key}")
+    tok_sha1 = file_sha1(tokenizer_json)
+    path = _cache_entry(cache_dir, "tokens", f"{fingerprint}|{tok_sha1}|{VAL_EVERY}|{val_source is not None}", 16)
     cache = open_token_cache(path)
     if cache is not None:
         return cache
@@ -145,25 +136,24 @@ def _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cach
         workers = min(os.cpu_count() or 1, 8) if total > PARALLEL_FROM_BYTES else 0
     meta = {"source": source.description, "source_fingerprint": fingerprint, "tokenizer_sha1": tok_sha1,
             "split_rule": "given validation files" if val_source else f"every {VAL_EVERY}th document is validation"}
-    bar = _progress_bar(total) if progress and total > PARALLEL_FROM_BYTES else None
     t0 = time.time()
-    try:
+    with _progress_bar(total) if progress and total > PARALLEL_FROM_BYTES else contextlib.nullcontext() as bar:
         index = build_token_cache(path, split_documents(source, val_source), tokenizer_json, tokenizer.eos_token_id,
-                                  len(tokenizer), meta, workers, bar.update if bar else None, engine)
-    finally:
-        if bar is not None:
-            bar.close()
+                                  len(tokenizer), meta, workers, bar.update if bar is not None else None, engine)
     seconds = time.time() - t0
     log(f"tokenized {total / 1e6:,.1f} MB in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-9):.1f} MB/s, "
         f"{max(workers, 1)} process{'es' if workers > 1 else ''}, {index['encoder']})")
     return open_token_cache(path)
 
 
-def _remove_temp_leftovers(cache_dir, name):
-    """Temp folders of an interrupted build of `name` (train/atomic.py names them .<name>.tmp... / .old...);
-    called under the corpus's lock, so no live build of it owns them."""
+def _cache_entry(cache_dir, kind, key, chars):
+    """cache_dir/<kind>-<first `chars` hex digits of sha1(key)>, once the temp folders of an interrupted build
+    of it are removed (data/atomic.py names them .<name>.tmp... / .old...; called under the corpus's lock,
+    so no live build of it owns them)."""
+    name = f"{kind}-{hashlib.sha1(key.encode()).hexdigest()[:chars]}"
     for leftover in glob.glob(os.path.join(cache_dir, f".{name}.tmp*")) + glob.glob(os.path.join(cache_dir, f".{name}.old*")):
         shutil.rmtree(leftover, ignore_errors=True) if os.path.isdir(leftover) else os.remove(leftover)
+    return os.path.join(cache_dir, name)
 
 
 def _progress_bar(total_bytes):
@@ -171,23 +161,16 @@ def _progress_bar(total_bytes):
     return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr, smoothing=0.1)
 
 
-class _lock:
+@contextlib.contextmanager
+def _lock(path, log):
     """An exclusive file lock (fcntl.flock) held for a `with` block; says so when it has to wait."""
-
-    def __init__(self, path, log):
-        self.path, self.log = path, log
-
-    def __enter__(self):
-        self.f = open(self.path, "a+")
+    with open(path, "a+") as f:  # closing the file releases the lock
         try:
-            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self.log("waiting for another process preparing the same corpus...")
-            fcntl.flock(self.f, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        self.f.close()  # releases the lock
+            log("waiting for another process preparing the same corpus...")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def _load_memo(cache_dir):

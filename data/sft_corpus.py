@@ -11,19 +11,16 @@ names of one module (multi-turn). Conversations are jsonl lines `{"conversations
 
 Held out by name: every question about a name whose sha1 is 0 mod 20 is in the validation file, so the
 held-out answers are about functions never seen in fine-tuning. The build is deterministic (sorted walk,
-fixed seed) and cached under data/cache/ like the pretraining corpus.
+fixed seed) and cached under CACHE_DIR (data/corpus.py) like the pretraining corpus.
 """
 import ast
 import hashlib
-import json
 import os
 import random
 import re
-import sys
 import sysconfig
 
-from data.corpus import CACHE_DIR, pydoc_topics
-from train.atomic import atomic_dir
+from data.corpus import CACHE_DIR, build_splits, parse_module, pydoc_topics, stdlib_modules
 
 BUILDER_VERSION = 1
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "idlelib",
@@ -35,22 +32,11 @@ MAX_ANSWER_CHARS = 400
 def first_paragraph(doc):
     """The docstring's first paragraph as one line, cut after two sentences or MAX_ANSWER_CHARS."""
     para = re.split(r"\n\s*\n", doc.strip(), maxsplit=1)[0]
-    text = " ".join(para.split())
-    sentences = re.split(r"(?<=[.!?])\s+(?=[A-Z`(])", text)
+    sentences = re.split(r"(?<=[.!?])\s+(?=[A-Z`(])", " ".join(para.split()))
     text = " ".join(sentences[:2])
     if len(text) > MAX_ANSWER_CHARS:
         text = text[:MAX_ANSWER_CHARS].rsplit(" ", 1)[0] + " ..."
     return text
-
-
-def _module_name(stdlib, path):
-    rel = os.path.relpath(path, stdlib)[:-3].replace(os.sep, ".")
-    return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
-
-
-def _signature(name, node):
-    args = ast.unparse(node.args)
-    return f"`{name}({args})`"
 
 
 def _public(name):
@@ -59,14 +45,8 @@ def _public(name):
 
 def module_entries(stdlib, path):
     """[(qualified name, kind, first paragraph, signature or None)] of a module's public documented names."""
-    module = _module_name(stdlib, path)
-    if not all(_public(part) for part in module.split(".")):
-        return []
-    try:
-        with open(path, "rb") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (SyntaxError, ValueError):
-        return []
+    module = os.path.relpath(path, stdlib)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+    tree = parse_module(path) if all(_public(part) for part in module.split(".")) else None
     out = []
 
     def visit(body, prefix):
@@ -78,48 +58,37 @@ def module_entries(stdlib, path):
                 if len(answer) >= 20 and not answer.startswith(node.name + "("):
                     is_class = isinstance(node, ast.ClassDef)
                     out.append((name, "class" if is_class else "function", answer,
-                                None if is_class else _signature(name, node)))
+                                None if is_class else f"`{name}({ast.unparse(node.args)})`"))
                 if isinstance(node, ast.ClassDef) and prefix == module:
                     visit(node.body, name)
 
-    visit(tree.body, module)
+    visit(tree.body if tree else [], module)
     return out
 
 
 def _questions(entry):
     name, kind, answer, signature = entry
-    qa = [(f"What does `{name}` do?", answer)]
-    if signature:
-        qa.append((f"What is the signature of `{name}`?", signature))
-    return qa
+    return [(f"What does `{name}` do?", answer)] + ([(f"What is the signature of `{name}`?", signature)] if signature else [])
 
 
 def iter_conversations(seed=0):
     """Yield (held-out key, conversation) in a fixed order; conversation = list of {"role", "content"}."""
     stdlib = sysconfig.get_paths()["stdlib"]
     rng = random.Random(seed)
-    for dirpath, dirnames, filenames in os.walk(stdlib):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-        for fname in sorted(filenames):
-            if not fname.endswith(".py"):
-                continue
-            entries = module_entries(stdlib, os.path.join(dirpath, fname))
-            i = 0
-            while i < len(entries):
-                pair = i + 1 < len(entries) and rng.random() < 1 / 3
-                group = entries[i:i + 2] if pair else entries[i:i + 1]
-                i += len(group)
-                turns = [qa for e in group for qa in _questions(e)[:1 if pair else 2]]
-                rng.shuffle(turns) if not pair else None
-                yield _key(group), _conversation(turns, rng)
+    for path in stdlib_modules(_SKIP_DIRS):
+        entries = module_entries(stdlib, path)
+        i = 0
+        while i < len(entries):
+            pair = i + 1 < len(entries) and rng.random() < 1 / 3
+            group = entries[i:i + 2] if pair else entries[i:i + 1]
+            i += len(group)
+            turns = [qa for e in group for qa in _questions(e)[:1 if pair else 2]]
+            rng.shuffle(turns) if not pair else None
+            yield group[0][0], _conversation(turns, rng)  # a pair is held out with its first name (one module)
     for key, text in pydoc_topics(stdlib):
         answer = first_paragraph(text)
         if len(answer) >= 20:
             yield key, _conversation([(f"Explain `{key}` in Python.", answer)], rng)
-
-
-def _key(group):
-    return group[0][0]  # a pair is held out with its first name (both names come from one module)
 
 
 def _conversation(turns, rng):
@@ -135,15 +104,5 @@ def held_out(key, every=20):
 
 def default_sft_set(cache_dir=CACHE_DIR):
     """Build (once) and return {'train': path, 'val': path} of the default SFT set as jsonl files."""
-    key = hashlib.sha1(f"{sys.version}|{sysconfig.get_paths()['stdlib']}|{BUILDER_VERSION}".encode()).hexdigest()[:12]
-    out = os.path.join(cache_dir, f"stdlib-sft-{key}")
-    paths = {"train": os.path.join(out, "train.jsonl"), "val": os.path.join(out, "val.jsonl")}
-    if all(os.path.exists(p) for p in paths.values()):
-        return paths
-    with atomic_dir(out) as tmp:
-        with open(os.path.join(tmp, "train.jsonl"), "w", encoding="utf-8") as ftrain, \
-                open(os.path.join(tmp, "val.jsonl"), "w", encoding="utf-8") as fval:
-            for key_, messages in iter_conversations():
-                f = fval if held_out(key_) else ftrain
-                f.write(json.dumps({"conversations": messages}, ensure_ascii=False) + "\n")
-    return paths
+    return build_splits(cache_dir, "stdlib-sft", BUILDER_VERSION, (
+        ("val" if held_out(key) else "train", {"conversations": messages}) for key, messages in iter_conversations()))

@@ -7,15 +7,14 @@ A prepared corpus is a folder `tokens-<key>/` holding, per split (`train`, `val`
 - `<split>.docs.bin`: int64 start offset of every document in `<split>.bin`;
 and `index.json`: dtype, per-split token / document / UTF-8 byte counts, the tokenizer's and the source's
 hashes, and the validation split's unigram entropy (nats). The folder is written into a temp folder and
-renamed into place (train/atomic.py), so a crash or a malformed line never leaves a partial cache; an
+renamed into place (data/atomic.py), so a crash or a malformed line never leaves a partial cache; an
 index that does not match its files is detected on open (`open_token_cache` returns None: rebuild).
 
-Tokenization runs in a pool of processes (`workers`), each on batches of about `BATCH_BYTES` of text with
-tiktoken where it reproduces the tokenizer exactly (data/fast_bpe.py; about 3x faster), else HF
+Tokenization runs in a pool of processes (`workers`; processes rather than the tokenizer's own threads,
+because turning ids into arrays is single-threaded Python work), each on batches of about `BATCH_BYTES`
+of text, with tiktoken where it reproduces the tokenizer exactly (data/fast_bpe.py), else HF
 `tokenizers`' batch encoder; at most two batches per worker are in flight, so preparation memory is
-bounded whatever the corpus size. Measured on 2 cores (AMD EPYC): a pool of 2 processes tokenized
-9.4 MB/s against 4.6 MB/s for one process using the tokenizer's own thread pool, because turning the ids
-into arrays is single-threaded Python work.
+bounded whatever the corpus size.
 """
 import itertools
 import json
@@ -24,10 +23,12 @@ import os
 import sys
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 
-from train.atomic import atomic_dir, atomic_write_text
+from data.atomic import atomic_dir, atomic_write_text
+from data.fast_bpe import encode, same_ids, tiktoken_for
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
@@ -37,26 +38,9 @@ BATCH_DOCS = 4096
 _encoder = None  # texts -> ids lists: set by TokenEncoder before its workers fork (a spawned worker builds its own)
 
 
-def token_dtype(vocab_size):
-    """uint16 while every id fits, else uint32."""
-    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
-
-
-def _die_with_parent(parent_pid):
-    """Linux: a worker gets SIGKILL when the preparing process dies (a kill -9 leaves no orphan holding the
-    cache lock it inherited with the fork)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-
-
 def _make_encoder(tokenizer_json, use_tiktoken):
     """texts -> lists of ids, with tiktoken (data/fast_bpe.py) or `tokenizers`."""
     if use_tiktoken:
-        from data.fast_bpe import encode, tiktoken_for
         enc = tiktoken_for(tokenizer_json)
         return lambda texts: [encode(enc, t) for t in texts]
     from tokenizers import Tokenizer
@@ -65,9 +49,15 @@ def _make_encoder(tokenizer_json, use_tiktoken):
 
 
 def _init_worker(tokenizer_json, use_tiktoken, parent_pid):
-    """A pool worker: dies with its parent; a forked one already holds the parent's encoder."""
+    """A pool worker. On Linux it gets SIGKILL when the preparing process dies (a kill -9 leaves no orphan
+    holding the cache lock it inherited with the fork); a forked one already holds the parent's encoder."""
     global _encoder
-    _die_with_parent(parent_pid)
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
     if _encoder is None:  # spawned (not Linux): build it here
         _encoder = _make_encoder(tokenizer_json, use_tiktoken)
 
@@ -93,7 +83,6 @@ class TokenEncoder:
     with at most 2 * workers batches in flight. `engine` names the encoder used."""
 
     def __init__(self, tokenizer_json, eos_id, dtype, workers, first_texts=(), engine="auto"):
-        from data.fast_bpe import same_ids, tiktoken_for
         self.tokenizer_json, self.eos_id, self.dtype, self.workers = tokenizer_json, eos_id, dtype, workers
         self.pool = None
         enc = tiktoken_for(tokenizer_json) if engine == "auto" else None
@@ -118,10 +107,7 @@ class TokenEncoder:
                                                 initargs=(self.tokenizer_json, self.use_tiktoken, os.getpid()))
                 self.pool.submit(int).result()  # the processes start now, while the variable is set
             finally:
-                if saved is None:
-                    del os.environ["TOKENIZERS_PARALLELISM"]
-                else:
-                    os.environ["TOKENIZERS_PARALLELISM"] = saved
+                os.environ.pop("TOKENIZERS_PARALLELISM") if saved is None else os.environ.update(TOKENIZERS_PARALLELISM=saved)
         return self
 
     def __exit__(self, *exc):
@@ -130,18 +116,15 @@ class TokenEncoder:
 
     def map(self, batches):
         if self.pool is None:
-            for batch in batches:
-                yield batch, _encode_batch(batch[0], self.eos_id, self.dtype)
+            yield from ((batch, _encode_batch(batch[0], self.eos_id, self.dtype)) for batch in batches)
             return
         pending = deque()
-        for batch in batches:
-            pending.append((batch, self.pool.submit(_encode_batch, batch[0], self.eos_id, self.dtype)))
-            if len(pending) >= 2 * self.workers:
+        for batch in itertools.chain(batches, [None]):
+            if batch is not None:
+                pending.append((batch, self.pool.submit(_encode_batch, batch[0], self.eos_id, self.dtype)))
+            while pending and (batch is None or len(pending) >= 2 * self.workers):
                 b, fut = pending.popleft()
                 yield b, fut.result()
-        while pending:
-            b, fut = pending.popleft()
-            yield b, fut.result()
 
 
 def _batches(documents):
@@ -161,29 +144,23 @@ def _batches(documents):
 class _SplitWriter:
     """Appends token ids and document offsets of one split to its files; keeps the counts."""
 
-    def __init__(self, folder, split, dtype):
-        self.tokens = open(os.path.join(folder, f"{split}.bin"), "wb")
-        self.docs = open(os.path.join(folder, f"{split}.docs.bin"), "wb")
-        self.dtype, self.n_tokens, self.n_docs, self.n_bytes = dtype, 0, 0, 0
+    def __init__(self, folder, split):
+        self.files = [open(os.path.join(folder, f"{split}{ext}"), "wb") for ext in (".bin", ".docs.bin")]
+        self.counts = {"tokens": 0, "documents": 0, "bytes": 0}
 
     def write(self, ids, lengths, nbytes):
-        if len(lengths) == 0:
-            return
-        starts = self.n_tokens + np.concatenate(([0], np.cumsum(lengths)[:-1]))
-        self.tokens.write(ids.tobytes())
-        self.docs.write(starts.astype(np.int64).tobytes())
-        self.n_tokens += len(ids)
-        self.n_docs += len(lengths)
-        self.n_bytes += int(nbytes.sum())
+        if len(lengths):
+            starts = self.counts["tokens"] + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+            self.files[0].write(ids.tobytes())
+            self.files[1].write(starts.astype(np.int64).tobytes())
+            for k, n in (("tokens", len(ids)), ("documents", len(lengths)), ("bytes", int(nbytes.sum()))):
+                self.counts[k] += n
 
     def close(self):
-        for f in (self.tokens, self.docs):
+        for f in self.files:
             f.flush()
             os.fsync(f.fileno())
             f.close()
-
-    def counts(self):
-        return {"tokens": self.n_tokens, "documents": self.n_docs, "bytes": self.n_bytes}
 
 
 def build_token_cache(path, documents, tokenizer_json, eos_id, vocab_size, meta, workers=0, progress=None,
@@ -195,9 +172,9 @@ def build_token_cache(path, documents, tokenizer_json, eos_id, vocab_size, meta,
     index.json. `progress`: a callable(n_chars) called per batch, or None. engine: "auto" (tiktoken when it
     reproduces the tokenizer) or "tokenizers". Returns the index dict.
     """
-    dtype = token_dtype(vocab_size)
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32  # while every id fits
     with atomic_dir(path) as tmp:
-        writers = {s: _SplitWriter(tmp, s, dtype) for s in SPLITS}
+        writers = {s: _SplitWriter(tmp, s) for s in SPLITS}
         counts_V = np.zeros(max(vocab_size, 1), dtype=np.int64)
         try:
             batches = _batches(documents)
@@ -216,14 +193,14 @@ def build_token_cache(path, documents, tokenizer_json, eos_id, vocab_size, meta,
         finally:
             for w in writers.values():
                 w.close()
-        splits = {s: w.counts() for s, w in writers.items()}
+        splits = {s: w.counts for s, w in writers.items()}
         split_rule = meta.get("split_rule", "")
         if splits["val"]["tokens"] < max(splits["train"]["tokens"] // 100, 1) and splits["train"]["tokens"] > 2:
             splits, counts_V = _tail_as_validation(tmp, dtype, splits, tokenizer_json, len(counts_V))
             split_rule = (f"held-out documents gave under 1% of the tokens: they went back into training, and "
                           f"validation is the last {splits['val']['tokens']:,} tokens of the stream instead")
         index = dict(meta, format=FORMAT_VERSION, dtype=np.dtype(dtype).name, vocab_size=vocab_size,
-                     splits=splits, val_unigram_entropy=_entropy(counts_V), split_rule=split_rule,
+                     splits=splits, val_unigram_entropy=entropy(counts_V), split_rule=split_rule,
                      encoder=encoder.engine)
         atomic_write_text(os.path.join(tmp, "index.json"), json.dumps(index, indent=1))
     return index
@@ -252,23 +229,16 @@ def _tail_as_validation(folder, dtype, splits, tokenizer_json, vocab_size):
     return splits, np.bincount(tail, minlength=vocab_size)[:vocab_size]
 
 
-def _entropy(counts):
+def entropy(counts):
+    """Entropy in nats of the distribution that `counts` (int array) are samples of."""
     p = counts[counts > 0] / max(int(counts.sum()), 1)
     return float(-(p * np.log(p)).sum())
 
 
-class TokenCache:
-    """A prepared corpus opened for reading: `train` and `val` are read-only np.memmap token arrays
-    (1-D, the index's dtype; empty arrays for an empty split), `index` the parsed index.json."""
-
-    def __init__(self, path, index, arrays):
-        self.path, self.index = path, index
-        self.train, self.val = arrays["train"], arrays["val"]
-
-
 def open_token_cache(path):
-    """Open a prepared corpus; None when it is absent, or when index.json does not match the files (the
-    caller rebuilds it)."""
+    """Open a prepared corpus: an object with `train` and `val`, read-only np.memmap token arrays (1-D, the
+    index's dtype; empty arrays for an empty split), `index` (the parsed index.json) and `path`. None when
+    it is absent, or when index.json does not match the files (the caller rebuilds it)."""
     try:
         with open(os.path.join(path, "index.json"), encoding="utf-8") as f:
             index = json.load(f)
@@ -277,18 +247,11 @@ def open_token_cache(path):
         for s in SPLITS:
             n = index["splits"][s]["tokens"]
             file = os.path.join(path, f"{s}.bin")
-            if index.get("format") != FORMAT_VERSION or os.path.getsize(file) != n * dtype.itemsize:
-                return None
-            if os.path.getsize(os.path.join(path, f"{s}.docs.bin")) != index["splits"][s]["documents"] * 8:
+            if index.get("format") != FORMAT_VERSION or os.path.getsize(file) != n * dtype.itemsize or \
+                    os.path.getsize(os.path.join(path, f"{s}.docs.bin")) != index["splits"][s]["documents"] * 8:
                 return None
             arrays[s] = np.memmap(file, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return TokenCache(path, index, arrays)
+    return SimpleNamespace(path=path, index=index, **arrays)
 
-
-def document_offsets(cache, split):
-    """int64 [documents] start offsets of the split's documents in its token array (memory-mapped)."""
-    n = cache.index["splits"][split]["documents"]
-    file = os.path.join(cache.path, f"{split}.docs.bin")
-    return np.memmap(file, dtype=np.int64, mode="r", shape=(n,)) if n else np.zeros(0, np.int64)

@@ -21,9 +21,6 @@ import json
 import os
 from dataclasses import dataclass
 
-FILE_KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "txt", ".parquet": "parquet"}
-
-
 class DataError(ValueError):
     """Bad input data; the message names the file (and the line, where there is one)."""
 
@@ -41,11 +38,10 @@ class DocumentSource:
 
     @property
     def total_bytes(self):
-        if self.files:
-            return sum(os.path.getsize(f) for f in self.files)
-        if self.dataset_dir:
-            return sum(os.path.getsize(f) for f in _all_files(self.dataset_dir))
-        return 0
+        return sum(os.path.getsize(f) for f in self._local_files())
+
+    def _local_files(self):
+        return self.files or (_all_files(self.dataset_dir) if self.dataset_dir else ())
 
     def documents(self):
         """Yield (text, where) for every non-empty document, in a fixed order. Raises DataError."""
@@ -55,15 +51,15 @@ class DocumentSource:
             yield from _saved_dataset_documents(self.dataset_dir, self.text_field)
         else:
             for path in self.files:
-                yield from READERS[FILE_KINDS[os.path.splitext(path)[1].lower()]](path, self.text_field)
+                yield from FILE_KINDS[os.path.splitext(path)[1].lower()](path, self.text_field)
 
     def fingerprint(self, memo=None):
         """Content hash (hex, 16 chars) of the input and of how it is read (kind, text field). A hub
         dataset is keyed by its name only (its content is not read to compute a key); a local folder
-        given as hf:DIR by its files. `memo`: a dict
-        {path|size|mtime: sha1} reused across calls so a warm start does not re-read gigabytes."""
+        given as hf:DIR by its files. `memo`: a dict {path|size|mtime: sha1} reused across calls so a
+        warm start does not re-read gigabytes."""
         h = hashlib.sha1(f"text_field={self.text_field}".encode())
-        files = self.files or (_all_files(self.dataset_dir) if self.dataset_dir else ())
+        files = self._local_files()
         if self.hub is not None:
             h.update(f"hub:{self.hub}".encode())
             local = self.hub.partition(":")[0]
@@ -78,7 +74,8 @@ def open_source(data_path, text_field="text"):
     if data_path.startswith("hf:"):
         return DocumentSource(f"datasets.load_dataset({data_path[3:]!r})", text_field, hub=data_path[3:])
     if os.path.isdir(data_path):
-        if _is_saved_dataset(data_path):
+        names = set(os.listdir(data_path))
+        if "dataset_dict.json" in names or {"state.json", "dataset_info.json"} <= names:  # a save_to_disk folder
             return DocumentSource(f"{data_path} (datasets.save_to_disk folder)", text_field, dataset_dir=data_path)
         files = [f for f in _all_files(data_path) if os.path.splitext(f)[1].lower() in FILE_KINDS]
         if not files:
@@ -112,24 +109,17 @@ def _all_files(folder):
     return sorted(out)
 
 
-def _is_saved_dataset(folder):
-    names = set(os.listdir(folder))
-    return "dataset_dict.json" in names or {"state.json", "dataset_info.json"} <= names
-
-
 def file_sha1(path, memo=None):
     """sha1 of a file's bytes (hex); with `memo` (dict) keyed by path, size and mtime, computed once."""
-    st = os.stat(path)
+    st, memo = os.stat(path), {} if memo is None else memo
     key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
-    if memo is not None and key in memo:
-        return memo[key]
-    h = hashlib.sha1()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    if memo is not None:
+    if key not in memo:
+        h = hashlib.sha1()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
         memo[key] = h.hexdigest()
-    return h.hexdigest()
+    return memo[key]
 
 
 def _decoded_lines(path):
@@ -150,12 +140,6 @@ def _decoded_lines(path):
                 yield lineno, part
 
 
-def json_error(e):
-    """A json.JSONDecodeError as "what at column N" (its msg sometimes ends in "at" already)."""
-    msg = e.msg[:-3] if e.msg.endswith(" at") else e.msg
-    return f"{msg} at column {e.colno}"
-
-
 def _text_of(obj, field, where):
     if not isinstance(obj, dict) or field not in obj:
         raise DataError(f"{where}: expected an object with a \"{field}\" field"
@@ -167,19 +151,16 @@ def _text_of(obj, field, where):
 
 
 def _jsonl_documents(path, field):
-    first = _first_char(path)
-    if first == "[":  # one JSON array: read whole
+    with open(path, "rb") as f:
+        is_array = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()[:1] == b"["
+    if is_array:  # one JSON array: read whole
         try:
             with open(path, encoding="utf-8-sig") as f:
                 records = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{path}: malformed JSON array ({e})") from None
-        for i, obj in enumerate(records):
-            text = _text_of(obj, field, f"{path}[{i}]")
-            if text.strip():
-                yield text, f"{path}[{i}]"
-        return
-    for obj, where in jsonl_records(path):
+        records = ((obj, f"{path}[{i}]") for i, obj in enumerate(records))
+    for obj, where in records if is_array else jsonl_records(path):
         text = _text_of(obj, field, where)
         if text.strip():
             yield text, where
@@ -193,14 +174,8 @@ def jsonl_records(path):
             continue
         try:
             yield json.loads(line), f"{path}:{lineno}"
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: malformed JSON ({json_error(e)})") from None
-
-
-def _first_char(path):
-    with open(path, "rb") as f:
-        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
-    return head[:1].decode("ascii", "replace")
+        except json.JSONDecodeError as e:  # (its msg sometimes ends in " at" already)
+            raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
 
 
 def _txt_documents(path, _field):
@@ -227,33 +202,29 @@ def _parquet_documents(path, field):
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises its own types for a damaged file
         raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {str(e)[:200]})") from None
-    if field not in pf.schema_arrow.names:
-        raise DataError(f"{path}: no column \"{field}\" (columns: {', '.join(pf.schema_arrow.names[:12])}); "
-                        f"see --text_field")
-    row = 0
-    batches = pf.iter_batches(batch_size=1024, columns=[field])
+    yield from _rows(_parquet_columns(pf, path, field), pf.schema_arrow.names, field, path)
+
+
+def _parquet_columns(pf, path, field):
+    row, batches = 0, pf.iter_batches(batch_size=1024, columns=[field])
     while True:
         try:
             batch = next(batches, None)
         except Exception as e:  # a damaged data page: pyarrow's own error types
             raise DataError(f"{path}: row {row + 1} onwards cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
         if batch is None:
-            break
-        for text in batch.column(0).to_pylist():
-            row += 1
-            if text is not None and not isinstance(text, str):
-                raise DataError(f"{path}: row {row}: column \"{field}\" must hold strings, got {type(text).__name__}")
-            if text and text.strip():
-                yield text, f"{path}: row {row}"
+            return
+        row += batch.num_rows
+        yield batch.column(0).to_pylist()
 
 
-def _rows(dataset, field, name):
-    if dataset.column_names is not None and field not in dataset.column_names:
-        raise DataError(f"{name}: no column \"{field}\" (columns: {', '.join(dataset.column_names[:12])}); "
-                        f"see --text_field")
+def _rows(columns, names, field, name):
+    """(text, "name: row N") of the non-empty texts in `columns` (an iterable of lists of a column's values)."""
+    if names is not None and field not in names:
+        raise DataError(f"{name}: no column \"{field}\" (columns: {', '.join(names[:12])}); see --text_field")
     row = 0
-    for batch in dataset.iter(batch_size=1024):
-        for text in batch[field]:
+    for column in columns:
+        for text in column:
             row += 1
             if text is not None and not isinstance(text, str):
                 raise DataError(f"{name}: row {row}: column \"{field}\" must hold strings, got {type(text).__name__}")
@@ -268,7 +239,7 @@ def _saved_dataset_documents(folder, field):
         if "train" not in ds:
             raise DataError(f"{folder}: a DatasetDict without a \"train\" split (splits: {', '.join(ds)})")
         ds = ds["train"]
-    yield from _rows(ds, field, folder)
+    yield from _rows((b[field] for b in ds.iter(batch_size=1024)), ds.column_names, field, folder)
 
 
 def _hub_documents(name, field):
@@ -279,11 +250,11 @@ def _hub_documents(name, field):
     except Exception as e:  # no network, unknown name, no train split...
         raise DataError(f"hf:{name}: could not be loaded ({type(e).__name__}: {str(e)[:300]})") from None
     try:
-        yield from _rows(ds, field, f"hf:{name}")
+        yield from _rows((b[field] for b in ds.iter(batch_size=1024)), ds.column_names, field, f"hf:{name}")
     except DataError:
         raise
     except Exception as e:  # a damaged file inside the dataset, a lost connection...
         raise DataError(f"hf:{name}: could not be read ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
 
 
-READERS = {"jsonl": _jsonl_documents, "txt": _txt_documents, "parquet": _parquet_documents}
+FILE_KINDS = {".jsonl": _jsonl_documents, ".json": _jsonl_documents, ".txt": _txt_documents, ".parquet": _parquet_documents}

@@ -3,7 +3,6 @@
 Special tokens (fixed ids): 0 `<|endoftext|>` (document separator, pad and pretraining EOS),
 1 `<|im_start|>` and 2 `<|im_end|>` (chat turns, ChatML as in MiniMind / Qwen).
 """
-import hashlib
 import json
 import os
 
@@ -11,10 +10,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from data.sources import DataError
-from train.atomic import atomic_dir
+from data.atomic import atomic_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-EOS_ID = 0
 # ChatML. The {% generation %} block marks what an assistant turn is trained on (its content and its
 # <|im_end|>): transformers' apply_chat_template(return_assistant_tokens_mask=True) turns it into the SFT
 # loss mask. Rendering ignores the marks, so the text is plain ChatML.
@@ -35,16 +33,11 @@ def token_byte_lengths(tokenizer):
     holding part of a character); other tokenizers through `decode` of the single id."""
     import numpy as np
     from data.fast_bpe import _byte_decoder
-    special = set(tokenizer.all_special_ids)
-    to_byte = _byte_decoder()
+    special, to_byte = set(tokenizer.all_special_ids), _byte_decoder()
     out = np.zeros(len(tokenizer), dtype=np.int64)
     for token, i in tokenizer.get_vocab().items():
-        if i >= len(out) or i in special:
-            continue
-        if all(ch in to_byte for ch in token):
-            out[i] = len(token)
-        else:
-            out[i] = len(tokenizer.decode([i]).encode("utf-8"))
+        if i < len(out) and i not in special:
+            out[i] = len(token) if all(ch in to_byte for ch in token) else len(tokenizer.decode([i]).encode("utf-8"))
     return out
 
 
@@ -98,12 +91,3 @@ def load_tokenizer(folder):
         raise DataError(f"{os.path.join(folder, 'tokenizer.json')}: not a tokenizer transformers can load "
                         f"({detail})") from None
 
-
-def get_tokenizer(texts_fn, cache_root, fingerprint, vocab_size=6400):
-    """Return the tokenizer trained on `texts_fn()` (an iterable factory), training it once per
-    (fingerprint, vocab_size) and caching it under cache_root."""
-    key = hashlib.sha1(f"{fingerprint}|{vocab_size}".encode()).hexdigest()[:12]
-    path = os.path.join(cache_root, f"tokenizer-{key}")
-    if not os.path.exists(os.path.join(path, "tokenizer.json")):
-        save_tokenizer(train_tokenizer(texts_fn(), vocab_size), path)
-    return load_tokenizer(path), path

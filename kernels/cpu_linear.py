@@ -1,17 +1,13 @@
-"""y = x @ W^T on CPU through oneDNN, forward and backward: the model's fixed-shape linear layers.
+"""y = x @ W^T on CPU through oneDNN, forward and backward: the swap for the model's bias-free linears.
 
-torch's fp32 CPU matmul (`F.linear`, `mm`) goes through MKL, which on some CPUs runs far below the
-hardware: on this repo's 2-core AMD EPYC (AVX-512), MKL sgemm reaches ~105 GFLOP/s on the model's shapes
-and oneDNN ~240 (`scripts/bench_step.py` measures both on the machine it runs on). Under bf16 autocast
-torch already sends `F.linear` to oneDNN, so this module only changes the fp32 path.
+torch's fp32 CPU matmul (`F.linear`, `mm`) goes through MKL, which on some CPUs (AMD) runs well below
+oneDNN on the model's shapes (`scripts/bench/bench_step.py` measures both); under bf16 autocast torch already
+sends `F.linear` to oneDNN, so this only changes the fp32 path. kernels/swap.py swaps it into the
+attention projections, the LM head and the dense FFN (their row count is fixed, so oneDNN builds each
+GEMM's kernel once), never into the experts of the sorted path (their bitwise contract is nn.Linear's).
 
-Used by the attention projections, the LM head and the dense FFN (`MiniMindConfig.linear_backend`): their
-row count is the same every step (batch x sequence), so oneDNN builds each GEMM's kernel once. The MoE
-experts keep their own engines (`model/experts.py`): the sorted path's per-expert `nn.Linear` calls are the
-masked reference's (the bitwise contract), and the fused path runs oneDNN on bucketed row counts.
-
-Numerics: the same products, summed in oneDNN's order instead of MKL's: fp32 results differ from
-`F.linear` by rounding only (`scripts/test_kernels.py` checks within 1e-5 relative, forward and backward).
+Numerics: the same products summed in oneDNN's order: fp32 results differ from `F.linear` by rounding
+(`scripts/test_kernels.py`: within 1e-5 relative of fp64, forward and backward).
 """
 import time
 
@@ -20,23 +16,47 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from kernels.grouped_gemm import _onednn_linear, onednn_runs
 
-BACKENDS = ("auto", "onednn", "torch")
+def _probe_onednn():
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+        if not torch.backends.mkldnn.is_available():
+            return None
+        if not torch.equal(op(torch.ones(2, 4), torch.ones(3, 4), None, "none", [], ""), torch.full((2, 3), 4.0)):
+            return None
+        return op
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_ONEDNN_LINEAR = _probe_onednn()
+
+
+def onednn_runs(device, dtype) -> bool:
+    """Whether oneDNN matmuls run here: a CPU device, this torch built with oneDNN, fp32 (or bf16 where
+    the CPU has native bf16 instructions)."""
+    if _ONEDNN_LINEAR is None or torch.device(device).type != "cpu":
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def onednn_linear(x_MK, w_NK):
+    """x @ w^T through oneDNN (no bias, no autograd)."""
+    return _ONEDNN_LINEAR(x_MK, w_NK, None, "none", [], "")
 
 
 class _OneDNNLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_NK):
         ctx.save_for_backward(x_MK, w_NK)
-        return _onednn_linear(x_MK, w_NK)
+        return onednn_linear(x_MK, w_NK)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_MN):
         x_MK, w_NK = ctx.saved_tensors
-        grad_x = _onednn_linear(grad_MN, w_NK.t()) if ctx.needs_input_grad[0] else None  # [M, K]
-        grad_w = _onednn_linear(grad_MN.t(), x_MK.t()) if ctx.needs_input_grad[1] else None  # [N, K]
+        grad_x = onednn_linear(grad_MN, w_NK.t()) if ctx.needs_input_grad[0] else None  # [M, K]
+        grad_w = onednn_linear(grad_MN.t(), x_MK.t()) if ctx.needs_input_grad[1] else None  # [N, K]
         return grad_x, grad_w
 
 
@@ -49,39 +69,20 @@ def onednn_linear_fits(x, weight) -> bool:
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
 
 
-def linear(x_MK, weight_NK, backend="auto"):
-    """F.linear(x, weight) without bias, x [..., K] -> [..., N], on the engine `backend` names.
-
-    backend: "auto" = oneDNN where `onednn_linear_fits`, else F.linear; "onednn" = oneDNN or ValueError
-    where it does not fit; "torch" = F.linear always. Differentiable in x and weight.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"linear backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "torch" or not onednn_linear_fits(x_MK, weight_NK):
-        if backend == "onednn":
-            raise ValueError(f"linear: the oneDNN backend needs CPU fp32 operands outside autocast and a torch "
-                             f"with oneDNN, got {x_MK.dtype} x {weight_NK.dtype} on {x_MK.device}")
+def linear(x_MK, weight_NK):
+    """F.linear(x, weight) without bias, x [..., K] -> [..., N]: through oneDNN where
+    `onednn_linear_fits`, else F.linear. Differentiable in x and weight."""
+    if not onednn_linear_fits(x_MK, weight_NK):
         return F.linear(x_MK, weight_NK)
     lead, K = x_MK.shape[:-1], x_MK.shape[-1]
-    y = _OneDNNLinear.apply(x_MK.reshape(-1, K), weight_NK)
-    return y.view(*lead, weight_NK.shape[0])
+    return _OneDNNLinear.apply(x_MK.reshape(-1, K), weight_NK).view(*lead, weight_NK.shape[0])
 
 
-class Linear(nn.Linear):
-    """nn.Linear without bias whose forward runs `linear(x, weight, backend)`; same parameters and
-    state_dict keys as nn.Linear (so HF export, tying and init see a plain nn.Linear)."""
-
-    def __init__(self, in_features: int, out_features: int, backend: str = "auto"):
-        super().__init__(in_features, out_features, bias=False)
-        if backend not in BACKENDS:
-            raise ValueError(f"Linear backend must be one of {BACKENDS}, got {backend!r}")
-        self.backend = backend
+class OneDNNLinear(nn.Linear):
+    """The swap for a bias-free nn.Linear (kernels/swap.py): same parameters, forward through `linear`."""
 
     def forward(self, x):
-        return linear(x, self.weight, self.backend)
-
-    def extra_repr(self):
-        return super().extra_repr() + f", backend={self.backend}"
+        return linear(x, self.weight)
 
 
 def bf16_gemm_speedup(M, K, N, reps=3):
@@ -95,11 +96,11 @@ def bf16_gemm_speedup(M, K, N, reps=3):
     best = {}
     for dtype in (torch.float32, torch.bfloat16):
         a, b = x.to(dtype), w.to(dtype)
-        _onednn_linear(a, b)
+        onednn_linear(a, b)
         times = []
         for _ in range(reps):
             t = time.perf_counter()
-            _onednn_linear(a, b)
+            onednn_linear(a, b)
             times.append(time.perf_counter() - t)
         best[dtype] = min(times)
     return best[torch.float32] / max(best[torch.bfloat16], 1e-9)

@@ -2,19 +2,14 @@
 
     c[rows of e] = a[rows of e] @ b[e]    for the row segments given by offsets (int32 [E], on the device)
 
-Backends (`backend=`):
-  "onednn"    CPU only: one oneDNN matmul per segment (torch.ops.mkldnn._linear_pointwise), fp32 or bf16.
-              oneDNN picks its kernels by the CPU's instruction set (AVX-512 / AMX), where torch's CPU
-              matmul goes through MKL, which on non-Intel CPUs may take a narrower path (measured 1.9-2.4x
-              faster than torch.mm / grouped_mm on an AMD EPYC with AVX-512, fp32). The segment bounds are
-              read from the CPU tensor's memory: a CPU kernel's read, not a device sync.
+The GPU engine of the fused MoE path (kernels/swap.py; on CPU the expert chains of kernels/cpu_experts.py
+run instead). Backends (`backend=`):
   "torch"     torch.nn.functional.grouped_mm (or torch._grouped_mm): CPU in torch >= 2.9, CUDA bf16 on
               compute capability >= 8.0. Reads offsets on the device: no host sync.
   "triton"    our kernels (forward, input-grad and weight-grad), for what torch's cannot run (e.g. fp32 or
               fp16 on CUDA); also runs in the CPU interpreter for tests. No host sync.
   "reference" a Python loop of per-expert matmuls; reads the offsets to the host (one sync).
-  "auto"      CPU: "onednn" where this torch has it, else "torch"; CUDA: "torch" where it supports the
-              dtype, else "triton"; else "reference".
+  "auto"      "torch" where it supports the operands, else "triton" on CUDA, else "reference".
 
 Rows at or past offsets[-1] are not part of any segment: their output rows are unspecified (never read
 by the MoE layer) for "torch", zero for the others.
@@ -145,65 +140,6 @@ def grouped_mm_reference(a_MK, b_EKN, offsets_E):
     return torch.cat(chunks)
 
 
-def _probe_onednn():
-    try:
-        op = torch.ops.mkldnn._linear_pointwise
-        if not torch.backends.mkldnn.is_available():
-            return None
-        a, w = torch.ones(2, 4), torch.ones(3, 4)
-        if not torch.equal(op(a, w, None, "none", [], ""), torch.full((2, 3), 4.0)):
-            return None
-        return op
-    except (AttributeError, RuntimeError):
-        return None
-
-
-_ONEDNN_LINEAR = _probe_onednn()
-
-
-def onednn_runs(device, dtype) -> bool:
-    """Whether oneDNN matmuls run here: a CPU device, this torch built with oneDNN, fp32 (or bf16 where
-    the CPU has native bf16 instructions)."""
-    if _ONEDNN_LINEAR is None or torch.device(device).type != "cpu":
-        return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def onednn_supports(a, b) -> bool:
-    """Whether the "onednn" backend runs these operands (see onednn_runs)."""
-    return b.device.type == "cpu" and onednn_runs(a.device, a.dtype)
-
-
-def _onednn_linear(x_MK, w_NK):
-    return _ONEDNN_LINEAR(x_MK, w_NK, None, "none", [], "")  # x @ w^T, no bias, no fused activation
-
-
-def _onednn_grouped_mm(a_MK, b_EKN, offsets_E):
-    """c[rows of e] = a[rows of e] @ b[e], one oneDNN matmul per non-empty segment; zero tail rows."""
-    M, N = a_MK.shape[0], b_EKN.shape[2]
-    chunks, start = [], 0
-    for e, end in enumerate(cpu_values(offsets_E)):
-        if end > start:
-            chunks.append(_onednn_linear(a_MK[start:end], b_EKN[e].t()))
-        start = end
-    if start < M or not chunks:
-        chunks.append(a_MK.new_zeros(M - start, N))
-    return torch.cat(chunks) if len(chunks) > 1 else chunks[0]
-
-
-def _onednn_segment_outer(lhs_MX, rhs_MY, offsets_E):
-    """out[e] = lhs[rows of e]^T @ rhs[rows of e] -> [E, X, Y], zero for an empty segment."""
-    out = lhs_MX.new_empty(offsets_E.shape[0], lhs_MX.shape[1], rhs_MY.shape[1])
-    start = 0
-    for e, end in enumerate(cpu_values(offsets_E)):
-        if end > start:
-            out[e] = _onednn_linear(lhs_MX[start:end].t(), rhs_MY[start:end].t())
-        else:
-            out[e].zero_()
-        start = end
-    return out
-
-
 # torch's grouped_mm and our per-segment weight-gradient loop, as opaque custom ops: torch.compile then
 # treats them as single nodes with known output shapes instead of tracing into them (grouped_mm's compile
 # support covers bf16 only; the loop reads the offsets).
@@ -234,26 +170,6 @@ def _(lhs_MX, rhs_MY, offsets_E):
     return lhs_MX.new_empty(offsets_E.shape[0], lhs_MX.shape[1], rhs_MY.shape[1])
 
 
-@torch.library.custom_op("minimind_kernels::onednn_grouped_mm", mutates_args=(), device_types="cpu")
-def _onednn_grouped_mm_op(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    return _onednn_grouped_mm(a_MK, b_EKN, offsets_E)
-
-
-@_onednn_grouped_mm_op.register_fake
-def _(a_MK, b_EKN, offsets_E):
-    return a_MK.new_empty(a_MK.shape[0], b_EKN.shape[2])
-
-
-@torch.library.custom_op("minimind_kernels::onednn_segment_outer", mutates_args=(), device_types="cpu")
-def _onednn_segment_outer_op(lhs_MX: torch.Tensor, rhs_MY: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    return _onednn_segment_outer(lhs_MX, rhs_MY, offsets_E)
-
-
-@_onednn_segment_outer_op.register_fake
-def _(lhs_MX, rhs_MY, offsets_E):
-    return lhs_MX.new_empty(offsets_E.shape[0], lhs_MX.shape[1], rhs_MY.shape[1])
-
-
 def _eager_or_op(eager_fn, op):
     # The custom-op wrapper costs ~30 us of Python dispatch per call: only pay it when compiling.
     return lambda *args: (op if torch.compiler.is_compiling() else eager_fn)(*args)
@@ -263,13 +179,11 @@ def _eager_or_op(eager_fn, op):
 _GROUPED_OPS = {"torch": (_eager_or_op(lambda a, b, offs: _TORCH_GROUPED_MM(a, b, offs=offs), _grouped_mm_op),
                           _eager_or_op(_segment_outer, _segment_outer_op)),
                 "triton": (lambda a, b, offs: grouped_mm_triton(a, b, offs),
-                           lambda lhs, rhs, offs: grouped_wgrad_triton(lhs, rhs, offs)),
-                "onednn": (_eager_or_op(_onednn_grouped_mm, _onednn_grouped_mm_op),
-                           _eager_or_op(_onednn_segment_outer, _onednn_segment_outer_op))}
+                           lambda lhs, rhs, offs: grouped_wgrad_triton(lhs, rhs, offs))}
 
 
 class _GroupedMM(torch.autograd.Function):
-    """Grouped GEMM with our own backward, for the "onednn", "torch" and "triton" backends:
+    """Grouped GEMM with our own backward, for the "torch" and "triton" backends:
     grad_a = grad @ b^T per segment, grad_b[e] = a_e^T @ grad_e. (torch's built-in backward of grouped_mm
     rejects a broadcast, stride-0 gradient, e.g. from `.sum().backward()`.)"""
 
@@ -334,11 +248,8 @@ def torch_grouped_mm_supports(a, b) -> bool:
 
 
 def resolve_backend(backend, a, b):
-    if backend not in ("auto", "onednn", "torch", "triton", "reference"):
-        raise ValueError(f"grouped_mm backend must be auto, onednn, torch, triton or reference, got {backend!r}")
-    if backend == "onednn" and not onednn_supports(a, b):
-        raise RuntimeError(f"grouped_mm: the oneDNN backend cannot take {a.dtype} on {a.device.type} (CPU fp32, "
-                           "or bf16 on CPUs with native bf16, in a torch built with oneDNN); use backend='auto'")
+    if backend not in ("auto", "torch", "triton", "reference"):
+        raise ValueError(f"grouped_mm backend must be auto, torch, triton or reference, got {backend!r}")
     if backend == "triton" and not triton_runs_on(a):
         raise RuntimeError(f"grouped_mm: Triton cannot run on this {a.device.type} tensor (CPU needs "
                            "TRITON_INTERPRET=1 before triton is imported); use backend='auto', 'torch' or 'reference'")
@@ -347,8 +258,6 @@ def resolve_backend(backend, a, b):
                            f"{tuple(b.shape)} on {a.device.type} (dtype or 16-byte alignment); use backend='auto'")
     if backend != "auto":
         return backend
-    if onednn_supports(a, b):
-        return "onednn"
     if torch_grouped_mm_supports(a, b):
         return "torch"
     if triton_runs_on(a) and a.is_cuda:
@@ -377,39 +286,9 @@ def grouped_mm(a_MK, b_EKN, offsets_E, backend="auto"):
     if offsets_E.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"grouped_mm: offsets must be int32 or int64, got {offsets_E.dtype}")
     backend = resolve_backend(backend, a_MK, b_EKN)
-    if backend in ("onednn", "torch", "triton"):
+    if backend in ("torch", "triton"):
         return _GroupedMM.apply(a_MK, b_EKN, offsets_E.to(torch.int32), backend)
     return grouped_mm_reference(a_MK, b_EKN, offsets_E)
-
-
-class SwiGLU(torch.autograd.Function):
-    """h = silu(gate) * up for gate_up = [gate | up] ([P, 2F] -> [P, F]).
-
-    Own backward: autograd's would build the gradient of each half in its own zero-filled [P, 2F] tensor
-    and add them; this writes both halves of one tensor, with aten's fused silu_backward for the gate
-    half: d gate = silu'(gate) * (grad * up), d up = grad * silu(gate) (silu(gate) is kept from the
-    forward, as autograd keeps it for the dense FFN).
-    """
-
-    @staticmethod
-    def forward(ctx, gate_up_PF2):
-        F_ = gate_up_PF2.shape[1] // 2
-        silu_PF = F.silu(gate_up_PF2[:, :F_])
-        ctx.save_for_backward(gate_up_PF2, silu_PF)
-        return silu_PF * gate_up_PF2[:, F_:]
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_PF):
-        gate_up, silu_PF = ctx.saved_tensors
-        F_ = gate_up.shape[1] // 2
-        gate, up = gate_up[:, :F_], gate_up[:, F_:]
-        if torch.compiler.is_compiling():  # the compiler fuses these; it does not take out= views
-            return torch.cat([torch.ops.aten.silu_backward(grad_PF * up, gate), grad_PF * silu_PF], dim=1)
-        grad = torch.empty_like(gate_up)
-        torch.mul(grad_PF, silu_PF, out=grad[:, F_:])
-        torch.ops.aten.silu_backward.grad_input(grad_PF * up, gate, grad_input=grad[:, :F_])
-        return grad
 
 
 def scaled_swiglu_forward(gate_up_PF2, scale_P):
@@ -465,14 +344,14 @@ class ScaledSwiGLU(torch.autograd.Function):
         return scaled_swiglu_backward(grad_PF, gate_up, silu_PF, scale_P, ctx.needs_input_grad[1])
 
 
-def grouped_swiglu(x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, backend="auto", row_scale_P=None):
+def grouped_swiglu(x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_scale_P, backend="auto"):
     """Grouped SwiGLU experts: y = down_e(silu(gate_e(x)) * up_e(x) * s) for the rows of every expert e.
 
     Args: x_PD [P, D] expert-sorted rows; w_gate_up_E2FD [E, 2F, D] (rows 0..F-1 of expert e are its
         gate_proj.weight, F..2F-1 its up_proj.weight: nn.Linear layout); w_down_EDF [E, D, F]
-        (down_proj.weight); offsets_E int32 [E] cumulative row counts; row_scale_P: optional [P] factor s
-        per row (differentiable; the MoE layer's routing weights). Returns y_PD [P, D].
+        (down_proj.weight); offsets_E int32 [E] cumulative row counts; row_scale_P [P] factor s per row
+        (differentiable; the MoE layer's routing weights). Returns y_PD [P, D].
     """
     gate_up = grouped_mm(x_PD, w_gate_up_E2FD.transpose(1, 2), offsets_E, backend)
-    h = SwiGLU.apply(gate_up) if row_scale_P is None else ScaledSwiGLU.apply(gate_up, row_scale_P)
+    h = ScaledSwiGLU.apply(gate_up, row_scale_P)
     return grouped_mm(h, w_down_EDF.transpose(1, 2), offsets_E, backend)

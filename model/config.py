@@ -54,28 +54,15 @@ class MiniMindConfig(PreTrainedConfig):
             "position" (earliest tokens).
         moe_pad_to_capacity: pad every expert's rows to the capacity with zero rows (fixed GEMM shapes).
         moe_expert_alignment: pad every expert's row count to a multiple of this (1 = no padding).
-        moe_impl: how the MoE layer runs its experts (same parameters, same function): "sorted" (default;
-            one host sync per layer, bitwise equal to the masked reference) or "fused" (no host sync,
-            grouped GEMM and Triton/PyTorch permute kernels; equal up to rounding; see model/dispatch.py and model/experts.py),
-            or "masked": the per-expert masked loop that sorted dispatch replaced, 3 host syncs per expert
-            (model/moe.py: masked_expert_loop); for baselines and benchmarks only.
-        linear_backend: the engine of the attention projections, the LM head and the dense FFN
-            (kernels/cpu_linear.py): "auto" (default; oneDNN for CPU fp32 outside autocast, where torch's MKL
-            path is slower, else F.linear), "onednn" (that or an error) or "torch" (F.linear always). Same
-            weights, same function; the fp32 results differ by rounding. The MoE experts ignore it.
-        attn_impl: "sdpa" (F.scaled_dot_product_attention), "explicit" (the scores written out: two batched
-            GEMMs and an fp32 softmax, faster on CPU under bf16 autocast at training lengths;
-            model_minimind.explicit_attention) or "auto" (default: sdpa in the model; the trainer replaces it
-            with the faster of the two, measured at setup: train/cpu_engines.py). Same function, rounding differs.
-        lm_loss_impl: how forward(labels=...) computes the LM head's cross-entropy: "chunked"
-            (kernels/linear_cross_entropy.py: no fp32 logits, the softmax chunk by chunk in cache; the
-            output's logits are then None), "torch" (logits, then F.cross_entropy on their fp32 copy) or
-            "auto" (default: chunked on CPU, where it is measured faster; torch elsewhere). Same loss up to
-            rounding. Without labels the logits are always returned.
+        moe_impl: how the MoE layer dispatches (same parameters, same function; model/dispatch.py):
+            "sorted" (default: one host sync per layer, bitwise the masked reference), "fused" (no host
+            sync, equal up to rounding; what training runs) or "masked" (the per-expert masked loop, 3
+            host syncs per expert: model/moe.py masked_expert_loop; for baselines only).
         initializer_range: std of the normal init of linear and embedding weights.
 
+    The defaults are the main job's model (train/pretrain.py): 4 layers of width 256, 4 experts, top-2.
     Fields declared with `_training(...)` (the router losses, moe_impl, moe_expert_alignment,
-    router_dtype, linear_backend, attn_impl, lm_loss_impl) are training choices; `MiniMindConfig.training_fields()` lists them.
+    router_dtype) are training choices; `MiniMindConfig.training_fields()` lists them.
 
     Raises:
         ValueError: naming the field, when a value or a combination is invalid.
@@ -84,21 +71,21 @@ class MiniMindConfig(PreTrainedConfig):
     model_type = "minimind"
 
     vocab_size: int = 6400
-    hidden_size: int = 512
-    num_hidden_layers: int = 8
-    num_attention_heads: int = 8
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int | None = None
     intermediate_size: int | None = None
-    max_position_embeddings: int = 32768
+    max_position_embeddings: int = 2048
     rope_theta: float = 1e6
     rms_norm_eps: float = 1e-6
     dropout: float = 0.0
     tie_word_embeddings: bool = True
-    use_moe: bool = False
+    use_moe: bool = True
     num_experts: int = 4
-    num_experts_per_tok: int = 1
-    moe_intermediate_size: int | None = None
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = 384
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = _training(0.01)
     capacity_factor: float | None = None
@@ -110,9 +97,6 @@ class MiniMindConfig(PreTrainedConfig):
     router_z_loss_coef: float = _training(0.0)
     router_bias_update_rate: float = 0.0
     router_dtype: str | None = _training(None)
-    linear_backend: str = _training("auto")
-    attn_impl: str = _training("auto")
-    lm_loss_impl: str = _training("auto")
     initializer_range: float = 0.02
     pad_token_id: int | None = 0
     bos_token_id: int | None = None
@@ -174,10 +158,4 @@ class MiniMindConfig(PreTrainedConfig):
             raise ValueError(f"MiniMindConfig.router_dtype must be None or 'float32', got {self.router_dtype!r}")
         if self.moe_impl not in ("sorted", "fused", "masked"):
             raise ValueError(f"MiniMindConfig.moe_impl must be 'sorted', 'fused' or 'masked', got {self.moe_impl!r}")
-        if self.linear_backend not in ("auto", "onednn", "torch"):
-            raise ValueError(f"MiniMindConfig.linear_backend must be 'auto', 'onednn' or 'torch', got {self.linear_backend!r}")
-        if self.attn_impl not in ("auto", "sdpa", "explicit"):
-            raise ValueError(f"MiniMindConfig.attn_impl must be 'auto', 'sdpa' or 'explicit', got {self.attn_impl!r}")
-        if self.lm_loss_impl not in ("auto", "chunked", "torch"):
-            raise ValueError(f"MiniMindConfig.lm_loss_impl must be 'auto', 'chunked' or 'torch', got {self.lm_loss_impl!r}")
         super().__post_init__(**kwargs)

@@ -14,8 +14,6 @@ from transformers import PreTrainedModel
 from dataclasses import dataclass
 
 
-from kernels.cpu_linear import Linear
-from kernels.linear_cross_entropy import linear_cross_entropy, use_chunked
 from model.config import MiniMindConfig
 from model.moe import FeedForward, MOEFeedForward  # noqa: F401  (public re-exports)
 from model.router import layer_mean, minimind_aux_loss  # noqa: F401  (minimind_aux_loss: public re-export)
@@ -54,44 +52,20 @@ def apply_rope(x, cos, sin):
     return (x * cos + rotated * sin).to(x.dtype)
 
 
-def explicit_attention(q_BHSD, k_BGLD, v_BGLD, attn_mask=None, is_causal=False, enable_gqa=True, dropout_p=0.0):
-    """softmax(q k^T / sqrt(Dh) + mask) v with the scores written out: two batched GEMMs and a softmax,
-    the same function as F.scaled_dot_product_attention (same arguments; attn_mask bool, True = may
-    attend, broadcast to [B, H, S, L]; is_causal needs S == L). On CPU under bf16 autocast at training
-    lengths this beats torch's fused CPU kernel (measured fwd+bwd at B=8, S=128, 4 heads of 64 on an AMD
-    EPYC with AVX512-BF16: 2.6 ms vs 10.5 ms), at the cost of an [B, H, S, L] score buffer.
-
-    The scores stay in q's dtype: torch's softmax of bf16 scores sums in fp32 and rounds once, the same
-    probabilities as an fp32 softmax cast to bf16, without the fp32 copies of the [B, H, S, L] buffer.
-    The 1/sqrt(Dh) scale goes on q (exact in bf16 when Dh is a power of 4, e.g. 64)."""
-    H, G = q_BHSD.shape[1], k_BGLD.shape[1]
-    if G != H:
-        k_BGLD, v_BGLD = k_BGLD.repeat_interleave(H // G, dim=1), v_BGLD.repeat_interleave(H // G, dim=1)
-    S, L = q_BHSD.shape[2], k_BGLD.shape[2]
-    scores = (q_BHSD * q_BHSD.shape[-1] ** -0.5) @ k_BGLD.transpose(-1, -2)
-    if is_causal:
-        attn_mask = torch.ones(S, L, dtype=torch.bool, device=q_BHSD.device).tril()
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
-    probs = scores.softmax(-1).to(v_BGLD.dtype)
-    if dropout_p > 0:
-        probs = F.dropout(probs, dropout_p)
-    return probs @ v_BGLD
-
-
 class Attention(nn.Module):
+    attend = staticmethod(F.scaled_dot_product_attention)  # (kernels/swap.py may swap in another kernel)
+
     def __init__(self, config: MiniMindConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, config.linear_backend)
-        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, config.linear_backend)
-        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, config.linear_backend)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, config.linear_backend)
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.dropout = config.dropout
-        self.attn_impl = config.attn_impl
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x_BSD, cos, sin, past_kv=None, use_cache=False, attn_mask_B1SL=None):
@@ -114,9 +88,8 @@ class Attention(nn.Module):
         else:  # several new queries after a cache: query i sees keys up to L - S + i
             mask = torch.ones(S, L, dtype=torch.bool, device=x_BSD.device).tril(diagonal=L - S)
             causal = False
-        attend = explicit_attention if self.attn_impl == "explicit" else F.scaled_dot_product_attention
-        out = attend(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True,
-                     dropout_p=self.dropout if self.training else 0.0)
+        out = self.attend(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True,
+                          dropout_p=self.dropout if self.training else 0.0)
         out = self.resid_dropout(self.o_proj(out.transpose(1, 2).reshape(B, S, -1)))
         return out, ((k, v) if use_cache else None)
 
@@ -127,8 +100,7 @@ class MiniMindBlock(nn.Module):
         self.self_attn = Attention(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = (MOEFeedForward(config) if config.use_moe else
-                    FeedForward(config.hidden_size, config.intermediate_size, config.linear_backend))
+        self.mlp = MOEFeedForward(config) if config.use_moe else FeedForward(config.hidden_size, config.intermediate_size)
         self.mlp_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, cos, sin, past_kv=None, use_cache=False, token_mask=None, attn_mask=None):
@@ -269,8 +241,7 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
             attention_mask [B, cached + S] (1 = token, 0 = padding) or None, segment_ids [B, S] or None)
       -> MiniMindCausalLMOutput(loss = ce_loss + aux_loss, ce_loss, aux_loss, logits [B, S, V] in the
          compute dtype, past_key_values: list of (k, v) [B, G, L, Dh] per layer when use_cache).
-    With labels and config.lm_loss_impl "chunked" ("auto" on CPU) the loss is computed without keeping
-    the logits (kernels/linear_cross_entropy.py), and logits is None; pass lm_loss_impl="torch" to get both.
+    (With the chunked LM loss swapped in by kernels/swap.py, logits is None when labels are given.)
     Labels are the inputs shifted by the caller's convention: position t predicts labels[:, t]; label -100
     is ignored.
     """
@@ -279,7 +250,7 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
     def __init__(self, config: MiniMindConfig):
         super().__init__(config)
         self.model = MiniMindModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, config.linear_backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -289,18 +260,21 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
         # attention_mask [B, cached + S] (1 = token, 0 = padding, left or right), segment_ids [B, S] (packed
         # sequences): see MiniMindModel
         h, presents, aux_loss = self.model(input_ids, past_key_values, use_cache, attention_mask, segment_ids)
-        logits = loss = ce_loss = None
-        if labels is not None and use_chunked(self.config.lm_loss_impl, h.device):
-            ce_loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, labels.reshape(-1))
-        else:
+        loss = ce_loss = None
+        if labels is None:
             logits = self.lm_head(h)
-            if labels is not None:
-                ce_loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1),
-                                          ignore_index=-100)
-        if ce_loss is not None:
+        else:
+            logits, ce_loss = self.lm_loss(h, labels)
             loss = ce_loss + aux_loss
         return MiniMindCausalLMOutput(loss=loss, ce_loss=ce_loss, aux_loss=aux_loss, logits=logits,
                                       past_key_values=presents)
+
+    def lm_loss(self, h_BSD, labels_BS):
+        """(logits [B, S, V], mean cross-entropy over labels != -100 in fp32). kernels/swap.py may swap in
+        a chunked version that returns logits None."""
+        logits = self.lm_head(h_BSD)
+        return logits, F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels_BS.reshape(-1),
+                                       ignore_index=-100)
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0,

@@ -1,23 +1,19 @@
-"""The mixture-of-experts layer: route -> capacity / padding policy -> dispatch -> experts -> combine.
+"""The mixture-of-experts feed-forward: route -> capacity policy -> dispatch -> experts -> combine.
 
 Shape legend: B batch, S sequence, T = B*S tokens, D hidden size, E experts, K experts per token (top-k),
-F expert intermediate size, N = T*K routed (token, slot) pairs, P dispatched rows.
+F expert intermediate size, P dispatched rows.
 
-    1. route     (this file, model/router.py) softmax router, top-k; router losses and load counting
-    2. capacity / padding policy (model/dispatch.py: drop_and_pad) padding tokens and over-capacity
-                 pairs go to no expert (-1); how each expert's rows are padded
-    3. dispatch  (model/dispatch.py) rows grouped by expert        self.dispatcher.dispatch
-    4. experts   (model/experts.py)  E SwiGLU FFNs on their rows   self.experts
-    5. combine   (model/dispatch.py) each token's weighted sum     self.dispatcher.combine
+    1. route     (here; losses in model/router.py) softmax router, top-k, router losses, load counting
+    2. capacity  (model/dispatch.py: drop_and_pad) padding tokens and over-capacity pairs go to no expert
+    3. dispatch  (model/dispatch.py) rows grouped by expert                self.dispatcher.dispatch
+    4. experts   (here: run_experts) E SwiGLU FFNs, each on its rows       self.run_experts
+    5. combine   (model/dispatch.py) each token's weighted sum of its rows self.dispatcher.combine
 
-`moe_impl="sorted"` (default) pairs the SortedDispatcher with the per-expert loop: one host sync per layer,
-bitwise the per-expert masked loop (MiniMind's original layer: `masked_expert_loop` below, with MiniMind's
-routing in `scripts/moe_reference.py`).
-`moe_impl="fused"` pairs the RowMapDispatcher with grouped GEMMs (or, on CPU, the oneDNN expert chains):
-no host sync, equal up to rounding. `moe_impl="masked"` runs steps 3-5 as that masked loop
-(`masked_expert_loop`, 3 host syncs per expert; for baselines and benchmarks only), with the same routing,
-router losses, load telemetry and capacity / padding-token policy as the others. Expert parallelism
-replaces `self.dispatcher` (train/expert_parallel.py).
+moe_impl "sorted" (the default) is bitwise the per-expert masked loop (MiniMind's layer, kept below as
+`masked_expert_loop`; moe_impl "masked" runs it, for baselines) with one host sync per layer; "fused"
+builds the layout on the device (no host sync) and applies the routing weights inside the experts.
+Faster engines for steps 3-5 are swapped in from kernels/ (kernels/swap.py); expert parallelism wraps the
+dispatcher (train/parallel.py).
 """
 import warnings
 from dataclasses import dataclass
@@ -27,23 +23,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.dispatch import RowMapDispatcher, SortedDispatcher, drop_and_pad
-from model.experts import FeedForward, SwiGLUExperts  # noqa: F401  (FeedForward: re-exported)
 from model.router import expert_bias_update, router_losses, tokens_per_expert
 
 _warned_no_router_grad = False  # the k=1 warning below is given once per process
 
 
+class FeedForward(nn.Module):
+    """SwiGLU FFN: down(silu(gate(x)) * up(x)). x [..., D] -> [..., D]. Names match HF (`gate_proj`...)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 @dataclass
 class MoEStats:
-    """What the last forward of an MOEFeedForward saw (`layer.stats`), for tests and telemetry.
-
-    tokens_per_expert: int64 [E] routed (token, slot) pairs per expert after padding masking and capacity
-        dropping, on the layer's device (under expert parallelism: this rank's tokens, global expert ids).
-    padded_tokens_per_expert: int64 rows each expert ran on, padding rows included ([E]; under expert
-        parallelism the rank's own experts); None without padding. On the host for the sorted path.
-    balance_loss, z_loss: this layer's router losses (scalars; None in eval or when off); the layer's
-        `aux_loss` is their sum.
-    """
+    """The last forward (`layer.stats`): tokens_per_expert int64 [E] routed pairs per expert after
+    padding and capacity drops (on the device; under EP this rank's tokens); padded_tokens_per_expert rows
+    per expert incl. padding rows, None without padding; balance_loss, z_loss (None in eval / when off)."""
     tokens_per_expert: torch.Tensor | None = None
     padded_tokens_per_expert: torch.Tensor | None = None
     balance_loss: torch.Tensor | None = None
@@ -51,40 +53,27 @@ class MoEStats:
 
 
 class MOEFeedForward(nn.Module):
-    """Top-k softmax-routed mixture of SwiGLU experts (MiniMind / Qwen3-MoE style).
+    """Top-k softmax-routed mixture of SwiGLU experts (MiniMind / Qwen3-MoE).
 
-    forward(x [B, S, D] float, token_mask [B, S] bool or None) -> y [B, S, D] of x's dtype. token_mask marks
-    padding (False): padded positions go to no expert (their output is 0) and count in no router
-    statistic. After a training-mode call `self.aux_loss` holds the router loss of this layer: the
-    balance loss of type `router_aux_loss_type` plus the z-loss (a scalar; zero in eval). `self.stats`
-    (MoEStats) describes the last call.
-
-    Parameters and state_dict keys: `gate.weight` [E, D] and `experts.{e}.{gate,up,down}_proj.weight`,
-    plus the buffer `expert_bias` [E] fp32 only when aux-loss-free balancing is on
-    (router_bias_update_rate > 0). In training every expert runs, possibly on no rows, so experts that got
-    no tokens still get a (zero) gradient, as DistributedDataParallel(find_unused_parameters=False)
-    requires. In eval the sorted path skips them and their grads stay None.
-
-    Components (public attributes): `dispatcher` (SortedDispatcher or RowMapDispatcher, by
-    config.moe_impl; its `permute_backend` for the row-map one) and `experts` (SwiGLUExperts: `impl`
-    "loop" for sorted and masked, "auto" for fused, and `gemm_backend`).
-
-    Load telemetry: in training the router's choices per expert (real tokens only, before capacity
-    dropping) are summed until `pop_load()` hands them over (train/ does, once per step).
+    forward(x [B, S, D], token_mask [B, S] bool or None) -> y [B, S, D] of x's dtype. token_mask False
+    marks padding: it goes to no expert (output 0) and counts in no router statistic. After a
+    training-mode call `aux_loss` is this layer's balance loss plus z-loss (zero in eval) and `stats` an
+    MoEStats. Parameters: `gate.weight` [E, D], `experts.{e}.{gate,up,down}_proj.weight`, and the fp32
+    buffer `expert_bias` [E] only with router_bias_update_rate > 0. In training every expert runs, maybe
+    on no rows, so idle experts get a zero gradient (DDP with find_unused_parameters=False needs it).
+    The router's choices per expert (real tokens, before capacity) add up until `pop_load()`.
     """
 
     def __init__(self, config):
         super().__init__()
         self.config = config
-        E, fused = config.num_experts, config.moe_impl == "fused"
+        E = config.num_experts
         self.gate = nn.Linear(config.hidden_size, E, bias=False)
-        self.experts = SwiGLUExperts((FeedForward(config.hidden_size, config.moe_intermediate_size) for _ in range(E)),
-                                     impl="auto" if fused else "loop")
+        self.experts = nn.ModuleList(FeedForward(config.hidden_size, config.moe_intermediate_size) for _ in range(E))
+        self.expert_bias = None
         if config.router_bias_update_rate > 0:
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
-        else:
-            self.expert_bias = None
-        self.dispatcher = RowMapDispatcher(E) if fused else SortedDispatcher(E)
+        self.dispatcher = RowMapDispatcher(E) if config.moe_impl == "fused" else SortedDispatcher(E)
         self.aux_loss = torch.zeros(())
         self.stats = MoEStats()
         self._load_E = None  # router choices per expert since the last pop_load()
@@ -93,27 +82,39 @@ class MOEFeedForward(nn.Module):
         B, S, D = x.shape
         x_TD = x.reshape(-1, D)
         token_mask_T = None if token_mask is None else token_mask.reshape(-1).to(device=x.device, dtype=torch.bool)
-        if x_TD.shape[0] == 0 and not self.training:  # no token: an empty output still tied to x's graph
-            self.aux_loss, self.stats = x.new_zeros((), dtype=torch.float32), MoEStats()
-            return x.clone()
-        # 1. route (+ router losses and load)
-        topk_idx_TK, topk_weight_TK, balance_loss, z_loss = self._route_and_account(x_TD, token_mask_T, B)
-        # 2. capacity / padding policy: padding tokens and pairs over capacity go to no expert (-1)
+        topk_idx_TK, topk_weight_TK, balance_loss, z_loss = self.route(x_TD, token_mask_T, B)
         topk_idx_TK, layout = drop_and_pad(self.config, topk_idx_TK, topk_weight_TK, token_mask_T)
-        if self.config.moe_impl == "masked":  # 3-5 as MiniMind's loop; row padding is the grouped paths' layout
+        if self.config.moe_impl == "masked":
             y_TD = masked_expert_loop(self.experts, x_TD, topk_idx_TK, topk_weight_TK, self.training)
-            load_E = tokens_per_expert(topk_idx_TK, self.config.num_experts)
-            self.stats = MoEStats(load_E, None, balance_loss, z_loss)
+            self.stats = MoEStats(tokens_per_expert(topk_idx_TK, self.config.num_experts), None, balance_loss, z_loss)
             return y_TD.view(B, S, D)
-        # 3. dispatch (the CPU expert chains gather their own rows: then nothing is permuted)
-        permute = not self.experts.gathers_own_rows(x_TD)
-        rows, rows_per_expert, handle = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout, permute)
-        # 4. experts
-        rows = self.experts(rows, rows_per_expert, handle)
-        # 5. combine
-        y_TD = self.dispatcher.combine(rows, handle)
-        self.stats = MoEStats(handle.tokens_per_expert_E, handle.padded_tokens_per_expert_E, balance_loss, z_loss)
+        d = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout)
+        y_TD = self.dispatcher.combine(self.run_experts(d), d)
+        padded = torch.as_tensor(d.tokens_per_expert) if d.padded else None
+        self.stats = MoEStats(d.routed_E, padded, balance_loss, z_loss)
         return y_TD.view(B, S, D)
+
+    def run_experts(self, d):
+        """Expert first_expert + e on its d.tokens_per_expert[e] rows of d.rows_PD, in order -> [P, D]; each
+        row scaled by d.row_weight_P (when given) before the down projection. Plain PyTorch: one
+        FeedForward call per expert, on a fresh copy of its rows (a view at an offset may round differently
+        in the GEMM, and the sorted path must match the masked loop's gathers bit for bit). Reads the
+        counts to the host (the fused path's engines in kernels/ do not)."""
+        counts = d.tokens_per_expert if isinstance(d.tokens_per_expert, list) else d.tokens_per_expert.tolist()
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            expert = self.experts[d.first_expert + e]
+            if n == 0 and not self.training:
+                start += n
+                continue
+            x_e = d.rows_PD[start:start + n].clone()
+            if d.row_weight_P is None:
+                outs.append(expert(x_e))
+            else:  # the routing weight before the down projection (linear: the same sum up to rounding)
+                h = F.silu(expert.gate_proj(x_e)) * expert.up_proj(x_e)
+                outs.append(expert.down_proj(h * d.row_weight_P[start:start + n, None].to(h.dtype)))
+            start += n
+        return torch.cat(outs) if outs else d.rows_PD[:0].clone()
 
     def router_logits(self, x_TD):
         """Gate logits [T, E]: in autocast's dtype (the reference), or fp32 with router_dtype="float32"
@@ -123,16 +124,13 @@ class MOEFeedForward(nn.Module):
                 return F.linear(x_TD.float(), self.gate.weight.float())
         return self.gate(x_TD)
 
-    def route(self, x_TD, logits_TE=None):
-        """Router: softmax over expert logits, top-k, optional renormalisation.
-
-        Runs in whatever dtype autocast gives the gate (bf16 logits, fp32 softmax under bf16 autocast),
-        exactly as the reference, unless router_dtype="float32". With aux-loss-free balancing the top-k
-        choice uses scores + expert_bias, and the weights are the unbiased scores of the chosen experts.
-        Args: x_TD [T, D]; logits_TE: the gate logits if already computed. Returns scores_TE [T, E],
-        topk_weight_TK [T, K] (scores' dtype), topk_idx_TK int64 [T, K] (unordered).
-        """
-        scores_TE = F.softmax(self.router_logits(x_TD) if logits_TE is None else logits_TE, dim=-1)
+    def route(self, x_TD, token_mask_T=None, num_sequences=1):
+        """Softmax over the gate logits, top-k, optional renormalisation; in training also the router losses
+        (into self.aux_loss) and the load. With aux-loss-free balancing the top-k choice uses scores +
+        expert_bias and the weights are the unbiased scores of the chosen experts. Returns topk_idx_TK
+        int64 [T, K] (unordered), topk_weight_TK [T, K] (the scores' dtype), balance_loss, z_loss."""
+        logits_TE = self.router_logits(x_TD)
+        scores_TE = F.softmax(logits_TE, dim=-1)
         K = self.config.num_experts_per_tok
         if self.expert_bias is None:
             topk_weight_TK, topk_idx_TK = torch.topk(scores_TE, k=K, dim=-1, sorted=False)
@@ -141,13 +139,6 @@ class MOEFeedForward(nn.Module):
             topk_weight_TK = scores_TE.gather(-1, topk_idx_TK)
         if self.config.norm_topk_prob:
             topk_weight_TK = topk_weight_TK / (topk_weight_TK.sum(dim=-1, keepdim=True) + 1e-20)
-        return scores_TE, topk_weight_TK, topk_idx_TK
-
-    def _route_and_account(self, x_TD, token_mask_T, num_sequences):
-        """Route, and in training compute the router losses (into self.aux_loss) and add the load.
-        Returns topk_idx_TK, topk_weight_TK, balance_loss, z_loss (the losses None in eval / when off)."""
-        logits_TE = self.router_logits(x_TD)
-        scores_TE, topk_weight_TK, topk_idx_TK = self.route(x_TD, logits_TE)
         balance_loss = z_loss = None
         if self.training and x_TD.shape[0] > 0:
             self._warn_if_router_gets_no_lm_gradient()
@@ -156,27 +147,20 @@ class MOEFeedForward(nn.Module):
             with torch.no_grad():
                 load_E = tokens_per_expert(topk_idx_TK, self.config.num_experts, token_mask_T)
                 self._load_E = load_E if self._load_E is None else self._load_E + load_E
-        aux_loss = balance_loss if balance_loss is not None else scores_TE.new_zeros(())
+        aux_loss = balance_loss if balance_loss is not None else scores_TE.new_zeros((), dtype=torch.float32)
         self.aux_loss = aux_loss if z_loss is None else aux_loss + z_loss
         return topk_idx_TK, topk_weight_TK, balance_loss, z_loss
 
     def pop_load(self):
-        """Router choices per expert (int64 [E], real tokens only, before capacity dropping) summed over
-        the training-mode calls since the last call, then reset; None if there were none."""
+        """Router choices per expert (int64 [E]) summed since the last call, then reset; None if none."""
         load, self._load_E = self._load_E, None
         return load
 
     @torch.no_grad()
     def update_expert_bias(self, load_E):
-        """Aux-loss-free balancing after an optimizer step: bias += rate * sign(mean load - load).
-        load_E: the step's pairs per expert over all data-parallel ranks (train/ sums them)."""
+        """Aux-loss-free balancing after an optimizer step (load_E: the step's pairs per expert, all ranks)."""
         if self.expert_bias is not None:
-            expert_bias_update(self.expert_bias, load_E.to(self.expert_bias.device),
-                               self.config.router_bias_update_rate)
-
-    def pack_expert_weights(self):
-        """Lay the expert weights out back to back for the grouped / chain experts (model.experts)."""
-        self.experts.pack_weights()
+            expert_bias_update(self.expert_bias, load_E.to(self.expert_bias.device), self.config.router_bias_update_rate)
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
@@ -184,11 +168,8 @@ class MOEFeedForward(nn.Module):
             self.expert_bias = self.expert_bias.float()  # the bias stays fp32 under .half() / .bfloat16()
         return out
 
-    def __getstate__(self):
-        # deepcopy / pickle: leave out the last forward's results (its losses are not graph leaves)
-        state = dict(super().__getstate__())
-        state.update(aux_loss=torch.zeros(()), stats=MoEStats(), _load_E=None)
-        return state
+    def __getstate__(self):  # deepcopy / pickle: leave out the last forward's results (not graph leaves)
+        return {**super().__getstate__(), "aux_loss": torch.zeros(()), "stats": MoEStats(), "_load_E": None}
 
     def _warn_if_router_gets_no_lm_gradient(self):
         global _warned_no_router_grad
@@ -200,14 +181,9 @@ class MOEFeedForward(nn.Module):
 
 
 def masked_expert_loop(experts, x_TD, topk_idx_TK, topk_weight_TK, training):
-    """The per-expert masked loop that sorted dispatch replaced (MiniMind's original layer): steps 3-5 of
-    the layer, the bitwise reference of moe_impl="sorted". For each expert it asks the device three
-    questions whose answers come back to the host (`mask.any()`, the length of `nonzero()`, the length of the
-    boolean-mask gather): 3 syncs per expert.
-
-    Args: experts (iterable of E SwiGLU FFNs), x_TD [T, D], topk_idx_TK int64 [T, K] in [-1, E) (-1: no
-    expert), topk_weight_TK [T, K], training (keep idle experts in the graph). Returns y_TD [T, D] of x's dtype.
-    """
+    """The per-expert masked loop that sorted dispatch replaced (MiniMind's layer): steps 3-5, the bitwise
+    reference of moe_impl="sorted", with 3 host syncs per expert (`mask.any()`, the length of `nonzero()`,
+    the boolean gather). topk_idx_TK int64 [T, K] in [-1, E). Returns y_TD [T, D] of x's dtype."""
     y_TD = torch.zeros_like(x_TD)
     for e, expert in enumerate(experts):
         mask_TK = topk_idx_TK == e
@@ -215,6 +191,6 @@ def masked_expert_loop(experts, x_TD, topk_idx_TK, topk_weight_TK, training):
             token_idx = mask_TK.any(dim=-1).nonzero().flatten()
             weight = topk_weight_TK[mask_TK].view(-1, 1)  # (a token holds expert e in at most one slot)
             y_TD.index_add_(0, token_idx, (expert(x_TD[token_idx]) * weight).to(y_TD.dtype))
-        elif training:  # keep the idle expert in the autograd graph with a zero gradient (DDP needs every grad)
+        elif training:  # keep the idle expert in the graph with a zero gradient (DDP needs every grad)
             y_TD[:1, :1] += 0 * sum(p.sum() for p in expert.parameters())  # (an empty slice when T = 0)
     return y_TD

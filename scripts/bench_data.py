@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from train.atomic import atomic_file  # noqa: E402
+from data.atomic import atomic_file  # noqa: E402
 
 
 def synthetic_corpus(path, size_mb, seed=0, kind="longtail"):

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from model.hf_adapter import ExportError, to_hf_config, to_hf_state_dict  # noqa: E402
-from train.atomic import atomic_dir  # noqa: E402
+from data.atomic import atomic_dir  # noqa: E402
 from train.checkpoint import load_checkpoint, model_from_checkpoint, safetensors_metadata  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

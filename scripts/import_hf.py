@@ -21,7 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model.hf_adapter import ExportError  # noqa: E402
-from train.atomic import atomic_dir, atomic_write_text  # noqa: E402
+from data.atomic import atomic_dir, atomic_write_text  # noqa: E402
 from train.checkpoint import CKPT_NAME, load_hf_checked, save_checkpoint  # noqa: E402
 
 

@@ -45,7 +45,7 @@ def test_one_atomic_write_helper():
                if not os.path.basename(f).startswith("test_")]  # (tests may fake what a crash leaves)
     bad = [os.path.relpath(f, ROOT) for f in product
            if not f.endswith(os.path.join("train", "atomic.py")) and ("os." + "replace(") in open(f, encoding="utf-8").read()]
-    assert not bad, f"hand-written atomic writes (use train/atomic.py): {bad}"
+    assert not bad, f"hand-written atomic writes (use data/atomic.py): {bad}"
 
 
 def test_readme_layout_names_every_source_file():

@@ -348,7 +348,7 @@ def test_init_from_hf_copies_the_tokenizer_only_and_outputs_get_umask_modes():
 
 
 def _temp_names(folder):
-    """Names of the temp files / folders interrupted atomic writes leave (train/atomic.py: `.<name>.tmp...`)."""
+    """Names of the temp files / folders interrupted atomic writes leave (data/atomic.py: `.<name>.tmp...`)."""
     return {n for n in os.listdir(folder) if n.startswith(".") and ".tmp" in n} if os.path.isdir(folder) else set()
 
 

@@ -20,7 +20,7 @@ from data.chat import (Conversations, PackedBatches, check_conversation, load_co
 from data.sources import DataError
 from data.tokenizer import save_tokenizer, train_tokenizer
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from train.stage import IGNORE_INDEX
+from data.dataset import IGNORE_INDEX
 
 _TMP = tempfile.mkdtemp(prefix="test_sft_")
 SYSTEM = {"role": "system", "content": "Be brief."}

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from train.atomic import atomic_file
+from data.atomic import atomic_file
 
 CKPT_NAME = "ckpt.pt"
 HF_CHECKSUM_KEY = "minimind_tensors_sha256"  # safetensors metadata entry written by export_hf.py

@@ -6,7 +6,7 @@ import sys
 
 from tqdm import tqdm
 
-from train.atomic import atomic_file
+from data.atomic import atomic_file
 from train.flags import saved_flags
 from train.router_balance import compact, wandb_fields
 

@@ -1,5 +1,5 @@
 """Loss curve PNG next to the checkpoint (matplotlib, headless)."""
-from train.atomic import atomic_file
+from data.atomic import atomic_file
 
 
 def plot_loss_curve(records, path, unigram_entropy=None, bpb_per_nat=None):

@@ -4,7 +4,7 @@ A new run refuses a directory that already holds a checkpoint unless the user sa
 it) or `--overwrite` (start over). Rank 0 then holds an exclusive lock (`fcntl.flock` on out_dir/.lock)
 for the whole run, so a second run there stops at once with a message naming the holder; the kernel
 drops the lock when the holder dies, so a killed run never leaves a stale lock. Under the lock, temp
-files that a killed save left behind (train/atomic.py names them `.<name>.tmp...`) are removed. A run
+files that a killed save left behind (data/atomic.py names them `.<name>.tmp...`) are removed. A run
 that fails before training in a folder it created removes the folder again (`abandon_run_dir`).
 """
 import fcntl

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from data.sources import DataError
 from model.hf_adapter import is_hf_folder
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from train.atomic import atomic_dir
+from data.atomic import atomic_dir
 from train.cpu_engines import cpu_attention, cpu_dtype
 from train.checkpoint import load_checkpoint, load_hf_checked, model_from_checkpoint
 from train.distributed import check_same_on_all_ranks
@@ -22,7 +22,7 @@ from train.expert_parallel import expert_param_names, install as install_ep
 from train.flags import adopt_architecture, config_from_args, saved_flags, training_overrides
 from train.metrics import MetricsLog, open_wandb
 from train.run_dir import abandon_run_dir, claim_run_dir
-from train.stage import IGNORE_INDEX
+from data.dataset import IGNORE_INDEX
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # What transformers' tokenizers save (and load from) besides the model's files

@@ -9,7 +9,7 @@ all ranks), so the loss does not depend on how the batch is split.
 from dataclasses import dataclass, field
 from typing import Callable
 
-IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
+from data.dataset import IGNORE_INDEX  # noqa: F401
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from data.dataset import DataError
 from data.tokenizer import stop_token_ids
 from model.router import load_summary
-from train.atomic import atomic_write_text
+from data.atomic import atomic_write_text
 from train.checkpoint import CKPT_NAME, save_checkpoint
 from train.distributed import init_distributed, shutdown
 from train.expert_parallel import clip_grad_norm_ep, ep_dispatchers, gather_experts, reduce_expert_grads
@@ -34,7 +34,7 @@ from train.router_balance import LoadTelemetry, router_step
 from train.schedule import TrainClock, lr_at
 from train.setup import PeerFailed, resolve_device, setup
 from train.signals import StopSignal
-from train.stage import IGNORE_INDEX
+from data.dataset import IGNORE_INDEX
 from train.threads import ThreadTuner
 
 

@@ -1,14 +1,13 @@
 """Atomic writes: every file and folder the project writes whole goes through these helpers, so a crash
-or a kill at any moment leaves either the old version or the new one, never a torn file. (The one file
-written by appending, metrics.jsonl, gets one line per write; it is rewritten whole through here.)
+or a kill at any moment leaves either the old version or the new one, never a torn file.
 
     with atomic_file("run/metrics.jsonl", "w") as f:   # temp file in the same folder, fsync, os.replace
         f.write(...)
     with atomic_dir("exports/model") as tmp:           # temp folder next to it, renamed over it at the end
         model.save_pretrained(tmp)
 
-The temp names start with a dot and carry the pid, so two processes never share one; an exception
-removes the temp and leaves the destination untouched.
+The temp names start with a dot and are unique per process; an exception removes the temp and leaves
+the destination untouched.
 """
 import contextlib
 import os
@@ -67,8 +66,7 @@ def _usual_modes(folder):
     (0755 / 0644 under umask 022): mkdtemp makes the folder private (0700), copytree copies a source
     folder's mode, and some writers go through a private temp file (safetensors' save_file, inside
     save_pretrained, leaves model.safetensors 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
+    os.umask(umask := os.umask(0))
     for root, dirs, files in os.walk(folder):
         for name, mode in [(d, 0o777) for d in dirs] + [(f, 0o666) for f in files]:
             path = os.path.join(root, name)
