@@ -142,18 +142,14 @@ def window_tensors(conv, windows, seq_len, pad_id):
     """x, y, segment_ids [W, seq_len] int64 for packed windows. In each conversation position t predicts
     token t + 1 where that token is an assistant token (else IGNORE_INDEX); the conversation's last
     position predicts nothing, so no position predicts across conversations. Padding: pad_id, segment -1."""
-    W = len(windows)
-    x = torch.full((W, seq_len), pad_id, dtype=torch.int64)
-    y = torch.full((W, seq_len), IGNORE_INDEX, dtype=torch.int64)
-    seg = torch.full((W, seq_len), -1, dtype=torch.int64)
+    x, y, seg = (torch.full((len(windows), seq_len), fill, dtype=torch.int64) for fill in (pad_id, IGNORE_INDEX, -1))
     for w, members in enumerate(windows):
         pos = 0
         for j, i in enumerate(members):
             ids, mask = conv[i]
             n = len(ids)
             x[w, pos:pos + n] = torch.from_numpy(ids)
-            labels = np.where(mask[1:], ids[1:], IGNORE_INDEX)
-            y[w, pos:pos + n - 1] = torch.from_numpy(labels)
+            y[w, pos:pos + n - 1] = torch.from_numpy(np.where(mask[1:], ids[1:], IGNORE_INDEX))
             seg[w, pos:pos + n] = j
             pos += n
     return x, y, seg

@@ -10,8 +10,7 @@ BpeTrainer numbers them. tiktoken is several times faster, and encoding is most 
 normalizer, a plain ByteLevel pre-tokenizer with the GPT-2 regex, a BPE without dropout, prefixes,
 suffixes, byte fallback or ignore_merges, ids increasing with merge order, every byte in the vocab), and
 only after it gave the same ids as `tokenizers` on a set of probe texts (the caller also compares a
-sample of the corpus); otherwise None, and `tokenizers` is used. Text matching a special token becomes
-that token, as `tokenizers` does with added tokens.
+sample of the corpus); otherwise None, and `tokenizers` is used.
 """
 import json
 
@@ -28,14 +27,6 @@ def _byte_decoder():
     return {chr(c): b for b, c in zip(bs + rest, bs + [256 + n for n in range(len(rest))])}
 
 
-def _compatible(spec):
-    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
-    return (spec.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
-            and not pre.get("add_prefix_space") and model.get("type") == "BPE" and model.get("dropout") is None
-            and not model.get("continuing_subword_prefix") and not model.get("end_of_word_suffix")
-            and not model.get("byte_fallback") and not model.get("ignore_merges"))
-
-
 def tiktoken_for(tokenizer_json):
     """A tiktoken Encoding giving this tokenizer's ids, or None (not installed, or not reproducible)."""
     try:
@@ -45,7 +36,11 @@ def tiktoken_for(tokenizer_json):
         return None
     with open(tokenizer_json, encoding="utf-8") as f:
         spec = json.load(f)
-    if not _compatible(spec):
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    if not (spec.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+            and not pre.get("add_prefix_space") and model.get("type") == "BPE" and model.get("dropout") is None
+            and not model.get("continuing_subword_prefix") and not model.get("end_of_word_suffix")
+            and not model.get("byte_fallback") and not model.get("ignore_merges")):
         return None
     vocab, merges, to_byte = spec["model"]["vocab"], spec["model"]["merges"], _byte_decoder()
     specials = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}

@@ -77,10 +77,9 @@ def _encode_batch(texts, eos_id, dtype):
 
 
 class TokenEncoder:
-    """Encodes batches of texts in order, in `workers` processes (0: in this process), with tiktoken when
-    data/fast_bpe.py can reproduce the tokenizer with it (checked again on the first batch), else with
-    `tokenizers`. Use as a context manager; `map(batches)` yields `_encode_batch` results in input order,
-    with at most 2 * workers batches in flight. `engine` names the encoder used."""
+    """Encodes batches of texts in `workers` processes (0: in this process), with tiktoken where it gives
+    the tokenizer's ids (also checked on `first_texts`). Use as a context manager; `map(batches)` yields
+    (batch, `_encode_batch` result) in input order. `engine` names the encoder used."""
 
     def __init__(self, tokenizer_json, eos_id, dtype, workers, first_texts=(), engine="auto"):
         self.tokenizer_json, self.eos_id, self.dtype, self.workers = tokenizer_json, eos_id, dtype, workers
@@ -165,13 +164,10 @@ class _SplitWriter:
 
 def build_token_cache(path, documents, tokenizer_json, eos_id, vocab_size, meta, workers=0, progress=None,
                       engine="auto"):
-    """Tokenize `documents` ((split, text, where) with split "train" or "val") into the folder `path`.
-
-    Written into a temp folder renamed over `path` at the end; on any exception (e.g. DataError for a
-    malformed line, raised by the documents iterator) nothing is left. `meta` (dict) goes into
-    index.json. `progress`: a callable(n_chars) called per batch, or None. engine: "auto" (tiktoken when it
-    reproduces the tokenizer) or "tokenizers". Returns the index dict.
-    """
+    """Tokenize `documents` ((split, text, where), split "train" or "val") into the folder `path`, or leave
+    nothing there on any exception (e.g. the iterator's DataError for a malformed line). `meta` (dict) goes
+    into index.json; `progress`: None or a callable(n_chars) called per batch; engine: "auto" (tiktoken
+    where it reproduces the tokenizer) or "tokenizers". Returns the index dict."""
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32  # while every id fits
     with atomic_dir(path) as tmp:
         writers = {s: _SplitWriter(tmp, s) for s in SPLITS}

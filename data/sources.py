@@ -127,16 +127,11 @@ def _decoded_lines(path):
     "\\r" turned into "\\n" as Python's text mode does (a bare "\\r" ends a line too)."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
-            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
             try:
-                line = raw.decode("utf-8")
+                line = (raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw).decode("utf-8")
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-            if "\r" not in line:
-                yield lineno, line
-                continue
-            for part in line.replace("\r\n", "\n").replace("\r", "\n").splitlines(keepends=True):
+            for part in line.replace("\r\n", "\n").replace("\r", "\n").splitlines(True) if "\r" in line else [line]:
                 yield lineno, part
 
 

@@ -1,7 +1,15 @@
 """The tiny test harness every scripts/test_*.py uses: no framework, a PASS/FAIL/SKIP line per test,
-a final `N passed, N failed, N skipped` line, exit code 1 on any failure."""
+a final `N passed, N failed, N skipped` line, exit code 1 on any failure.
+
+Importing it (before anything imports data.corpus) points MINIMIND_CACHE_DIR, where corpora, tokenizers
+and token caches are cached, at a temp folder removed at exit, unless it is set already (run_tests.py
+sets one for the whole run): tests never write into the user's data/cache. Processes the tests start
+inherit the variable."""
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 
@@ -10,6 +18,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.environ.get("MINIMIND_SHARED", os.path.join(os.path.dirname(ROOT), "shared"))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+if not os.environ.get("MINIMIND_CACHE_DIR"):
+    _cache, _owner = tempfile.mkdtemp(prefix="minimind-test-cache-"), os.getpid()
+    os.environ["MINIMIND_CACHE_DIR"] = _cache
+    # (only by this process: a forked child inherits the handler)
+    atexit.register(lambda: os.getpid() == _owner and shutil.rmtree(_cache, ignore_errors=True))
 
 
 class Skip(Exception):

@@ -3,11 +3,16 @@ written atomically (temp file in the same directory, fsync, `os.replace`), loade
 
 Every checkpoint carries a SHA-256 of its tensors (`checksum`), verified on every load: a flipped bit
 inside a tensor is reported, never loaded. (torch.load itself only notices damage to the container.)
-HF exports carry the same SHA-256 in the metadata of model.safetensors (`safetensors_metadata`), which
+A run folder is claimed by one run at a time (`claim_run_dir`: an flock on out_dir/.lock that the kernel
+drops when the holder dies) and never overwritten by accident. HF exports carry the same SHA-256 in the metadata of model.safetensors (`safetensors_metadata`), which
 `load_safetensors` / `load_hf_checked` verify; transformers ignores the entry.
 """
+import fcntl
 import hashlib
 import os
+import re
+import shutil
+import socket
 
 import torch
 
@@ -15,6 +20,56 @@ from data.atomic import atomic_file
 
 CKPT_NAME = "ckpt.pt"
 HF_CHECKSUM_KEY = "minimind_tensors_sha256"  # safetensors metadata entry written by export_hf.py
+
+
+LOCK_NAME = ".lock"
+_TEMP = re.compile(r"^\..+\.(tmp|old)[^/]*$")  # atomic_file / atomic_dir leftovers
+
+
+def claim_run_dir(out_dir, resuming, overwrite, is_main):
+    """Create out_dir, refuse it when it holds another run, lock it (rank 0) and clean temp leftovers.
+    Returns the open lock file (keep it for the run; closing it releases the lock) or None on other ranks.
+    Raises ValueError naming the directory and what to do."""
+    os.makedirs(out_dir, exist_ok=True)
+    ckpt = os.path.join(out_dir, CKPT_NAME)
+    if not resuming and not overwrite and os.path.exists(ckpt):
+        raise ValueError(f"{out_dir} already holds a run ({CKPT_NAME}); continue it with --resume, start over "
+                         f"with --overwrite, or choose another --out_dir")
+    if not is_main:
+        return None
+    lock = open(os.path.join(out_dir, LOCK_NAME), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise ValueError(f"{out_dir} is in use by another run ({holder}); wait for it to finish or choose "
+                         f"another --out_dir") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    remove_temp_leftovers(out_dir)
+    return lock
+
+
+def remove_temp_leftovers(out_dir):
+    """Delete the temp files / folders of interrupted atomic writes in out_dir (call under the lock)."""
+    for name in os.listdir(out_dir):
+        if _TEMP.match(name):
+            path = os.path.join(out_dir, name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+
+
+def abandon_run_dir(out_dir, lock):
+    """Rank 0, when a run fails before training in a folder it created: remove the folder if it holds
+    nothing but the lock, the tokenizer copy and temp leftovers (a refused run leaves nothing behind),
+    and release the lock."""
+    keep = [n for n in os.listdir(out_dir) if n not in (LOCK_NAME, "tokenizer") and not _TEMP.match(n)]
+    if not keep:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    lock.close()
 
 
 def unwrap(model):
@@ -34,20 +89,14 @@ def atomic_torch_save(obj, path):
         torch.save(obj, f)
 
 
-def save_checkpoint(path, model, optimizer, step, data_state, args, extra=None):
+def save_checkpoint(path, model, optimizer=None, extra=None):
+    """Write {"model": fp32 CPU state_dict, "optimizer", "config", **extra, "checksum"} atomically (the loop's
+    extra: the TrainState's state_dict, the flags as "args", the data identity and the world size)."""
     model = unwrap(model)
-    state = {
-        "model": {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
-                  for k, v in model.state_dict().items()},
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "step": step,
-        "data": data_state,
-        "rng": {"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-        "config": model.config.to_dict(),
-        "args": dict(args),
-    }
-    state.update(extra or {})
+    state = {"model": {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
+                       for k, v in model.state_dict().items()},
+             "optimizer": optimizer.state_dict() if optimizer is not None else None,
+             "config": model.config.to_dict(), **(extra or {})}
     state["checksum"] = tensor_checksum(state)
     atomic_torch_save(state, path)
 
@@ -95,6 +144,21 @@ def load_checkpoint(path):
                          f"written); use another checkpoint")
     check_weights_fit_config(ckpt, path)
     return ckpt
+
+
+def read_saved_flags(path):
+    """(the flags saved in a training checkpoint, its world size), without reading its tensors (mmap).
+    Raises FileNotFoundError / ValueError naming the file, also for weights without training state."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: checkpoint not found")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # truncated or foreign file
+        raise ValueError(f"{path}: not a readable checkpoint ({type(e).__name__}: {_one_line(e, 160)})") from None
+    if not isinstance(ckpt, dict) or not ckpt.get("args") or ckpt.get("optimizer") is None or "data" not in ckpt:
+        raise ValueError(f"{path}: holds weights but no training state (an imported or exported model?); start "
+                         f"from it with --init_from instead of --resume")
+    return dict(ckpt["args"]), ckpt.get("world_size", 1)
 
 
 def check_weights_fit_config(ckpt, path):

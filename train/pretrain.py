@@ -1,16 +1,13 @@
-"""Pretrain a MiniMind-style MoE GPT.
+"""Pretrain a MiniMind-style MoE GPT (the main job).
 
     python train/pretrain.py                       # embedded corpus, small MoE, ~4.5 min on 2 CPU cores
     python train/pretrain.py --data_path my.jsonl  # {"text": ...} per line; also .txt, .parquet, dirs, globs
     python train/pretrain.py --resume              # continue checkpoints/pretrain/ckpt.pt exactly
-    torchrun --nproc_per_node 4 train/pretrain.py --ep_size 2   # DDP x EP (gloo on CPU, NCCL on GPU)
+    torchrun --nproc_per_node 4 train/pretrain.py --ep_size 2 --out_dir checkpoints/ddp   # DDP x EP
 
-Writes to --out_dir: ckpt.pt (fp32 weights, optimizer, step, data position, RNG, config, args),
-config.json, tokenizer/, metrics.jsonl, loss.png (loss curves), expert_load.png (heatmap of the experts'
-share of the routed tokens), .lock (held while a run uses the folder) and, with --wandb, wandb/.
-
-This file is the pretraining stage: its data flags and its data (every token is supervised, so no loss
-mask). The loop is train/trainer.py.
+Writes to --out_dir: ckpt.pt (fp32 weights, optimizer, train state, config, flags), config.json,
+tokenizer/, metrics.jsonl, loss.png, expert_load.png, .lock (held while a run uses the folder).
+This file is the stage: its data flags and its data (every token is supervised). The loop is train/loop.py.
 """
 import os
 import sys
@@ -19,8 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from data.dataset import WindowBatches, fixed_windows  # noqa: E402
 from data.prepare import prepare_data  # noqa: E402
-from train import flags, trainer  # noqa: E402
-from train.stage import Stage, StageData  # noqa: E402
+from train import flags, loop  # noqa: E402
 
 
 def add_data_flags(g):
@@ -34,27 +30,25 @@ def add_data_flags(g):
     g.add_argument("--tokenizer_sample_mb", type=int, default=16,
                    help="a new BPE is trained on the first this-many MB of training documents")
     g.add_argument("--data_workers", type=int, default=None,
-                   help="processes tokenizing a new corpus; None: one per core above 32 MB of input, else 0 (in-process)")
+                   help="processes tokenizing a new corpus; None: one per core above 32 MB of input, else 0")
 
 
 def load_data(args, tokenizer_dir, global_batch_size, log):
-    """Token caches of the corpus (data/prepare.py: source, tokenizer, memory-mapped tokens) -> shuffled
-    (seq_len + 1)-token windows for training, the first `eval_tokens` of the validation stream for
-    evaluation."""
+    """Token caches of the corpus (data/prepare.py) -> shuffled (seq_len + 1)-token windows for training, the
+    first `eval_tokens` of the validation stream for evaluation."""
     data = prepare_data(args.data_path, tokenizer_dir, args.vocab_size, log=log, text_field=args.text_field,
                         tokenizer_sample_mb=args.tokenizer_sample_mb, workers=args.data_workers,
                         progress=not args.no_progress)
     windows = fixed_windows(data["val"], args.seq_len, args.eval_tokens)
-    return StageData(
+    return loop.StageData(
         tokenizer=data["tokenizer"], tokenizer_dir=data["tokenizer_dir"],
-        train_batches=WindowBatches(data["train"], args.seq_len, global_batch_size, seed=args.seed,
-                                    name="training data"),
+        train_batches=WindowBatches(data["train"], args.seq_len, global_batch_size, seed=args.seed, name="training data"),
         val_batches=[(w[:, :-1], w[:, 1:]) for w in windows.split(args.batch_size)],
         identity={"train_tokens": len(data["train"])}, unigram_entropy=data["index"]["val_unigram_entropy"])
 
 
-STAGE = Stage(name="pretrain", description=__doc__, default_out_dir="checkpoints/pretrain",
-              add_data_flags=add_data_flags, load_data=load_data, data_order_flags=("data_path", "text_field"))
+STAGE = loop.Stage(name="pretrain", description=__doc__, default_out_dir="checkpoints/pretrain",
+                   add_data_flags=add_data_flags, load_data=load_data, data_order_flags=("data_path", "text_field"))
 
 
 def parse_args(argv=None):
@@ -62,8 +56,8 @@ def parse_args(argv=None):
 
 
 def train(args, log=print):
-    return trainer.train(args, log=log, stage=STAGE)
+    return loop.train(args, log=log, stage=STAGE)
 
 
 if __name__ == "__main__":
-    trainer.run_cli(train, parse_args())
+    loop.run_cli(STAGE)

@@ -24,8 +24,7 @@ from data.corpus import CACHE_DIR  # noqa: E402
 from data.sft_corpus import default_sft_set  # noqa: E402
 from data.sources import DataError  # noqa: E402
 from data.tokenizer import CHAT_TEMPLATE, load_tokenizer, save_tokenizer  # noqa: E402
-from train import flags, trainer  # noqa: E402
-from train.stage import Stage, StageData  # noqa: E402
+from train import flags, loop  # noqa: E402
 
 SAMPLE_QUESTION = "What does `os.path.join` do?"
 
@@ -88,12 +87,12 @@ def load_data(args, tokenizer_dir, global_batch_size, log):
     windows = pack(np.diff(val.offsets), range(len(val)), args.seq_len)
     x, y, seg = window_tensors(val, windows, args.seq_len, pad)
     val_batches = list(zip(x.split(args.batch_size), y.split(args.batch_size), seg.split(args.batch_size)))
-    return StageData(tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
+    return loop.StageData(tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
                      train_batches=PackedBatches(train, args.seq_len, global_batch_size, pad, seed=args.seed),
                      val_batches=val_batches, identity={"train_conversations": len(train), "train_sha1": train.sha1[:16]})
 
 
-STAGE = Stage(name="sft", description=__doc__, default_out_dir="checkpoints/sft", add_data_flags=add_data_flags,
+STAGE = loop.Stage(name="sft", description=__doc__, default_out_dir="checkpoints/sft", add_data_flags=add_data_flags,
               load_data=load_data, data_order_flags=("data_path", "val_path"),
               sample_prompt=f"<|im_start|>user\n{SAMPLE_QUESTION}<|im_end|>\n<|im_start|>assistant\n",
               defaults=dict(init_from="checkpoints/pretrain", max_steps=300, learning_rate=1e-3, warmup_steps=20,
@@ -106,8 +105,8 @@ def parse_args(argv=None):
 
 
 def train(args, log=print):
-    return trainer.train(args, log=log, stage=STAGE)
+    return loop.train(args, log=log, stage=STAGE)
 
 
 if __name__ == "__main__":
-    trainer.run_cli(train, parse_args())
+    loop.run_cli(STAGE)

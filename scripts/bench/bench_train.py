@@ -1,9 +1,9 @@
 """Training throughput of the MoE implementations on one small model: tokens/s of full optimizer steps
 (forward, backward, AdamW) with moe_impl sorted vs fused vs MiniMind's masked loop, side by side.
 
-    python scripts/bench_train.py                      # the main job's model (D=256, 4 layers, E=4, k=2)
-    python scripts/bench_train.py --num_experts 16 --top_k 4 --steps 10
-    python scripts/bench_train.py --device cuda --dtype bfloat16
+    python scripts/bench/bench_train.py                      # the main job's model (D=256, 4 layers, E=4, k=2)
+    python scripts/bench/bench_train.py --num_experts 16 --top_k 4 --steps 10
+    python scripts/bench/bench_train.py --device cuda --dtype bfloat16
 
 The three runs share initial weights and batches (random token ids: throughput does not depend on the
 text). Steps run in rounds, one block of steps per implementation per round, so machine drift hits all
@@ -15,8 +15,8 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
+HERE = os.path.dirname(os.path.abspath(__file__))  # scripts/bench
+sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  # the repository, scripts/
 
 import torch  # noqa: E402
 

@@ -1,8 +1,8 @@
 """MoE layer benchmark: every implementation side by side, on the same weights and inputs, in one run.
 
-    python scripts/bench_moe.py              # CPU (or CUDA when present), fp32; a few minutes on 2 cores
-    python scripts/bench_moe.py --quick      # one shape, fewer rounds
-    python scripts/bench_moe.py --device cuda --dtype bfloat16 --out results.txt
+    python scripts/bench/bench_moe.py              # CPU (or CUDA when present), fp32; a few minutes on 2 cores
+    python scripts/bench/bench_moe.py --quick      # one shape, fewer rounds
+    python scripts/bench/bench_moe.py --device cuda --dtype bfloat16 --out results.txt
 
 Implementations:
   masked      MiniMind's per-expert masked loop (scripts/moe_reference.py), the bitwise reference
@@ -38,8 +38,8 @@ import sys
 import time
 import warnings
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
+HERE = os.path.dirname(os.path.abspath(__file__))  # scripts/bench
+sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  # the repository, scripts/
 
 import torch  # noqa: E402
 

@@ -1,27 +1,29 @@
-"""Expert parallelism (EP): experts sharded over the ranks of an EP group, tokens moved by all-to-all.
+"""Data and expert parallelism: process groups from torchrun's environment, and the all-to-all token
+dispatcher that shards the experts (model/ holds no distributed code; this wraps its dispatchers).
 
-Rank r of an EP group of size M owns the contiguous experts [r*E/M, (r+1)*E/M). `install` replaces each
-MoE layer's dispatcher (model/dispatch.py) by an AllToAllDispatcher, which wraps the layer's own (sorted
-or row-map) dispatcher, sized for the rank's experts, for the rows it receives. Per MoE layer:
+Groups: with W ranks and ep_size M (M | W), EP groups are the blocks of M consecutive ranks [g*M, (g+1)*M),
+each holding all experts, sharded; the expert-data-parallel groups join the ranks holding the same experts
+({r, r+M, r+2M, ...}). Expert gradients are reduced over those, dense gradients over all W by DDP.
 
-    dispatch: permute by destination rank -> all-to-all (x rows, combine weights, local expert ids)
-              -> the local dispatcher's dispatch of the received rows
-    experts:  the layer's experts, the rank's own only (handle.first_expert)
-    combine:  the local dispatcher's combine -> all-to-all back -> add the partial sums per source token
-
-A token is sent once per destination rank even when several of its top-k experts live there: the
-receiver sums those experts' weighted outputs and returns one row (Megatron-LM's alltoall dispatcher
-and DeepEP send one copy per rank as well). The split sizes and per-expert counts are exchanged with one
-small all-to-all and read to the host once per layer, like the single-process layer's one read.
-
-Rows arrive grouped by source rank, each group in ascending token order, so when the EP group holds
-the whole data-parallel batch (world size == ep_size) every expert sees exactly the rows, in the order,
-that one process sees on the concatenated batch, and its outputs and parameter gradients are bitwise
-the single-process ones. The combine adds each destination rank's partial sum in ascending rank
-(= ascending expert) order, which equals the single-process summation for k <= 2.
+EP, per MoE layer (rank r of M owns the contiguous experts [r*E/M, (r+1)*E/M)):
+    dispatch: rows by destination rank -> all-to-all (x rows, routing weights, local expert ids)
+              -> the layer's own dispatcher (sorted or row map) on the received rows, for the rank's experts
+    experts:  the layer's run_experts on those rows (Dispatched.first_expert = the rank's first expert)
+    combine:  the local combine -> all-to-all back -> add the partial sums per source token
+A token goes once to each destination rank even when several of its top-k experts live there (as
+Megatron-LM's alltoall dispatcher and DeepEP); the receiver sums those experts' outputs. Split sizes and
+per-expert counts travel in one small all-to-all, read to the host once per layer. Every rank runs the
+same collectives whatever it receives (empty tensors stay in the graph), so backward always pairs up.
+Rows arrive grouped by source rank, each group in ascending token order: when the EP group holds the whole
+data-parallel batch, every expert sees the single-process rows in the single-process order (bitwise the
+same outputs and gradients; the combine's sum equals it for k <= 2).
 """
 import dataclasses
+import gc
+import json
+import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,9 +32,84 @@ with warnings.catch_warnings():  # the autograd all-to-all is the documented one
     warnings.simplefilter("ignore", FutureWarning)
     from torch.distributed.nn.functional import all_to_all_single as _all_to_all_autograd
 
-from model.dispatch import DispatchHandle, RowLayout
+from model.dispatch import RowLayout
 from model.moe import MOEFeedForward
 from model.router import tokens_per_expert
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    ep_size: int = 1
+    ep_group: object = None
+    expert_dp_group: object = None
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    @property
+    def distributed(self):
+        return self.world_size > 1
+
+
+def init_distributed(ep_size, device_type):
+    """Initialise torch.distributed when launched by torchrun (WORLD_SIZE > 1); NCCL on CUDA, gloo on CPU.
+
+    Raises ValueError when ep_size < 1 or does not divide the world size.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if ep_size < 1:
+        raise ValueError(f"--ep_size must be >= 1, got {ep_size}")
+    if world % ep_size:
+        raise ValueError(f"--ep_size {ep_size} must divide the world size {world} "
+                         f"(launch with torchrun --nproc_per_node a multiple of {ep_size})")
+    if world == 1:
+        return DistContext()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    rank = dist.get_rank()
+    ctx = DistContext(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")), ep_size=ep_size)
+    for g in range(world // ep_size):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(g * ep_size, (g + 1) * ep_size)))
+        if rank // ep_size == g:
+            ctx.ep_group = group
+    for r in range(ep_size):
+        group = dist.new_group(list(range(r, world, ep_size)))
+        if rank % ep_size == r:
+            ctx.expert_dp_group = group
+    return ctx
+
+
+def check_same_on_all_ranks(ctx, what, value):
+    """Raise ValueError on every rank if `value` (JSON-able dict) differs between ranks, naming the keys."""
+    if not ctx.distributed:
+        return
+    values = [None] * ctx.world_size
+    dist.all_gather_object(values, json.dumps(value, sort_keys=True, default=str))
+    ref = json.loads(values[0])
+    for r, v in enumerate(values[1:], 1):
+        other = json.loads(v)
+        diff = sorted(k for k in set(ref) | set(other) if ref.get(k) != other.get(k))
+        if diff:
+            raise ValueError(f"{what} differs between rank 0 and rank {r} in {diff}: "
+                             f"{[(ref.get(k), other.get(k)) for k in diff]}")
+
+
+def barrier(ctx):
+    if ctx.distributed:
+        dist.barrier()
+
+
+def shutdown(ctx, wait_for_peers=True):
+    """Tear the process groups down. On a normal exit all ranks wait for each other first: a rank that
+    leaves while a peer is still inside a collective can make gloo abort the peer at exit."""
+    if ctx.distributed and dist.is_initialized():
+        gc.collect()  # groups held in reference cycles (EP dispatchers) go now, not at interpreter exit
+        if wait_for_peers:
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 def all_to_all_autograd(output, input, output_split_sizes, input_split_sizes, group):
@@ -42,37 +119,16 @@ def all_to_all_autograd(output, input, output_split_sizes, input_split_sizes, gr
         return _all_to_all_autograd(output, input, output_split_sizes, input_split_sizes, group=group)
 
 
-@dataclasses.dataclass(kw_only=True)
-class AllToAllHandle(DispatchHandle):
-    local: DispatchHandle  # the local dispatcher's handle of the received rows
-    send_token: torch.Tensor  # [n_send] token of each sent row, grouped by destination rank
-    send_rows: list  # rows sent to each rank (host ints)
-    recv_rows: list  # rows received from each rank
-    shape_TD: tuple
-
-
 class AllToAllDispatcher:
-    """Expert-parallel token dispatcher (see the module docstring); installed as `MOEFeedForward.dispatcher`.
-
-    AllToAllDispatcher(ep_group, num_experts, single_process): single_process is the layer's own
-    dispatcher (for all E experts); a copy of it sized for this rank's E / ep_size experts (`local`)
-    dispatches the received rows. Attributes: ep_size, ep_rank, experts_per_rank, first_expert, and the
-    counters `bytes_sent` (x bytes this rank dispatched) and `bytes_k_copies` (what one copy per routed
-    (token, slot) pair would have cost).
-
-    dispatch(x_TD [T, D], topk_idx_TK int64 [T, K] in [-1, E), topk_weight_TK [T, K], layout=None,
-    permute=True) -> (rows, tokens_per_expert, handle) of the local dispatcher for the received rows
-    (layout.pad_to scaled by ep_size: each source rank may fill a capacity), with handle.first_expert
-    = this rank's first expert and handle.tokens_per_expert_E this rank's routed pairs per global expert.
-    combine(rows_out, handle) -> y_TD [T, D]. Every rank of the group must call both (collectives).
-
-    Raises ValueError when ep_size does not divide num_experts.
-    """
+    """The expert-parallel token dispatcher (module doc), installed as `MOEFeedForward.dispatcher`; it
+    wraps the layer's own (`single_process`), a copy of which sized for this rank's E / ep_size experts
+    (`local`) dispatches the received rows. dispatch / combine as model/dispatch.py's, collectives on
+    every rank of the group; counters `bytes_sent` (x bytes dispatched) and `bytes_k_copies` (what one copy
+    per routed pair would cost). Raises ValueError when ep_size does not divide num_experts."""
 
     def __init__(self, ep_group, num_experts, single_process):
         self.group = ep_group
-        self.ep_size = dist.get_world_size(ep_group)
-        self.ep_rank = dist.get_rank(ep_group)
+        self.ep_size, self.ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
         if num_experts % self.ep_size:
             raise ValueError(f"ep_size={self.ep_size} must divide num_experts={num_experts}")
         self.num_experts = num_experts
@@ -80,15 +136,14 @@ class AllToAllDispatcher:
         self.first_expert = self.ep_rank * self.experts_per_rank
         self.single_process = single_process
         self.local = dataclasses.replace(single_process, num_experts=self.experts_per_rank)
-        self.bytes_sent = 0
-        self.bytes_k_copies = 0
+        self.bytes_sent = self.bytes_k_copies = 0
 
     def owns(self, expert):
         return self.first_expert <= expert < self.first_expert + self.experts_per_rank
 
     def _exchange_counts(self, topk_idx_TK, send_TM):
         """All-to-all of the rows per destination rank and the pairs per expert; the layer's one host read.
-        Returns tokens_per_expert_E [E] (device), send_rows, recv_rows, pairs received per local expert,
+        Returns pairs per global expert [E] (device), send_rows, recv_rows, pairs received per local expert,
         pairs sent."""
         M, L = self.ep_size, self.experts_per_rank
         pairs_E = tokens_per_expert(topk_idx_TK, M * L)
@@ -101,7 +156,7 @@ class AllToAllDispatcher:
         pairs_sent = sum(send[m * (L + 1) + 1 + l] for m in range(M) for l in range(L))
         return pairs_E, send[0::L + 1], recv[0::L + 1], recv_per_local_expert, pairs_sent
 
-    def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, layout=None, permute=True):
+    def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, layout=RowLayout()):
         T, D = x_TD.shape
         M, L, dev = self.ep_size, self.experts_per_rank, x_TD.device
         valid_TK = topk_idx_TK >= 0
@@ -109,9 +164,8 @@ class AllToAllDispatcher:
         send_TM = torch.zeros(T, M + 1, dtype=torch.bool, device=dev).scatter_(1, dest_TK, True)[:, :M]
         pairs_E, send_rows, recv_rows, recv_per_local_expert, pairs_sent = self._exchange_counts(topk_idx_TK, send_TM)
         n_send, n_recv = sum(send_rows), sum(recv_rows)
-
-        # Permute: one row per (token, destination rank), ordered by rank, then token (argsort of a unique
-        # key, no sync); each row carries the slots of that rank's experts (local ids), the others -1.
+        # One row per (token, destination rank), ordered by rank, then token (argsort of a unique key, no
+        # sync); each row carries the slots of that rank's experts (local ids), the others -1.
         t_T1 = torch.arange(T, device=dev)[:, None]
         key_TM = torch.where(send_TM, torch.arange(M, device=dev)[None, :] * T + t_T1, M * T + t_T1)
         order = torch.argsort(key_TM.reshape(-1))[:n_send]
@@ -119,39 +173,31 @@ class AllToAllDispatcher:
         local_send = torch.where(dest_TK[send_token] == send_dest[:, None],
                                  topk_idx_TK[send_token] - send_dest[:, None] * L, -1)
         w_send = torch.where(local_send >= 0, topk_weight_TK[send_token], 0.0)
-        x_send = x_TD[send_token]
         self.bytes_sent += n_send * D * x_TD.element_size()
         self.bytes_k_copies += pairs_sent * D * x_TD.element_size()
-
-        x_recv = all_to_all_autograd(x_send.new_empty(n_recv, D), x_send, recv_rows, send_rows, group=self.group)
+        x_recv = all_to_all_autograd(x_TD.new_empty(n_recv, D), x_TD[send_token], recv_rows, send_rows, self.group)
         w_recv = all_to_all_autograd(w_send.new_empty(n_recv, w_send.shape[1]), w_send.contiguous(), recv_rows,
-                                     send_rows, group=self.group)
+                                     send_rows, self.group)
         idx_recv = local_send.new_empty(n_recv, local_send.shape[1])
         dist.all_to_all_single(idx_recv, local_send.contiguous(), recv_rows, send_rows, group=self.group)
-
-        layout = layout or RowLayout()
         pad_to = layout.pad_to * M if layout.pad_to is not None else None  # each source rank may fill the capacity
-        rows, tokens_per_expert_, local = self.local.dispatch(
-            x_recv, idx_recv, w_recv, RowLayout(pad_to, layout.alignment, may_drop=True), permute,
-            host_tokens_per_expert=recv_per_local_expert)
-        handle = AllToAllHandle(
-            row_weight_P=local.row_weight_P, first_expert=self.first_expert, row_map=local.row_map,
-            permuted=local.permuted, out_dtype=x_TD.dtype, tokens_per_expert_E=pairs_E,
-            padded_tokens_per_expert_E=local.padded_tokens_per_expert_E, local=local, send_token=send_token,
-            send_rows=send_rows, recv_rows=recv_rows, shape_TD=(T, D))
-        return rows, tokens_per_expert_, handle
+        local = self.local.dispatch(x_recv, idx_recv, w_recv, RowLayout(pad_to, layout.alignment, may_drop=True),
+                                    host_tokens_per_expert=recv_per_local_expert)
+        return dataclasses.replace(local, first_expert=self.first_expert, routed_E=pairs_E, state=dict(
+            local=local, send_token=send_token, send_rows=send_rows, recv_rows=recv_rows, shape_TD=(T, D),
+            dtype=x_TD.dtype))
 
-    def combine(self, rows_out, handle):
-        y_recv = self.local.combine(rows_out, handle.local)
-        y_send = all_to_all_autograd(y_recv.new_empty(sum(handle.send_rows), y_recv.shape[1]), y_recv,
-                                     handle.send_rows, handle.recv_rows, group=self.group)
-        # Add the partial sums in ascending destination rank. Empty slices are added too: the output must
-        # reach every all-to-all even when this rank sent nothing, because backward runs the same
-        # collectives on every rank of the group.
-        y_TD = torch.zeros(handle.shape_TD, dtype=handle.out_dtype, device=y_send.device)
+    def combine(self, rows_out_PD, d):
+        s = d.state
+        y_recv = self.local.combine(rows_out_PD, s["local"])
+        y_send = all_to_all_autograd(y_recv.new_empty(sum(s["send_rows"]), y_recv.shape[1]), y_recv, s["send_rows"],
+                                     s["recv_rows"], self.group)
+        # Add the partial sums in ascending destination rank; empty slices too: the output must reach every
+        # all-to-all even when this rank sent nothing, since backward runs the same collectives everywhere.
+        y_TD = torch.zeros(s["shape_TD"], dtype=s["dtype"], device=y_send.device)
         start = 0
-        for n in handle.send_rows:
-            y_TD = y_TD.index_add(0, handle.send_token[start:start + n], y_send[start:start + n])
+        for n in s["send_rows"]:
+            y_TD = y_TD.index_add(0, s["send_token"][start:start + n], y_send[start:start + n].to(s["dtype"]))
             start += n
         return y_TD
 

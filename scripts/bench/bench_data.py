@@ -1,8 +1,8 @@
 """Data pipeline at scale: synthetic corpora of growing size, prepared and trained on, one at a time.
 
-    python scripts/bench_data.py                          # 20, 100 and 400 MB
-    python scripts/bench_data.py --sizes_mb 20 1500       # up to the size of MiniMind's pretrain_hq.jsonl
-    python scripts/bench_data.py --sizes_mb 400 --old_tree /work/old   # side by side with an old commit
+    python scripts/bench/bench_data.py                          # 20, 100 and 400 MB
+    python scripts/bench/bench_data.py --sizes_mb 20 1500       # up to the size of MiniMind's pretrain_hq.jsonl
+    python scripts/bench/bench_data.py --sizes_mb 400 --old_tree /work/old   # side by side with an old commit
 
 For every size it runs `train/pretrain.py --data_path corpus.jsonl --max_steps 20` twice in a fresh
 process each: cold (an empty data cache: preparation + training) and warm (the prepared cache), after
@@ -28,8 +28,8 @@ import sys
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+HERE = os.path.dirname(os.path.abspath(__file__))  # scripts/bench
+ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
 from data.atomic import atomic_file  # noqa: E402

@@ -2,9 +2,9 @@
 on this machine? Layer benchmarks (bench_moe.py, bench_train.py) measure speed; this measures what the
 speed buys.
 
-    python scripts/bench_quality.py                                  # 5 rows x 240 s: ~22 min on 2 CPU cores
-    python scripts/bench_quality.py --rows dense,sorted --budget_s 20                    # a smoke run
-    python scripts/bench_quality.py --data_path my.jsonl --budget_s 600 --extra "--warmup_steps 100"
+    python scripts/bench/bench_quality.py                                  # 5 rows x 240 s: ~22 min on 2 CPU cores
+    python scripts/bench/bench_quality.py --rows dense,sorted --budget_s 20                    # a smoke run
+    python scripts/bench/bench_quality.py --data_path my.jsonl --budget_s 600 --extra "--warmup_steps 100"
 
 Every row is one `train/pretrain.py` run, as a subprocess, one at a time (never in parallel: they would
 share the cores), each with the same --time_budget_s (seconds of training, not counting setup, evaluation
@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (this file: scripts/bench/)
 sys.path.insert(0, ROOT)
 
 ROWS = ("dense", "masked", "sorted", "fused", "fine")

@@ -1,10 +1,10 @@
 """Whole training steps on CPU, side by side: which engines make the step fast on this machine, and what a
 busy machine does to it.
 
-    python scripts/bench_step.py                    # engines: fp32 MKL / oneDNN linears, bf16, attention kernels
-    python scripts/bench_step.py --busy 1           # the same with 1 busy process beside it, threads 2 vs 1
-    python scripts/bench_step.py --old_tree /work/old --steps 150   # main job vs another checkout's, alternating
-    python scripts/bench_step.py --split            # time per step: attention, FFN / MoE, LM head, optimizer
+    python scripts/bench/bench_step.py                    # engines: fp32 MKL / oneDNN linears, bf16, attention kernels
+    python scripts/bench/bench_step.py --busy 1           # the same with 1 busy process beside it, threads 2 vs 1
+    python scripts/bench/bench_step.py --old_tree /work/old --steps 150   # main job vs another checkout's, alternating
+    python scripts/bench/bench_step.py --split            # time per step: attention, FFN / MoE, LM head, optimizer
 
 Engines mode: the main job's model (D=256, 4 layers, E=4 top-2, F=384, batch 16 x 128; `--impl`,
 `--use_moe 0`) on random tokens, full AdamW steps (forward, backward, clipping, optimizer); each variant
@@ -36,8 +36,8 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+HERE = os.path.dirname(os.path.abspath(__file__))  # scripts/bench
+ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402

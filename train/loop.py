@@ -1,0 +1,717 @@
+"""The training loop every stage shares, in one file that reads top to bottom (nanoGPT's train.py,
+nanochat's base_train.py):
+
+    1. setup     device, run folder, checkpoint (read once), data, config (built once), model, faster
+                 engines (kernels/swap.py), optimizer, restore, then EP -> DDP -> compile (torchtitan's order)
+    2. loop      train_step: micro-steps -> gradient reduction -> clip -> optimizer -> router update
+                 after_step: log, evaluate, save a checkpoint, stop
+    3. finish    final evaluation, summary, a short sample
+
+A stage script (train/pretrain.py, train/sft.py) supplies a `Stage`: its flags, its data, its defaults.
+Batches carry the loss mask in the labels (IGNORE_INDEX where a position predicts nothing); the LM loss
+is the mean over the supervised tokens of the whole global batch, however it is split.
+"""
+import contextlib
+import math
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from data.atomic import atomic_dir, atomic_write_text
+from data.dataset import IGNORE_INDEX, DataError
+from data.tokenizer import stop_token_ids, token_byte_lengths
+from kernels.swap import bf16_pays, describe as describe_engines, swap_engines
+from model.hf_adapter import is_hf_folder
+from model.model_minimind import MiniMindForCausalLM
+from model.router import load_summary
+from train import flags
+from train.checkpoint import (CKPT_NAME, abandon_run_dir, claim_run_dir, load_checkpoint, load_hf_checked,
+                              model_from_checkpoint, save_checkpoint)
+from train.parallel import (check_same_on_all_ranks, clip_grad_norm_ep, ep_dispatchers, expert_param_names,
+                            gather_experts, init_distributed, install as install_ep, moe_layers, reduce_expert_grads,
+                            shutdown, uninstall as uninstall_ep)
+from train.report import LoadTelemetry, MetricsLog, Progress, open_wandb, plot_expert_load, plot_loss_curve
+from train.threads import ThreadTuner
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+@dataclass
+class StageData:
+    """A stage's data. train_batches: `.next() -> (x_BS, y_BS[, segment_ids_BS])` int64 CPU tensors of the
+    global batch (rank r trains on rows [r*B, (r+1)*B)), `.state_dict()` / `.load_state_dict()` the exact
+    position; val_batches: such tuples, the same every evaluation; identity: values a resume must find
+    unchanged; unigram_entropy: nats/token of the context-free model on the validation tokens or None."""
+    tokenizer: object
+    tokenizer_dir: str
+    train_batches: object
+    val_batches: list
+    identity: dict = field(default_factory=dict)
+    unigram_entropy: float | None = None
+    val_targets: int = 0  # supervised validation tokens and the UTF-8 bytes they stand for (bits per byte)
+    val_bytes: int = 0
+
+
+@dataclass
+class Stage:
+    """name: train/<name>.py and the progress bar's label; add_data_flags(group); load_data(args,
+    tokenizer_dir, global_batch_size, log) -> StageData (raises DataError); data_order_flags: fixed on
+    resume; sample_prompt: what the end-of-run sample continues; defaults: the stage's flag defaults."""
+    name: str
+    description: str
+    default_out_dir: str
+    add_data_flags: Callable
+    load_data: Callable
+    data_order_flags: tuple = ()
+    sample_prompt: str = "The"
+    defaults: dict = field(default_factory=dict)
+
+
+def lr_at(step, max_steps, lr, warmup_steps, min_lr_ratio=0.1, progress=None):
+    """Linear warmup over `warmup_steps`, then cosine decay to lr * min_lr_ratio at `max_steps`: a pure
+    function of the (0-based) step, so a resume cannot get it wrong. `progress` (a run planned by time: the
+    fraction of its budget used) replaces the step's progress through the decay."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if progress is None:
+        progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+class TrainClock:
+    """Seconds of training: from `start()` on, except inside `paused()` (evaluation, saving), plus
+    `elapsed_s` of earlier invocations."""
+
+    def __init__(self, elapsed_s=0.0):
+        self._done, self._since = elapsed_s, None
+
+    def start(self):
+        self._since = time.perf_counter()
+
+    def read(self):
+        return self._done + (time.perf_counter() - self._since if self._since is not None else 0.0)
+
+    @contextlib.contextmanager
+    def paused(self):
+        running = self._since is not None
+        self._done, self._since = self.read(), None
+        try:
+            yield
+        finally:
+            if running:
+                self._since = time.perf_counter()
+
+
+class StopSignal:
+    """Ctrl-C / SIGTERM lets the current step finish; the loop then saves and stops with a resume hint. A
+    second signal acts as usual. `received` is the first signal's name or None."""
+
+    def __init__(self):
+        self.received, self._previous = None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # (Python allows handlers nowhere else)
+            self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+        self.__exit__()
+        print(f"\n{self.received}: finishing this step, then saving a checkpoint (send it again to abort)",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+
+@dataclass
+class TrainState:
+    """What changes as the run goes; `state_dict()` is what a checkpoint needs to continue exactly: the
+    step, the training clock, the data position, the RNG, the loss scaler and the expert-load telemetry."""
+    batches: object                     # the stage's train_batches (their position is part of the state)
+    scaler: torch.amp.GradScaler
+    step: int = 0
+    start_step: int = 0
+    clock: TrainClock = field(default_factory=TrainClock)
+    telemetry: LoadTelemetry = field(default_factory=LoadTelemetry)
+    train_s: float = 0.0                # the clock as all ranks agree on it: the LR and the budget use it
+    out_of_time: bool = False           # --time_budget_s is spent: this step is the run's last
+    interval_steps: int = 0
+    interval_start: float = 0.0
+    last_val: tuple | None = None       # (step, val_loss) of the latest evaluation
+    first_bad_step: torch.Tensor | None = None  # on the device: the first step with a non-finite loss/norm
+    stop_signal: StopSignal = field(default_factory=StopSignal)
+    stopped_by: str | None = None       # "--stop_after" or a signal name
+
+    def state_dict(self):
+        return {"step": self.step, "train_time_s": self.clock.read(), "data": self.batches.state_dict(),
+                "rng": {"torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                "scaler": self.scaler.state_dict(), "router_load": self.telemetry.state_dict()}
+
+    def load_state_dict(self, sd):
+        self.step = self.start_step = sd["step"]
+        self.clock = TrainClock(sd["train_time_s"])
+        self.train_s = sd["train_time_s"]
+        self.batches.load_state_dict(sd["data"])
+        torch.set_rng_state(sd["rng"]["torch"])
+        if torch.cuda.is_available() and sd["rng"]["cuda"]:
+            torch.cuda.set_rng_state_all(sd["rng"]["cuda"])
+        if self.scaler.is_enabled():
+            self.scaler.load_state_dict(sd["scaler"])
+        self.telemetry.load_state_dict(sd["router_load"])
+
+
+@dataclass
+class Run:
+    """What a run is made of, fixed after setup."""
+    args: object
+    stage: Stage
+    ctx: object              # train.parallel.DistContext
+    device: str
+    dtype: torch.dtype       # autocast dtype (fp32 = no autocast); weights stay fp32
+    config: object
+    data: StageData
+    model: torch.nn.Module   # the plain module (checkpoints, eval, telemetry)
+    train_model: torch.nn.Module  # what the step calls: model, or DDP / compile around it
+    optimizer: torch.optim.Optimizer
+    metrics: MetricsLog
+    log: Callable
+    lock: object = None      # rank 0's lock on out_dir, released when the run ends
+
+    def autocast(self):
+        return (contextlib.nullcontext() if self.dtype == torch.float32
+                else torch.autocast(self.device.split(":")[0], dtype=self.dtype))
+
+
+def train(args, log=print, stage=None):
+    """Run (or resume) the training job of `args` (a stage's parse_args); one process, or every rank of a
+    torchrun launch (DDP, plus EP with --ep_size > 1). Returns a summary dict."""
+    stage = stage or __import__(f"train.{args.stage}", fromlist=["STAGE"]).STAGE
+    t_start = time.time()
+    device_type = args.device.split(":")[0] if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but CUDA is not available")
+    ctx = init_distributed(args.ep_size, device_type)
+    try:
+        run, state = setup(stage, args, ctx, device_type, log if ctx.is_main else (lambda *_: None))
+        if state.step == 0:
+            evaluate_and_record(run, state, None, first=True)
+        run.log(f"setup: {time.time() - t_start:.1f} s to the first step")
+        progress = Progress(stage.name, state.step, None if args.time_budget_s else args.max_steps,
+                            ctx.is_main and not args.no_progress, run.log)
+        tuner = thread_tuner(run)
+        state.clock.start()
+        state.interval_start = state.clock.read()
+        state.out_of_time = spent(args, state.train_s)
+        with state.stop_signal:
+            while state.step < args.max_steps and not state.out_of_time:
+                t_step = time.perf_counter()
+                lr, ce, aux, grad_norm, load_LE = train_step(run, state)
+                if tuner:  # (on CPU the step has finished here: nothing runs asynchronously)
+                    tuner.observe(time.perf_counter() - t_step)
+                if after_step(run, state, progress, lr, ce, aux, grad_norm, load_LE):
+                    break
+        progress.close()
+        summary = finish(run, state)
+    except BaseException:
+        shutdown(ctx, wait_for_peers=False)  # a peer may never reach the barrier after a one-rank error
+        raise
+    shutdown(ctx)
+    return summary
+
+
+# ------------------------------------------------------------------------------------------- 1. setup
+
+def setup(stage, args, ctx, device_type, log):
+    """Build the Run and TrainState for `args` on this rank. Raises ValueError / DataError for bad input;
+    a run that fails here in a folder it created leaves no folder behind."""
+    torch.manual_seed(args.seed)  # the same on every rank: identical initial weights everywhere
+    device = f"cuda:{ctx.local_rank}" if device_type == "cuda" and args.device in ("auto", "cuda") else (
+        args.device if device_type == "cuda" else "cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    ckpt = load_checkpoint(args.resume) if args.resume else None  # the one read of the checkpoint
+    init_model, tokenizer_dir = weights_source(args)
+    base = ckpt["config"] if ckpt else (init_model.config.to_dict() if init_model is not None else None)
+    config = flags.build_config(args, base)  # checked before any folder is made or data read
+    fresh = not os.path.isdir(args.out_dir)
+    lock = main_rank_first(ctx, lambda: claim_run_dir(args.out_dir, bool(args.resume), args.overwrite, ctx.is_main))
+    try:
+        data = main_rank_first(ctx, lambda: stage.load_data(args, tokenizer_dir, args.batch_size * ctx.world_size, log))
+        data.val_targets, data.val_bytes = count_val_bytes(data)
+        if ctx.is_main:
+            copy_tokenizer(data.tokenizer_dir, os.path.join(args.out_dir, "tokenizer"))
+        if base is None:
+            config.vocab_size = len(data.tokenizer)
+        if config.vocab_size < len(data.tokenizer):
+            raise ValueError(f"the model's vocab_size {config.vocab_size} is smaller than the tokenizer's "
+                             f"{len(data.tokenizer)} tokens")
+        check_same_on_all_ranks(ctx, "the model config", config.to_dict())
+        check_same_on_all_ranks(ctx, "the training flags", {k: v for k, v in vars(args).items() if k != "device"})
+        dtype = resolve_dtype(args, ctx, device_type, log)
+        if ctx.distributed:
+            log(f"distributed: world size {ctx.world_size} ({dist.get_backend()}), expert parallel size "
+                f"{ctx.ep_size} ({config.num_experts // ctx.ep_size} of {config.num_experts} experts per rank)")
+        model = MiniMindForCausalLM(config)
+        if init_model is not None:
+            model.load_state_dict(init_model.state_dict(), strict=True)
+            log(f"initialised weights from {args.init_from}")
+        model = model.to(device)
+        optimizer = make_optimizer(model, args)
+        # fp16 autocast needs loss scaling on CUDA; a disabled scaler is a no-op for fp32 / bf16
+        scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16 and device_type == "cuda")
+        state = TrainState(batches=data.train_batches, scaler=scaler)
+        if ckpt:
+            restore(args, ckpt, model, optimizer, state, data, log)
+        log(describe_model(model, config, device, dtype))
+        log(describe_engines(swap_engines(model, device, dtype)))
+        train_model = wrap(model, args, ctx, device_type)
+        metrics = MetricsLog(args.out_dir, state.step if ckpt else None, ctx.is_main,
+                             open_wandb(args, config, args.out_dir) if ctx.is_main else None)
+    except BaseException:
+        if fresh and lock is not None:
+            abandon_run_dir(args.out_dir, lock)
+        raise
+    run = Run(args=args, stage=stage, ctx=ctx, device=device, dtype=dtype, config=config, data=data, model=model,
+              train_model=train_model, optimizer=optimizer, metrics=metrics, log=log, lock=lock)
+    return run, state
+
+
+class PeerFailed(Exception):
+    """Another rank failed in a step this one waited for; that rank reports the error."""
+
+
+def main_rank_first(ctx, fn):
+    """fn() on rank 0 first, then on the others (rank 0 builds caches / the run folder). When it fails on
+    rank 0, the others learn it from one broadcast and raise PeerFailed instead of hanging at a barrier."""
+    if not ctx.distributed:
+        return fn()
+    failure = [None]
+    if ctx.is_main:
+        try:
+            result = fn()
+        except BaseException as e:
+            dist.broadcast_object_list([" ".join(f"{type(e).__name__}: {e}".split())], src=0)
+            raise
+        dist.broadcast_object_list(failure, src=0)
+        return result
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise PeerFailed(f"rank 0 failed ({failure[0]})")
+    return fn()
+
+
+def weights_source(args):
+    """(model to start from or None, tokenizer dir or None). A resumed or initialised run uses the
+    tokenizer saved next to its weights, even when the data cache is gone."""
+    init_model, source_dir = None, None
+    if args.resume:
+        source_dir = os.path.dirname(os.path.abspath(args.resume))
+    elif args.init_from:  # trained weights (ours or an exported HF folder), fresh optimizer and step
+        if is_hf_folder(args.init_from):
+            init_model, source_dir = load_hf_checked(args.init_from), args.init_from
+        else:
+            init_model = model_from_checkpoint(load_checkpoint(args.init_from))
+            source_dir = args.init_from if os.path.isdir(args.init_from) else os.path.dirname(os.path.abspath(args.init_from))
+    if args.tokenizer is not None or source_dir is None:
+        return init_model, args.tokenizer
+    for cand in (os.path.join(source_dir, "tokenizer"), source_dir):
+        if os.path.exists(os.path.join(cand, "tokenizer.json")):
+            return init_model, cand
+    if init_model is not None:  # a fresh tokenizer would not match the trained embeddings
+        raise ValueError(f"{args.init_from}: no tokenizer next to the weights; pass --tokenizer DIR")
+    return init_model, None
+
+
+def count_val_bytes(data):
+    """(supervised validation targets, UTF-8 bytes of the text they stand for)."""
+    lengths = torch.from_numpy(token_byte_lengths(data.tokenizer))
+    targets = nbytes = 0
+    for _, y, *_ in data.val_batches:
+        y = y[y != IGNORE_INDEX]
+        targets += y.numel()
+        nbytes += int(lengths[y.clamp(max=len(lengths) - 1)].sum())
+    if not targets:
+        raise DataError("the validation split has no token to predict (a corpus of a few tokens?); add data")
+    return targets, nbytes
+
+
+def copy_tokenizer(src, dst):
+    """Copy the tokenizer files of `src` (a tokenizer folder or an exported HF folder) into `dst`, atomically."""
+    if os.path.abspath(src) != os.path.abspath(dst):
+        with atomic_dir(dst) as tmp:
+            for name in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(src, name)):
+                    shutil.copyfile(os.path.join(src, name), os.path.join(tmp, name))
+
+
+def resolve_dtype(args, ctx, device_type, log):
+    """--dtype: auto = bf16 on CUDA; on CPU bf16 where its GEMMs measure >= 1.5x fp32 (all ranks agree)."""
+    if args.dtype != "auto":
+        return DTYPES[args.dtype]
+    if device_type == "cuda":
+        return torch.bfloat16
+    pays, speedup = bf16_pays()
+    flag = torch.tensor(int(pays))
+    if ctx.distributed:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    name = "bfloat16" if flag.item() else "float32"
+    log(f"dtype auto: {name} (bf16 GEMMs {speedup:.1f}x as fast as fp32 on this CPU)")
+    return DTYPES[name]
+
+
+def make_optimizer(model, args):
+    """AdamW, weight decay on matrices only (nanoGPT / MiniMind); torch's fused implementation where every
+    parameter is an fp32 CPU or CUDA tensor (one pass per parameter; the same update up to rounding)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype == torch.float32 for p in params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=args.learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
+
+
+def restore(args, ckpt, model, optimizer, state, data, log):
+    """Weights, optimizer and TrainState from the checkpoint, after checking it trained on this data."""
+    for key, value in data.identity.items():
+        if ckpt.get(key) not in (None, value):
+            show = lambda v: f"{v:,}" if isinstance(v, int) else repr(v)  # noqa: E731
+            raise ValueError(f"{args.resume}: the checkpoint was trained with {key}={show(ckpt[key])} but the data now "
+                             f"gives {show(value)}; resume needs the same data and tokenizer")
+    model.load_state_dict(ckpt["model"], strict=True)
+    optimizer.load_state_dict(ckpt["optimizer"])
+    state.load_state_dict(ckpt)
+    log(f"resumed from {args.resume} at step {state.step}")
+
+
+def describe_model(model, config, device, dtype):
+    n_params = sum(p.numel() for p in model.parameters())
+    n_active = n_params - (config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * 3
+                           * config.hidden_size * config.moe_intermediate_size if config.use_moe else 0)
+    kind = f"MoE E={config.num_experts} k={config.num_experts_per_tok}" if config.use_moe else "dense"
+    return (f"model: {n_params / 1e6:.2f}M params ({n_active / 1e6:.2f}M active), {kind}, {config.num_hidden_layers} "
+            f"layers, D={config.hidden_size}, moe_impl {config.moe_impl}; device {device}, {str(dtype)[6:]}")
+
+
+def wrap(model, args, ctx, device_type):
+    """Expert parallelism (the all-to-all dispatcher on every MoE layer), then DDP over the dense
+    parameters, then torch.compile. Returns what the training step calls."""
+    train_model = model
+    if ctx.ep_size > 1:
+        install_ep(model, ctx.ep_group, model.config.num_experts)
+    if ctx.distributed:
+        if ctx.ep_size > 1:  # experts are sharded: reduce_expert_grads reduces their grads, not DDP
+            DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
+        train_model = DDP(model, device_ids=[ctx.local_rank] if device_type == "cuda" else None,
+                          find_unused_parameters=False)
+    return torch.compile(train_model) if args.compile else train_model
+
+
+def thread_tuner(run):
+    """--threads: a fixed count, or (auto, one CPU process) a ThreadTuner; None when nothing is tuned."""
+    if run.device != "cpu":
+        return None
+    if run.args.threads != "auto":
+        torch.set_num_threads(int(run.args.threads))
+        return None
+    return None if run.ctx.distributed else ThreadTuner(torch.get_num_threads(), log=run.log)
+
+
+# -------------------------------------------------------------------------------------------- 2. loop
+
+def train_step(run, state):
+    """One optimizer step: micro-steps with gradient accumulation (DDP all-reduces the dense grads in the
+    last backward), the expert grads' reduction under EP, clipping, the optimizer step, then the router's
+    own step. Returns (lr, LM-loss part, router-loss part, grad norm, load [L, E] or None); the parts are
+    this rank's, detached: summed over ranks they give the global batch's losses."""
+    args, ctx = run.args, run.ctx
+    lr = lr_at(state.step, args.max_steps, args.learning_rate, args.warmup_steps,
+               progress=state.train_s / args.time_budget_s if args.time_budget_s else None)
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr
+    batches = [state.batches.next() for _ in range(args.grad_accum)]  # global batches, on the CPU
+    n_global = sum(int((b[1] != IGNORE_INDEX).sum()) for b in batches)  # supervised tokens, all ranks
+    rows = slice(ctx.rank * args.batch_size, (ctx.rank + 1) * args.batch_size)
+    ce = aux = 0.0
+    for i, batch in enumerate(batches):
+        no_sync = ctx.distributed and i < len(batches) - 1  # DDP all-reduces on the last micro-step only
+        with run.train_model.no_sync() if no_sync else contextlib.nullcontext():
+            micro_ce, micro_aux = forward_backward(run, state.scaler, n_global, *(t[rows] for t in batch))
+        ce, aux = ce + micro_ce, aux + micro_aux
+    state.scaler.unscale_(run.optimizer)
+    if ctx.ep_size > 1:
+        reduce_expert_grads(run.model, ctx.expert_dp_group, ctx.world_size)
+    grad_norm = None
+    if args.grad_clip > 0:
+        grad_norm = (clip_grad_norm_ep(run.model, args.grad_clip, ctx.ep_group) if ctx.ep_size > 1 else
+                     torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.grad_clip))
+    state.scaler.step(run.optimizer)
+    state.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    state.step += 1
+    return lr, ce, aux, grad_norm, router_step(run.model, ctx.distributed)
+
+
+def forward_backward(run, scaler, n_global, x, y, segment_ids=None):
+    """Forward + backward of one micro-batch (this rank's [B, S] rows). The LM loss is its share of the
+    global batch's mean over supervised tokens, ce * n_local / n_global, times the world size since DDP
+    averages gradients over ranks; the router loss (a mean over the micro-batch) is divided by grad_accum.
+    Returns the detached parts (LM share / world, router loss / grad_accum / world)."""
+    world = run.ctx.world_size
+    n_local = int((y != IGNORE_INDEX).sum())
+    extra = {} if segment_ids is None else {"segment_ids": segment_ids.to(run.device)}
+    with run.autocast():
+        out = run.train_model(x.to(run.device), labels=y.to(run.device), **extra)
+    # nothing to predict: a zero that still reaches every parameter (DDP needs it); nan_to_num of the nan
+    # loss passes back a zero gradient
+    ce_share = out.ce_loss * (n_local * world / n_global) if n_local else out.ce_loss.nan_to_num() * 0.0
+    aux = out.aux_loss / run.args.grad_accum
+    scaler.scale(ce_share + aux).backward()
+    return ce_share.detach() / world, aux.detach() / world
+
+
+def router_step(model, distributed):
+    """After the optimizer step: each MoE layer's routed pairs per expert since the last step (int64
+    [L, E]), summed over all ranks (one all-reduce), move the aux-loss-free selection bias; returned for
+    the telemetry (None without MoE). No host sync."""
+    layers = moe_layers(model)
+    loads = [m.pop_load() for m in layers]
+    if not layers or any(load is None for load in loads):
+        return None
+    load_LE = torch.stack(loads)
+    if distributed:
+        dist.all_reduce(load_LE)
+    for m, load_E in zip(layers, load_LE):
+        m.update_expert_bias(load_E)
+    return load_LE
+
+
+def after_step(run, state, progress, lr, ce, aux, grad_norm, load_LE):
+    """Log, evaluate and save when due (both off the training clock); returns True to end the loop early
+    (--stop_after, a signal) or when --time_budget_s is spent."""
+    args = run.args
+    state.interval_steps += 1
+    state.telemetry.add(load_LE)
+    track_finite(state, ce + aux + (grad_norm if grad_norm is not None and not state.scaler.is_enabled() else 0))
+    state.stopped_by = stop_reason(run, state)  # (also decides out_of_time, before this step's log and eval)
+    last = state.step == args.max_steps or state.out_of_time
+    if state.step % args.log_interval == 0 or last:
+        check_finite(run, state)
+        progress.update(log_train(run, state, lr, ce, aux, grad_norm), show_load=bool(args.show_load))
+    else:
+        progress.update()
+    if state.step % args.eval_interval == 0 or last:
+        with state.clock.paused():
+            evaluate_and_record(run, state, progress)
+    if state.step % args.save_interval == 0 or last or state.stopped_by:
+        check_finite(run, state)
+        with state.clock.paused():
+            save(run, state)
+    if state.stopped_by:
+        python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
+        progress.say(f"stopped at step {state.step} ({state.stopped_by}); continue with: {python} "
+                     f"train/{run.stage.name}.py --resume --out_dir {args.out_dir}")
+    return state.stopped_by is not None or state.out_of_time
+
+
+def stop_reason(run, state):
+    """"--stop_after" after this invocation's steps, a signal's name after Ctrl-C / SIGTERM, else None; and
+    updates state.train_s / out_of_time. With several ranks, signals and the clock are acted on at log
+    steps, where one all-reduce (MAX) gives every rank the same flag and clock."""
+    args, received = run.args, state.stop_signal.received
+    if not run.ctx.distributed:
+        state.train_s = state.clock.read()
+    elif state.step % args.log_interval == 0:
+        shared = torch.tensor([float(received is not None), state.clock.read()], dtype=torch.float64, device=run.device)
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+        state.train_s = float(shared[1])
+        received = (received or "a signal on another rank") if shared[0] else None
+    else:
+        received = None
+    state.out_of_time = spent(args, state.train_s)
+    if state.out_of_time:  # the run ends as planned (final evaluation, checkpoint, summary)
+        return None
+    if args.stop_after and state.step - state.start_step >= args.stop_after:
+        return "--stop_after"
+    return received
+
+
+def spent(args, train_s):
+    return bool(args.time_budget_s) and train_s >= args.time_budget_s
+
+
+def track_finite(state, value):
+    """Remember the first step whose loss (or grad norm) is not finite, on the device: no host sync per
+    step; check_finite reads it at log and save time."""
+    if state.first_bad_step is None:
+        state.first_bad_step = torch.full((), torch.iinfo(torch.int64).max, device=value.device)
+    bad = ~torch.isfinite(value) & (state.first_bad_step > state.step)
+    state.first_bad_step = torch.where(bad, state.step, state.first_bad_step)
+
+
+def check_finite(run, state):
+    """FloatingPointError (one line, exit code 2) if some step had a non-finite loss or grad norm: the run
+    stops before logging or saving anything after it. All ranks agree (MIN over them)."""
+    if state.first_bad_step is None:
+        return
+    bad = state.first_bad_step.clone()
+    if run.ctx.distributed:
+        dist.all_reduce(bad, op=dist.ReduceOp.MIN)
+    if int(bad) <= state.step:
+        raise FloatingPointError(
+            f"the loss or gradient norm became non-finite at step {int(bad)}; stopped at step {state.step} without "
+            f"saving (the last checkpoint in {run.args.out_dir} is untouched); lower --learning_rate or raise "
+            f"--warmup_steps, then --resume")
+
+
+def log_train(run, state, lr, ce, aux, grad_norm):
+    """One metrics record for the log interval that ends now; tokens/s over training time."""
+    now = state.clock.read()
+    tok_s = (run.args.batch_size * run.args.seq_len * run.args.grad_accum * run.ctx.world_size
+             * state.interval_steps / max(now - state.interval_start, 1e-9))
+    state.interval_steps, state.interval_start = 0, now
+    if run.ctx.distributed:  # sum the ranks' parts: the losses of the global batch
+        parts = torch.stack([ce, aux])
+        dist.all_reduce(parts)
+        ce, aux = parts[0], parts[1]
+    r = {"step": state.step, "train_loss": float(ce), "aux_loss": float(aux), "lr": lr, "tok_per_s": tok_s,
+         "train_time_s": round(state.train_s, 3)}
+    if grad_norm is not None:
+        r["grad_norm"] = float(grad_norm)
+    r.update(state.telemetry.flush())
+    run.metrics.record(r)
+    return r
+
+
+@torch.no_grad()
+def evaluate(run):
+    """Mean LM cross-entropy (nats per supervised token) over the stage's validation batches."""
+    was_training = run.model.training
+    run.model.eval()
+    total = count = 0
+    for x, y, *segment_ids in run.data.val_batches:
+        n = int((y != IGNORE_INDEX).sum())
+        if n:
+            extra = {"segment_ids": segment_ids[0].to(run.device)} if segment_ids else {}
+            with run.autocast():
+                out = run.model(x.to(run.device), labels=y.to(run.device), **extra)
+            total, count = total + out.ce_loss.item() * n, count + n
+    run.model.train(was_training)
+    return total / max(count, 1)
+
+
+def bits_per_byte(run, loss):
+    """A loss in nats per supervised token as bits per UTF-8 byte of the text: comparable across tokenizers."""
+    return loss * run.data.val_targets / math.log(2) / run.data.val_bytes if run.data.val_bytes else None
+
+
+def evaluate_and_record(run, state, progress, first=False):
+    val = evaluate(run)
+    bpb = bits_per_byte(run, val)
+    state.last_val = (state.step, val)
+    run.metrics.record({"step": state.step, "val_loss": val, **({"val_bpb": bpb} if bpb is not None else {})})
+    said = f"val loss {val:.4f}" + (f" ({bpb:.3f} bits/byte)" if bpb is not None else "")
+    if first:
+        h = run.data.unigram_entropy
+        run.log(f"step 0: {said} (uniform over the vocab would be {math.log(run.config.vocab_size):.4f}"
+                + (f"; unigram entropy of the validation tokens {h:.4f})" if h is not None else ")"))
+    else:
+        progress.say(f"step {state.step}: {said}")
+
+
+def save(run, state):
+    """Checkpoint (the single-process layout: under EP every rank first gets the owners' experts), config and
+    plots; never non-finite weights or optimizer state. Only rank 0 writes."""
+    if run.ctx.ep_size > 1:
+        gather_experts(run.model, run.optimizer, run.ctx.ep_group)
+    tensors = [*run.model.parameters(), *run.model.buffers(),
+               *(v for s in run.optimizer.state.values() for v in s.values() if torch.is_tensor(v))]
+    if not bool(torch.stack([torch.isfinite(t).all() for t in tensors if t.is_floating_point()]).all()):
+        raise FloatingPointError(
+            f"the weights or optimizer state are not finite after step {state.step}; stopped without saving (the "
+            f"last checkpoint in {run.args.out_dir} is untouched); lower --learning_rate, then --resume")
+    if not run.ctx.is_main:
+        return
+    out = run.args.out_dir
+    save_checkpoint(os.path.join(out, CKPT_NAME), run.model, run.optimizer, {
+        **state.state_dict(), "args": dict(vars(run.args)), **run.data.identity, "world_size": run.ctx.world_size,
+        "ep_size": run.ctx.ep_size})
+    atomic_write_text(os.path.join(out, "config.json"), run.config.to_json_string())
+    plot_loss_curve(run.metrics.records, os.path.join(out, "loss.png"), run.data.unigram_entropy, bits_per_byte(run, 1.0))
+    if state.telemetry.total is not None:
+        plot_expert_load(state.telemetry.run_fractions(), os.path.join(out, "expert_load.png"),
+                         f"share of routed tokens per expert, steps {state.start_step + 1}-{state.step}")
+
+
+# ------------------------------------------------------------------------------------------ 3. finish
+
+def finish(run, state):
+    """Final evaluation (unless one just ran), the summary lines, and a short sample."""
+    args = run.args
+    if state.start_step >= args.max_steps:
+        run.log(f"nothing to do: checkpoint is at step {state.start_step} >= --max_steps {args.max_steps}")
+    elif args.time_budget_s:
+        run.log(f"trained {state.train_s:.1f} s of --time_budget_s {args.time_budget_s:g} in {state.step} steps")
+    if state.last_val is None or state.last_val[0] != state.step:
+        state.last_val = (state.step, evaluate(run))
+    run.metrics.close()
+    val, first, h = state.last_val[1], run.metrics.first("val_loss"), run.data.unigram_entropy
+    bpb = bits_per_byte(run, val)
+    summary = {"final_val_loss": val, "final_val_bpb": bpb, "first_val_loss": first, "unigram_entropy": h,
+               "checkpoint": os.path.join(args.out_dir, CKPT_NAME), "loss_curve": os.path.join(args.out_dir, "loss.png"),
+               "records": run.metrics.records, "train_time_s": state.train_s, "stopped_by": state.stopped_by,
+               "ep_bytes": [(d.bytes_sent, d.bytes_k_copies) for d in ep_dispatchers(run.model)]}
+    run.log(f"final val loss {val:.4f}" + (f" ({bpb:.3f} bits/byte)" if bpb is not None else "")
+            + (f" vs step-0 {first:.4f} ({100 * (1 - val / first):.1f}% lower)" if first else "")
+            + (f"; unigram entropy of the validation tokens {h:.4f} ({'below' if val < h else 'NOT below'} it)"
+               if h is not None else ""))
+    run.log(f"checkpoint: {summary['checkpoint']}\nloss curve: {summary['loss_curve']}")
+    if state.telemetry.total is not None:
+        summary["expert_load"] = state.telemetry.run_fractions()
+        _, ratio, idle = load_summary(state.telemetry.total)
+        run.log(f"expert load over the run (max/mean per layer, 1.0 = balanced): "
+                f"{' '.join(f'{v:.2f}' for v in ratio.tolist())}; experts never used: {sum(idle.tolist())}; "
+                f"heatmap: {os.path.join(args.out_dir, 'expert_load.png')}")
+    if run.ctx.ep_size > 1:  # the last checkpoint gathered every expert here: sample without the transport
+        uninstall_ep(run.model)
+    if args.sample_tokens > 0 and run.ctx.is_main and state.stopped_by is None:
+        summary["sample"] = sample(run)
+        run.log(f"sample: {summary['sample']!r}")
+    return summary
+
+
+def sample(run):
+    tok = run.data.tokenizer
+    run.model.eval()
+    ids = torch.tensor([tok(run.stage.sample_prompt, add_special_tokens=False)["input_ids"]], device=run.device)
+    g = torch.Generator(device=run.device).manual_seed(run.args.seed)
+    with run.autocast():
+        out = run.model.generate(ids, max_new_tokens=run.args.sample_tokens, temperature=0.8, top_k=40,
+                                 eos_token_id=stop_token_ids(tok), generator=g)
+    return tok.decode(out[0].tolist(), skip_special_tokens=True)
+
+
+def run_cli(stage, argv=None, log=print):
+    """parse_args + train for a stage script; bad input ends in one `error:` line and exit code 2."""
+    from huggingface_hub.errors import StrictDataclassError
+    try:
+        return train(flags.parse_args(stage, argv), log=log, stage=stage)
+    except (DataError, ValueError, OSError, StrictDataclassError, FloatingPointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except PeerFailed as e:  # rank 0 printed the error; this rank only says why it stops
+        print(f"note: rank {os.environ.get('RANK', '?')} stops: {e}", file=sys.stderr)
+        sys.exit(2)
