@@ -33,7 +33,7 @@ def import_hf(hf_dir, out_dir, log=print):
     model = load_hf_checked(hf_dir)
     has_tokenizer = any(os.path.exists(os.path.join(hf_dir, n)) for n in ("tokenizer.json", "tokenizer_config.json"))
     with atomic_dir(out_dir) as tmp:
-        save_checkpoint(os.path.join(tmp, CKPT_NAME), model, None, 0, None, {"imported_from": os.path.abspath(hf_dir)})
+        save_checkpoint(os.path.join(tmp, CKPT_NAME), model, extra={"imported_from": os.path.abspath(hf_dir)})
         atomic_write_text(os.path.join(tmp, "config.json"), model.config.to_json_string())
         if has_tokenizer:
             try:
