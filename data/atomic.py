@@ -62,10 +62,9 @@ def atomic_dir(path):
 
 
 def _usual_modes(folder):
-    """Give `folder` and everything in it the mode that plain creation under this process's umask gives
-    (0755 / 0644 under umask 022): mkdtemp makes the folder private (0700), copytree copies a source
-    folder's mode, and some writers go through a private temp file (safetensors' save_file, inside
-    save_pretrained, leaves model.safetensors 0600)."""
+    """Give `folder` and everything in it the modes plain creation under this process's umask gives (0755 /
+    0644 under umask 022): mkdtemp makes the folder 0700, copytree copies a source folder's mode, and
+    safetensors' save_file (inside save_pretrained) leaves model.safetensors 0600."""
     os.umask(umask := os.umask(0))
     for root, dirs, files in os.walk(folder):
         for name, mode in [(d, 0o777) for d in dirs] + [(f, 0o666) for f in files]:

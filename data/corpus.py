@@ -2,9 +2,8 @@
 
 It is the docstrings (module, class and function) of the standard library's `.py` files, read with `ast`
 (no module is imported), joined into one document per module, plus the language reference topics of
-`pydoc_data.topics` (one document per topic). On CPython 3.11.7 that is ~2.3 MB in 724 documents. The
-build is deterministic (sorted walk), cached under CACHE_DIR, and every 20th document goes to the
-held-out validation split (688 train / 36 validation documents there).
+`pydoc_data.topics` (one document per topic): a few MB. The build is deterministic (sorted walk), cached
+under CACHE_DIR, and every VAL_EVERY-th document goes to the held-out validation split.
 
 CACHE_DIR, where everything derived from a corpus is cached, is `data/cache/`, or the folder named by
 the environment variable MINIMIND_CACHE_DIR (read once, at import; the tests point it at a temp folder).

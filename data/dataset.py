@@ -14,10 +14,9 @@ IGNORE_INDEX = -100
 
 
 class EpochBatches:
-    """Batches of items (windows) in an order that is a pure function of (seed, epoch), reshuffled every
-    epoch, so `state_dict()` = {"epoch", "cursor"} resumes exactly. A subclass gives
-    `_epoch_items(generator)` (the epoch's items, in order) and `_batch(items)`; `next()` returns the batch
-    of the next batch_size items, crossing into the next epoch where one ends."""
+    """`next()`: the batch (`_batch(items)`) of the next batch_size items of `_epoch_items(generator)`, an
+    order that is a pure function of (seed, epoch), reshuffled every epoch (a batch may cross into the
+    next one), so `state_dict()` = {"epoch", "cursor"} resumes exactly."""
 
     def _start_epoch(self, epoch, cursor=0):
         self.epoch, self.cursor = epoch, cursor
@@ -45,9 +44,8 @@ class WindowBatches(EpochBatches):
     one boundary token, so every token is predicted once per epoch), in an order reshuffled every epoch.
 
     tokens: 1-D array of ids (np.memmap welcome: only the windows of a batch are read). `next()` returns
-    x, y: [B, S] int64 with y = x shifted by one; resumable (EpochBatches).
-
-    Raises DataError if the stream holds fewer than one window.
+    x, y: [B, S] int64 with y = x shifted by one; resumable (EpochBatches). Raises DataError if the stream
+    holds fewer than one window.
     """
 
     def __init__(self, tokens, seq_len, batch_size, seed=0, name="data"):

@@ -34,16 +34,16 @@ def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=
     """Load or build everything the trainer needs.
 
     data_path None -> the embedded stdlib-docstring corpus (its own train/val files); otherwise anything
-    data/sources.py reads (file, directory, glob, save_to_disk folder, hf:NAME), of which every 20th
+    data/sources.py reads (file, directory, glob, save_to_disk folder, hf:NAME), of which every VAL_EVERY-th
     document is held out for validation. tokenizer_dir None -> a byte-level BPE of `vocab_size` trained
     on the first `tokenizer_sample_mb` MB of training documents (all of them when the corpus is smaller);
-    else that tokenizer. workers: tokenization processes (None: one per core for inputs over 32 MB, else
-    0 = in this process). progress: show a progress bar (MB/s, ETA) while tokenizing. engine: "auto"
-    (tiktoken where it gives the tokenizer's ids, data/fast_bpe.py) or "tokenizers" (for comparisons).
+    else that tokenizer. workers: tokenization processes (None: one per core, at most 8, for inputs over
+    PARALLEL_FROM_BYTES, else 0 = in this process). progress: show a progress bar while tokenizing.
+    engine: "auto" (tiktoken where it gives the tokenizer's ids, data/fast_bpe.py) or "tokenizers".
 
     Returns dict(tokenizer, tokenizer_dir, train, val (1-D read-only np.memmap of token ids), index (the
-    cache's index.json: counts, bytes, entropy), source (description)).
-    Raises DataError for missing, empty or malformed input, naming the file and line.
+    cache's index.json: counts, bytes, entropy), source (description)). Raises DataError for missing,
+    empty or malformed input, naming the file and line.
     """
     os.makedirs(cache_dir, exist_ok=True)
     if data_path is None:  # the default corpus comes split in two files; a user corpus is one source

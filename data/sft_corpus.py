@@ -39,19 +39,15 @@ def first_paragraph(doc):
     return text
 
 
-def _public(name):
-    return not name.startswith("_")
-
-
 def module_entries(stdlib, path):
     """[(qualified name, kind, first paragraph, signature or None)] of a module's public documented names."""
     module = os.path.relpath(path, stdlib)[:-3].replace(os.sep, ".").removesuffix(".__init__")
-    tree = parse_module(path) if all(_public(part) for part in module.split(".")) else None
+    tree = None if any(part.startswith("_") for part in module.split(".")) else parse_module(path)
     out = []
 
     def visit(body, prefix):
         for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _public(node.name):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
                 doc = ast.get_docstring(node, clean=True)
                 name = f"{prefix}.{node.name}"
                 answer = first_paragraph(doc) if doc else ""

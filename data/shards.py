@@ -95,8 +95,8 @@ class TokenEncoder:
         global _encoder
         _encoder = _make_encoder(self.tokenizer_json, self.use_tiktoken)  # once; forked workers inherit it
         if self.workers > 0:
-            # fork where it is safe (Linux): workers start at once and share the parent's memory (a spawned
-            # worker would re-import the trainer, ~300 MB each). Like torch's DataLoader workers.
+            # fork where it is safe (Linux), as torch's DataLoader does: workers start at once and share the
+            # parent's memory (a spawned one would import the trainer again)
             method = "fork" if sys.platform.startswith("linux") else "spawn"
             saved = os.environ.get("TOKENIZERS_PARALLELISM")
             os.environ["TOKENIZERS_PARALLELISM"] = "false"  # set before the fork: no fork warning from tokenizers
@@ -207,16 +207,15 @@ def _tail_as_validation(folder, dtype, splits, tokenizer_json, vocab_size):
     the end of the training stream, and validation becomes the last max(5%, 2) tokens of it, which is cut
     there. Returns the new split counts and the validation token counts per id."""
     from tokenizers import Tokenizer
-    train_file, val_file = os.path.join(folder, "train.bin"), os.path.join(folder, "val.bin")
-    stream = np.concatenate([np.fromfile(train_file, dtype=dtype), np.fromfile(val_file, dtype=dtype)])
-    offsets = np.concatenate([np.fromfile(os.path.join(folder, "train.docs.bin"), dtype=np.int64),
-                              splits["train"]["tokens"] + np.fromfile(os.path.join(folder, "val.docs.bin"), dtype=np.int64)])
-    n = len(stream)
-    cut = n - max(n // 20, 2)
-    stream[:cut].tofile(train_file)
-    stream[cut:].tofile(val_file)
-    np.zeros(1, np.int64).tofile(os.path.join(folder, "val.docs.bin"))
-    offsets[offsets < cut].tofile(os.path.join(folder, "train.docs.bin"))
+    file = {name: os.path.join(folder, name) for name in ("train.bin", "val.bin", "train.docs.bin", "val.docs.bin")}
+    stream = np.concatenate([np.fromfile(file["train.bin"], dtype=dtype), np.fromfile(file["val.bin"], dtype=dtype)])
+    offsets = np.concatenate([np.fromfile(file["train.docs.bin"], dtype=np.int64),
+                              splits["train"]["tokens"] + np.fromfile(file["val.docs.bin"], dtype=np.int64)])
+    cut = len(stream) - max(len(stream) // 20, 2)
+    stream[:cut].tofile(file["train.bin"])
+    stream[cut:].tofile(file["val.bin"])
+    np.zeros(1, np.int64).tofile(file["val.docs.bin"])
+    offsets[offsets < cut].tofile(file["train.docs.bin"])
     tail = stream[cut:]
     val_bytes = len(Tokenizer.from_file(tokenizer_json).decode(tail.tolist(), skip_special_tokens=True).encode("utf-8"))
     total_bytes = splits["train"]["bytes"] + splits["val"]["bytes"]
