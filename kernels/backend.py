@@ -1,9 +1,8 @@
 """Which implementation a kernel call runs: Triton, a torch built-in, or the plain-PyTorch reference.
 
-Triton runs on CUDA tensors, and on CPU tensors when TRITON_INTERPRET=1 is set before triton is first
-imported (its interpreter executes the kernel with numpy: slow, but it lets CI test the kernels without a
-GPU). Every public kernel function takes `backend` in {"auto", "triton", "reference"} (grouped GEMM also
-"torch"); "auto" picks Triton where it can run and the reference elsewhere, and says so once.
+Triton runs on CUDA tensors, and on CPU ones when TRITON_INTERPRET=1 is set before triton is first imported (a
+numpy interpreter: slow, but CI tests the kernels without a GPU). Public kernels take `backend` in {"auto",
+"triton", "reference"} (grouped GEMM also "torch"); "auto" picks Triton where it runs, else the reference.
 """
 import os
 import warnings
@@ -34,12 +33,8 @@ def triton_runs_on(tensor) -> bool:
 
 
 def cpu_values(t) -> list:
-    """The values of a CPU tensor as a Python list, for CPU kernels that loop over segment bounds.
-
-    On CPU this is a read of host memory, not a device sync (nothing runs asynchronously to wait for),
-    so callers stay sync-free. Raises ValueError for a tensor on any other device: there it would be a
-    device-to-host sync, which the zero-sync paths never make.
-    """
+    """A CPU tensor's values as a list (a host read, not a sync: callers stay sync-free), for CPU kernels that
+    loop over segment bounds. Raises ValueError on any other device, where it would be a device-to-host sync."""
     if t.device.type != "cpu":
         raise ValueError(f"cpu_values: expected a CPU tensor, got one on {t.device} (reading it would sync)")
     return t.numpy().tolist()
@@ -55,10 +50,8 @@ def warn_once(key: str, message: str):
 
 
 def choose(backend: str, tensor, what: str) -> str:
-    """Resolve `backend` for a kernel applied to `tensor`: "triton" or "reference".
-
-    Raises ValueError for an unknown backend, RuntimeError when "triton" is forced where it cannot run.
-    """
+    """Resolve `backend` for a kernel on `tensor` to "triton" or "reference". Raises ValueError for an unknown
+    backend, RuntimeError when "triton" is forced where it cannot run."""
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference' for {what}, got {backend!r}")
     if backend == "triton" and not triton_runs_on(tensor):

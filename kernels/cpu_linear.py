@@ -1,13 +1,10 @@
 """y = x @ W^T on CPU through oneDNN, forward and backward: the swap for the model's bias-free linears.
 
-torch's fp32 CPU matmul (`F.linear`, `mm`) goes through MKL, which on some CPUs (AMD) runs well below
-oneDNN on the model's shapes (`scripts/bench/bench_step.py` measures both); under bf16 autocast torch already
-sends `F.linear` to oneDNN, so this only changes the fp32 path. kernels/swap.py swaps it into the
-attention projections, the LM head and the dense FFN (their row count is fixed, so oneDNN builds each
-GEMM's kernel once), never into the experts of the sorted path (their bitwise contract is nn.Linear's).
-
-Numerics: the same products summed in oneDNN's order: fp32 results differ from `F.linear` by rounding
-(`scripts/test_kernels.py`: within 1e-5 relative of fp64, forward and backward).
+torch's fp32 CPU matmul goes through MKL, on some CPUs well below oneDNN (`scripts/bench/bench_step.py`); bf16
+autocast already reaches oneDNN, so only the fp32 path changes. kernels/swap.py swaps it into the attention
+projections, the LM head and the dense FFN (fixed row counts: each GEMM's kernel is built once), never into
+the sorted path's experts (their bitwise contract is nn.Linear's). fp32 results differ from `F.linear` by
+rounding only (`scripts/test_kernels.py`: within 1e-5 relative of fp64, forward and backward).
 """
 import time
 
@@ -33,8 +30,7 @@ _ONEDNN_LINEAR = _probe_onednn()
 
 
 def onednn_runs(device, dtype) -> bool:
-    """Whether oneDNN matmuls run here: a CPU device, this torch built with oneDNN, fp32 (or bf16 where
-    the CPU has native bf16 instructions)."""
+    """Whether oneDNN matmuls run here: CPU, torch built with oneDNN, fp32 (or bf16 with native CPU support)."""
     if _ONEDNN_LINEAR is None or torch.device(device).type != "cpu":
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -61,17 +57,15 @@ class _OneDNNLinear(torch.autograd.Function):
 
 
 def onednn_linear_fits(x, weight) -> bool:
-    """Whether `linear` takes the oneDNN path for these operands: CPU fp32 tensors outside autocast (bf16
-    autocast already reaches oneDNN through F.linear), this torch built with oneDNN, not while
-    torch.compile traces (inductor plans its own GEMMs)."""
+    """Whether `linear` takes the oneDNN path: CPU fp32 operands outside autocast, oneDNN built in, and not
+    while torch.compile traces (inductor plans its own GEMMs)."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and weight.device.type == "cpu" and onednn_runs(x.device, x.dtype)
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
 
 
 def linear(x_MK, weight_NK):
-    """F.linear(x, weight) without bias, x [..., K] -> [..., N]: through oneDNN where
-    `onednn_linear_fits`, else F.linear. Differentiable in x and weight."""
+    """F.linear(x, weight) without bias, x [..., K] -> [..., N], through oneDNN where `onednn_linear_fits`."""
     if not onednn_linear_fits(x_MK, weight_NK):
         return F.linear(x_MK, weight_NK)
     lead, K = x_MK.shape[:-1], x_MK.shape[-1]
@@ -86,9 +80,8 @@ class OneDNNLinear(nn.Linear):
 
 
 def bf16_gemm_speedup(M, K, N, reps=3):
-    """fp32 time / bf16 time of one [M, K] x [K, N]^T GEMM through oneDNN on this CPU (best of `reps`
-    each, after one warm-up call): how much bf16 autocast speeds up the matrix work. 0.0 where oneDNN has
-    no native bf16 kernels here (then bf16 would be emulated, slower than fp32). Takes ~0.1 s."""
+    """fp32 time / bf16 time of one [M, K] x [K, N]^T oneDNN GEMM here (best of `reps` after a warm-up): what
+    bf16 autocast gains on the matrix work. 0.0 without native bf16 kernels (emulated bf16 is slower)."""
     if not (onednn_runs("cpu", torch.float32) and onednn_runs("cpu", torch.bfloat16)):
         return 0.0
     gen = torch.Generator().manual_seed(0)  # its own generator: the caller's RNG stream stays untouched

@@ -1,24 +1,19 @@
-"""Grouped GEMM over variable-length expert segments, and the grouped SwiGLU expert FFN built on it.
+"""Grouped GEMM over variable-length expert segments, and the grouped SwiGLU expert FFN built on it:
+c[rows of e] = a[rows of e] @ b[e] for the row segments given by offsets (int32 [E], on the device).
 
-    c[rows of e] = a[rows of e] @ b[e]    for the row segments given by offsets (int32 [E], on the device)
-
-The GPU engine of the fused MoE path (kernels/swap.py; on CPU the expert chains of kernels/cpu_experts.py
-run instead). Backends (`backend=`):
-  "torch"     torch.nn.functional.grouped_mm (or torch._grouped_mm): CPU in torch >= 2.9, CUDA bf16 on
-              compute capability >= 8.0. Reads offsets on the device: no host sync.
-  "triton"    our kernels (forward, input-grad and weight-grad), for what torch's cannot run (e.g. fp32 or
-              fp16 on CUDA); also runs in the CPU interpreter for tests. No host sync.
+The GPU engine of the fused MoE path (kernels/swap.py; on CPU kernels/cpu_experts.py runs instead). Backends:
+  "torch"     F.grouped_mm (or torch._grouped_mm): CPU in torch >= 2.9, CUDA bf16 on sm >= 8.0; no host sync.
+  "triton"    our kernels (forward, input- and weight-grad) for what torch's cannot run (e.g. fp32 / fp16 on
+              CUDA); also in the CPU interpreter for tests; no host sync.
   "reference" a Python loop of per-expert matmuls; reads the offsets to the host (one sync).
   "auto"      "torch" where it supports the operands, else "triton" on CUDA, else "reference".
-
-Rows at or past offsets[-1] are not part of any segment: their output rows are unspecified (never read
-by the MoE layer) for "torch", zero for the others.
+Output rows at or past offsets[-1] (in no segment) are unspecified for "torch" (never read), zero otherwise.
 """
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from kernels.backend import cpu_values, triton_importable, triton_runs_on, warn_once
+from kernels.backend import triton_importable, triton_runs_on, warn_once
 
 _TORCH_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -33,8 +28,8 @@ if triton_importable():
                            stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            PRECISION: tl.constexpr):
-        # Grid: (an upper bound on the number of BLOCK_M row tiles over all segments, cdiv(N, BLOCK_N)).
-        # tile_start[e] = first row tile of segment e (cumulative cdiv(len_e, BLOCK_M)); extra programs exit.
+        # Grid: (upper bound on BLOCK_M row tiles over all segments, cdiv(N, BLOCK_N)); tile_start[e] = first row
+        # tile of segment e (cumulative cdiv(len_e, BLOCK_M)); extra programs exit.
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if pid_m < tl.load(tile_start_ptr + E):
@@ -140,9 +135,8 @@ def grouped_mm_reference(a_MK, b_EKN, offsets_E):
     return torch.cat(chunks)
 
 
-# torch's grouped_mm and our per-segment weight-gradient loop, as opaque custom ops: torch.compile then
-# treats them as single nodes with known output shapes instead of tracing into them (grouped_mm's compile
-# support covers bf16 only; the loop reads the offsets).
+# torch's grouped_mm and the per-segment weight-gradient, as opaque custom ops: torch.compile sees single nodes
+# with known output shapes instead of tracing into them (grouped_mm's compile support covers bf16 only).
 @torch.library.custom_op("minimind_kernels::grouped_mm", mutates_args=())
 def _grouped_mm_op(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     return _TORCH_GROUPED_MM(a_MK, b_EKN, offs=offsets_E)
@@ -155,8 +149,6 @@ def _(a_MK, b_EKN, offsets_E):
 
 def _segment_outer(lhs_MX, rhs_MY, offsets_E):
     """out[e] = lhs[rows of e]^T @ rhs[rows of e] -> [E, X, Y]."""
-    if lhs_MX.device.type == "cpu":
-        return _segment_outer_products_cpu(lhs_MX, rhs_MY, offsets_E)
     return _TORCH_GROUPED_MM(lhs_MX.t(), rhs_MY, offs=offsets_E)
 
 
@@ -178,14 +170,12 @@ def _eager_or_op(eager_fn, op):
 # backend -> (c = a @ b per segment, out[e] = lhs_e^T @ rhs_e per segment)
 _GROUPED_OPS = {"torch": (_eager_or_op(lambda a, b, offs: _TORCH_GROUPED_MM(a, b, offs=offs), _grouped_mm_op),
                           _eager_or_op(_segment_outer, _segment_outer_op)),
-                "triton": (lambda a, b, offs: grouped_mm_triton(a, b, offs),
-                           lambda lhs, rhs, offs: grouped_wgrad_triton(lhs, rhs, offs))}
+                "triton": (grouped_mm_triton, grouped_wgrad_triton)}
 
 
 class _GroupedMM(torch.autograd.Function):
-    """Grouped GEMM with our own backward, for the "torch" and "triton" backends:
-    grad_a = grad @ b^T per segment, grad_b[e] = a_e^T @ grad_e. (torch's built-in backward of grouped_mm
-    rejects a broadcast, stride-0 gradient, e.g. from `.sum().backward()`.)"""
+    """Grouped GEMM with our own backward ("torch", "triton"): grad_a = grad @ b^T per segment, grad_b[e] =
+    a_e^T @ grad_e (torch's built-in backward rejects a stride-0 gradient, e.g. from `.sum().backward()`)."""
 
     @staticmethod
     def forward(ctx, a_MK, b_EKN, offsets_E, backend):
@@ -200,29 +190,10 @@ class _GroupedMM(torch.autograd.Function):
         grad_MN = grad_MN.contiguous()
         grad_a = mm(grad_MN, b_EKN.transpose(1, 2), offsets_E) if ctx.needs_input_grad[0] else None
         grad_b = None
-        if ctx.needs_input_grad[1]:
-            # When b is W^T for a row-major W [E, N, K] (nn.Linear layout), the gradient is made in W's
-            # layout, so each expert's weight grad is a contiguous slice that autograd can keep (no copy).
-            if b_EKN.stride(1) == 1:
-                grad_b = outer(grad_MN, a_MK, offsets_E).to(b_EKN.dtype).transpose(1, 2)
-            else:
-                grad_b = outer(a_MK, grad_MN, offsets_E).to(b_EKN.dtype)
+        if ctx.needs_input_grad[1]:  # b = W^T of a row-major W [E, N, K] (nn.Linear layout): made in W's layout
+            grad_b = (outer(grad_MN, a_MK, offsets_E).to(b_EKN.dtype).transpose(1, 2) if b_EKN.stride(1) == 1
+                      else outer(a_MK, grad_MN, offsets_E).to(b_EKN.dtype))
         return grad_a, grad_b, None, None
-
-
-def _segment_outer_products_cpu(lhs_MX, rhs_MY, offsets_E):
-    """out[e] = lhs[rows of e]^T @ rhs[rows of e] -> [E, X, Y], one mm per segment on CPU.
-
-    torch's CPU grouped_mm runs this 2D x 2D form about 2x slower than plain per-segment mm (measured
-    at the benchmark shapes). Reading the offsets here is not a device sync: on CPU there is no device to
-    wait for. The forward never does it, so the layer's forward stays free of host reads everywhere.
-    """
-    out = lhs_MX.new_empty(offsets_E.shape[0], lhs_MX.shape[1], rhs_MY.shape[1])
-    start = 0
-    for e, end in enumerate(cpu_values(offsets_E)):
-        torch.mm(lhs_MX[start:end].t(), rhs_MY[start:end], out=out[e])
-        start = end
-    return out
 
 
 def _aligned16(t):
@@ -233,10 +204,8 @@ def _aligned16(t):
 
 
 def torch_grouped_mm_supports(a, b) -> bool:
-    """Whether torch's grouped_mm runs these operands, forward and backward: CPU fp32/bf16, CUDA bf16 on
-    compute capability >= 8.0; every non-unit stride, the output's row stride (it is the gradient's in
-    backward) and the base addresses multiples of 16 bytes (e.g. D and F multiples of 4 in fp32, of 8 in
-    bf16)."""
+    """Whether torch's grouped_mm runs these operands, forward and backward: CPU fp32/bf16, CUDA bf16 on sm >= 8.0;
+    non-unit strides, the output's row stride and base addresses multiples of 16 bytes (D, F % 4 fp32, % 8 bf16)."""
     if (_TORCH_GROUPED_MM is None or not (_aligned16(a) and _aligned16(b))
             or (b.shape[2] * a.element_size()) % 16 or (a.shape[1] * a.element_size()) % 16):
         return False
@@ -262,22 +231,16 @@ def resolve_backend(backend, a, b):
         return "torch"
     if triton_runs_on(a) and a.is_cuda:
         return "triton"
-    warn_once(f"grouped_mm-{a.device.type}-{a.dtype}-{a.shape[1]}-{b.shape[2]}",
-              f"grouped_mm: torch's grouped_mm cannot take {a.dtype} [*, {a.shape[1]}] x [*, {b.shape[1]}, "
-              f"{b.shape[2]}] on {a.device.type} (dtype, or rows not a multiple of 16 bytes) and Triton does not "
-              "run here; using the per-expert PyTorch loop (one host read of the offsets per call)")
+    warn_once(f"grouped_mm-{a.device.type}-{a.dtype}-{a.shape[1]}-{b.shape[2]}", f"grouped_mm: neither torch's "
+              f"grouped_mm nor Triton takes {a.dtype} {tuple(b.shape)} here: the per-expert loop (one host read)")
     return "reference"
 
 
 def grouped_mm(a_MK, b_EKN, offsets_E, backend="auto"):
-    """Differentiable grouped GEMM: c[offsets[e-1]:offsets[e]] = a[offsets[e-1]:offsets[e]] @ b[e].
-
-    Args: a_MK [M, K] and b_EKN [E, K, N] of one float dtype (b may be a transposed view); offsets_E
-        int32/int64 [E] non-decreasing, offsets[-1] <= M, on a's device (not checked: that would need a
-        host read). backend: see the module docstring.
-    Returns: c [M, N] in a's dtype. Raises ValueError for mismatched shapes/dtypes or an unknown backend,
-        RuntimeError for a backend that cannot run these operands.
-    """
+    """Differentiable c[offsets[e-1]:offsets[e]] = a[offsets[e-1]:offsets[e]] @ b[e] -> c [M, N] in a's dtype.
+    a_MK [M, K], b_EKN [E, K, N] (may be a transposed view) of one float dtype; offsets_E int32/int64 [E],
+    non-decreasing, <= M, on a's device (unchecked: a host read). Raises ValueError for mismatched
+    shapes / dtypes or an unknown backend, RuntimeError for a backend that cannot run these operands."""
     if a_MK.dim() != 2 or b_EKN.dim() != 3 or a_MK.shape[1] != b_EKN.shape[1] or offsets_E.shape[0] != b_EKN.shape[0]:
         raise ValueError(f"grouped_mm: a {tuple(a_MK.shape)}, b {tuple(b_EKN.shape)}, offsets "
                          f"{tuple(offsets_E.shape)} do not fit ([M, K], [E, K, N], [E])")
@@ -292,8 +255,8 @@ def grouped_mm(a_MK, b_EKN, offsets_E, backend="auto"):
 
 
 def scaled_swiglu_forward(gate_up_PF2, scale_P):
-    """(h_PF, silu_PF): h = silu(gate) * up * scale[:, None] for gate_up = [gate | up], in gate_up's
-    dtype (products in promote(dtype, scale dtype), cast once), and silu(gate), which backward needs."""
+    """(h = silu(gate) * up * scale[:, None] for gate_up = [gate | up] in its dtype (products in promote(dtype,
+    scale dtype), cast once), silu(gate) for backward)."""
     F_ = gate_up_PF2.shape[1] // 2
     silu_PF = F.silu(gate_up_PF2[:, :F_])
     h_PF = silu_PF * gate_up_PF2[:, F_:]
@@ -324,12 +287,8 @@ def scaled_swiglu_backward(grad_PF, gate_up_PF2, silu_PF, scale_P, need_scale_gr
 
 
 class ScaledSwiGLU(torch.autograd.Function):
-    """h_PF = silu(gate) * up * scale_P[:, None] for gate_up = [gate | up] ([P, 2F], [P] -> [P, F]).
-
-    The MoE layer's routing weights, applied before the down projection instead of after it (the same
-    value up to rounding: the down projection is linear), so the combine that follows is a plain sum
-    and the weights' gradient is a dot product over F rather than over D.
-    """
+    """h_PF = silu(gate) * up * scale_P[:, None] ([P, 2F], [P] -> [P, F]): routing weights applied before the
+    linear down projection, so the combine is a plain sum and their gradient a dot over F rather than D."""
 
     @staticmethod
     def forward(ctx, gate_up_PF2, scale_P):
@@ -345,13 +304,9 @@ class ScaledSwiGLU(torch.autograd.Function):
 
 
 def grouped_swiglu(x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_scale_P, backend="auto"):
-    """Grouped SwiGLU experts: y = down_e(silu(gate_e(x)) * up_e(x) * s) for the rows of every expert e.
-
-    Args: x_PD [P, D] expert-sorted rows; w_gate_up_E2FD [E, 2F, D] (rows 0..F-1 of expert e are its
-        gate_proj.weight, F..2F-1 its up_proj.weight: nn.Linear layout); w_down_EDF [E, D, F]
-        (down_proj.weight); offsets_E int32 [E] cumulative row counts; row_scale_P [P] factor s per row
-        (differentiable; the MoE layer's routing weights). Returns y_PD [P, D].
-    """
+    """y_PD = down_e(silu(gate_e(x)) * up_e(x) * s) for the expert-sorted rows x_PD [P, D] of every expert e.
+    w_gate_up_E2FD [E, 2F, D]: gate_proj.weight then up_proj.weight (nn.Linear layout); w_down_EDF [E, D, F];
+    offsets_E int32 [E] cumulative row counts; row_scale_P [P] the factor s (routing weights, differentiable)."""
     gate_up = grouped_mm(x_PD, w_gate_up_E2FD.transpose(1, 2), offsets_E, backend)
     h = ScaledSwiGLU.apply(gate_up, row_scale_P)
     return grouped_mm(h, w_down_EDF.transpose(1, 2), offsets_E, backend)

@@ -1,34 +1,21 @@
-"""Mean cross-entropy of an LM head, h @ W^T -> softmax -> -log p[label], with the logits' gradient
-made in the forward pass, chunk by chunk, in the logits' own buffer.
+"""Mean cross-entropy of an LM head, h @ W^T -> softmax -> -log p[label], with the logits' gradient made
+in the forward pass, chunk by chunk, in the logits' own buffer: the swap for the model's lm_loss on CPU.
 
-    logits_NV = h_ND @ W_VD^T                              (one GEMM, compute dtype)
-    for each chunk of rows:  logp = log_softmax(logits[chunk])   (fp32, the chunk sits in cache)
-                             loss += -logp[label]
-                             logits[chunk] = (softmax - onehot(label)) / n   (= dL/dlogits, in place)
-    backward:  grad_h = G @ W * g,  grad_W = G^T @ h * g   (two GEMMs; g = the loss's incoming grad)
+    logits_NV = h_ND @ W_VD^T                                   (one GEMM, compute dtype)
+    per chunk of rows:  logp = log_softmax(logits[chunk]) (fp32, in cache); loss += -logp[label]
+                        logits[chunk] = (softmax - onehot(label)) / n   (= dL/dlogits, in place)
+    backward:  grad_h = G @ W * g,  grad_W = G^T @ h * g        (two GEMMs; g = the incoming grad)
 
-Why: on a CPU the LM head's softmax is memory-bound work on an [N, V] tensor, and the plain path
-(`F.cross_entropy(logits.float())`) makes five full passes over it in memory: the fp32 copy, log_softmax,
-a zero-filled gradient buffer, log_softmax's backward and the cast back. Here each chunk of rows is read
-and rewritten while it sits in cache, and the only [N, V] tensor is the logits buffer, which becomes the
-gradient. Measured on the main job's head (N=1024, D=256, V=6400, bf16, 2 cores of an AMD EPYC): fwd+bwd
-~20 ms vs ~29 ms (`scripts/bench_step.py --split` times it inside a step). The same idea as Liger-Kernel's
-fused linear cross-entropy (Hsu et al. 2024), which chunks to save GPU memory; this one keeps the head's
-GEMMs whole (they are the efficient part) and chunks only the softmax.
-
-Numerics: the same bf16 / fp32 logits as `F.linear` (up to the GEMM engine's summation order), the same
-fp32 log-softmax per row, the gradient (softmax - onehot) / n rounded once to the compute dtype as
-autocast's backward would; an incoming gradient other than 1 (e.g. 1 / grad_accum) scales the two small
-GEMM outputs in fp32 instead of the [N, V] gradient (one rounding apart). `scripts/test_kernels.py` checks
-the loss and both gradients against `F.cross_entropy` in fp64 (fp32: within 1e-5 relative, measured ~1e-6;
-bf16 autocast: 2e-2, the bf16 rounding of the logits and the gradient).
+On CPU the softmax is memory-bound and `F.cross_entropy(logits.float())` makes five passes over [N, V]; here
+each chunk is rewritten while in cache. Liger-Kernel's fused linear cross-entropy (Hsu et al. 2024) chunks to
+save GPU memory; this keeps the GEMMs whole and chunks the softmax. The gradient is rounded once to the compute
+dtype, as autocast's backward would (scripts/test_kernels.py: fp32 within 1e-5 of fp64, bf16 within 2e-2).
 """
 import torch
 from torch.autograd.function import once_differentiable
 
 from kernels.cpu_linear import linear
 
-IMPLS = ("auto", "chunked", "torch")
 CHUNK_ELEMENTS = 1 << 18  # fp32 elements of one softmax chunk: 1 MiB, an L2 cache's worth
 
 
@@ -40,8 +27,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         valid_N = labels_N != ignore_index
         label_N1 = torch.where(valid_N, labels_N, 0).unsqueeze(1)
         n_valid = valid_N.sum()
-        # d(mean loss)/d(logit) of a row: (softmax - onehot) / n, zero for an ignored row; made in fp32
-        # and rounded once to the compute dtype, as autocast's backward of F.cross_entropy does
+        # d(mean loss)/d(logit) of a row: (softmax - onehot) / n in fp32, zero for an ignored row
         row_scale_N1 = (valid_N / n_valid.clamp(min=1)).unsqueeze(1)  # every label ignored: zero gradient
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         loss_sum = torch.zeros((), dtype=torch.float32, device=h_ND.device)
@@ -64,8 +50,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[:2]
         with torch.autocast(h_ND.device.type, enabled=False):  # (a backward called inside autocast)
             grad_h = linear(grad_NV, w_VD.t()) if need_h else None  # [N, D]
-            # grad_W = G^T h, made as (h^T G)^T: the [N, V] gradient is read as the GEMM's transposed second
-            # operand, where oneDNN takes it in place (as the first it would copy it transposed: 2x the time)
+            # grad_W = G^T h as (h^T G)^T: oneDNN reads [N, V] G in place as the transposed second operand
             grad_w = linear(h_ND.t().contiguous(), grad_NV.t()).t() if need_w else None  # [V, D]
         # the incoming gradient (1 for a plain loss.backward()) scales the two small products, in fp32
         unit = grad_loss.device.type == "cpu" and grad_loss.item() == 1.0
@@ -75,25 +60,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None
 
 
-def use_chunked(impl, device) -> bool:
-    """Whether `impl` ("auto" | "chunked" | "torch") runs the chunked loss on `device`: "auto" picks it on
-    CPU, where it is measured faster; on GPUs it has not been measured yet, so "auto" keeps torch's there.
-    Raises ValueError for an unknown impl."""
-    if impl not in IMPLS:
-        raise ValueError(f"lm loss impl must be one of {IMPLS}, got {impl!r}")
-    return impl == "chunked" or (impl == "auto" and torch.device(device).type == "cpu")
-
-
 def linear_cross_entropy(h_ND, weight_VD, labels_N, ignore_index=-100):
-    """mean over labels != ignore_index of -log softmax(h @ W^T)[label], without keeping fp32 logits.
-
-    Args: h_ND [N, D] float hidden states; weight_VD [V, D] the LM head; labels_N [N] int64 targets
-        (ignore_index = no loss). Under autocast on h's device, h and W are cast to autocast's dtype
-        first (differentiably), as F.linear would be.
-    Returns: the loss, an fp32 scalar (nan when every label is ignored, as F.cross_entropy; its gradient is
-        then zero, not nan). Differentiable in h and W.
-    Raises ValueError on shapes that do not fit.
-    """
+    """fp32 scalar mean over labels_N [N] int64 != ignore_index of -log softmax(h_ND [N, D] @ weight_VD [V, D]^T)
+    [label], without fp32 logits; under autocast h and W are cast first, as for F.linear. nan when every label
+    is ignored (as F.cross_entropy; the gradient is then zero). Raises ValueError on shapes that do not fit."""
     if h_ND.dim() != 2 or weight_VD.dim() != 2 or h_ND.shape[1] != weight_VD.shape[1]:
         raise ValueError(f"linear_cross_entropy: h {tuple(h_ND.shape)} and weight {tuple(weight_VD.shape)} must "
                          f"be [N, D] and [V, D]")

@@ -1,13 +1,10 @@
-"""Permute (token rows -> expert-sorted rows) and combine (expert rows -> each token's sum of its K rows),
-as Triton kernels beside plain-PyTorch references, with autograd that runs each as the other's backward.
+"""Permute (token rows -> expert-sorted rows) and combine (expert rows -> each token's sum of its K rows), as
+Triton kernels beside plain-PyTorch references; each is the other's backward (no scatter-add).
+Shapes: T tokens, K experts per token, D row width, P rows of the permuted buffer.
 
-Shape legend: T tokens, K experts per token, D row width, P rows of the permuted buffer.
-
-Both directions are gathers driven by index tensors built on the device (model/dispatch.py: RowMap):
-`token_of_row_P` (-1 = padding row) and `row_of_pair_TK` (-1 = no expert). Each output row reads its
-inputs and writes itself once: no atomics, deterministic; the combine adds a token's slots in a fixed
-order (0, 1, ..., K-1, in fp32, starting from slot 0's term), identically in the kernel and the reference,
-so the two are bitwise equal. Permute's backward is a combine, combine's a permute: no scatter-add.
+Both are gathers driven by device-built indices (model/dispatch.py: RowMap): `token_of_row_P` (-1 = padding)
+and `row_of_pair_TK` (-1 = no expert). Each output row is written once (no atomics, deterministic); combine
+adds a token's slots in order 0..K-1 in fp32 in kernel and reference alike, so the two are bitwise equal.
 """
 import torch
 import torch.nn.functional as F
@@ -20,8 +17,7 @@ if triton_importable():
 
     @triton.jit
     def _round_to(x, dtype: tl.constexpr):
-        # fp32 -> dtype with round-to-nearest-even, done on the bits for bf16: Triton's CPU interpreter
-        # truncates in a plain bf16 cast, and the result must match torch's rounding bit for bit.
+        # fp32 -> dtype, round-to-nearest-even on the bits for bf16 (the CPU interpreter's bf16 cast truncates)
         if dtype == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = bits + 0x7FFF + ((bits >> 16) & 1)
@@ -72,9 +68,8 @@ def _launch_options(t):
 
 
 def gather_rows(x_TD, src_P, backend="auto", out_dtype=None, has_holes=True):
-    """out[p] = x[src[p]], zero rows where src[p] < 0. x_TD [T, D] float; src_P int64 [P] in [-1, T);
-    has_holes False promises no -1. Returns [P, D] in out_dtype (None = x's). Raises ValueError /
-    RuntimeError for an unusable backend."""
+    """out[p] = x[src[p]], zero where src[p] < 0: x_TD [T, D] float, src_P int64 [P] in [-1, T) (has_holes False:
+    no -1) -> [P, D] in out_dtype (None = x's). Raises ValueError / RuntimeError for an unusable backend."""
     out_dtype = out_dtype or x_TD.dtype
     if choose(backend, x_TD, "gather_rows") == "reference":
         if x_TD.shape[0] == 0:  # no source rows: every output row is padding
@@ -91,10 +86,9 @@ def gather_rows(x_TD, src_P, backend="auto", out_dtype=None, has_holes=True):
 
 
 def combine_rows(h_PD, row_TK, backend="auto", out_dtype=None, has_holes=True):
-    """out[t] = sum over j = 0..K-1 with row[t, j] >= 0 of h[row[t, j]], accumulated in fp32 in ascending
-    j from the j = 0 term, then cast to out_dtype (None = h's). h_PD [P, D]; row_TK int64 [T, K] in
-    [-1, P). On CPU without Triton, fp32 rows without holes go through torch's embedding_bag (a fused
-    gather-and-sum that adds each bag's rows in index order: bitwise the reference). Returns [T, D]."""
+    """out[t] = sum of h[row[t, j]] over j = 0..K-1 with row >= 0, in fp32, j ascending, cast to out_dtype (None =
+    h's): h_PD [P, D], row_TK int64 [T, K] in [-1, P) -> [T, D]. On CPU, fp32 without holes uses embedding_bag
+    (adds each bag in index order: bitwise the reference)."""
     out_dtype = out_dtype or h_PD.dtype
     if choose(backend, h_PD, "combine_rows") == "reference":
         if (not has_holes and h_PD.device.type == "cpu" and out_dtype == h_PD.dtype == torch.float32

@@ -93,17 +93,11 @@ def order_slots(topk_idx_TK, topk_weight_TK):
 
 @dataclass(kw_only=True)
 class Dispatched:
-    """What a dispatcher hands the experts.
-
-    rows_PD [P, D]: token rows grouped by expert (ascending id), zero padding rows.
-    tokens_per_expert: rows of each of the experts the rows are for, padding included: a host list of
-        ints (sorted) or int64 [E] on the device (row map).
-    row_weight_P [P]: the routing weight the experts apply to each row (0 for padding), or None when
-        the combine applies the weights (sorted).
-    first_expert: global id of the first expert the rows are for (0; under EP the rank's first).
-    routed_E: int64 [E] routed pairs per (global) expert on the device, for the layer's stats.
-    state: what this dispatcher's combine needs.
-    """
+    """What a dispatcher hands the experts: rows_PD [P, D] token rows grouped by expert (ascending id; zero
+    padding rows); tokens_per_expert: each expert's rows incl. padding, a host list (sorted) or int64 [E]
+    on the device (row map); row_weight_P [P]: the routing weight the experts apply (0 for padding), None
+    when the combine applies it (sorted); first_expert: global id of the first expert (under EP the
+    rank's); routed_E: int64 [E] routed pairs per global expert (stats); state: what combine needs."""
     rows_PD: torch.Tensor
     tokens_per_expert: list | torch.Tensor
     row_weight_P: torch.Tensor | None = None
@@ -184,10 +178,9 @@ class SortedDispatcher:
 
 @dataclass
 class RowMap:
-    """Where every routed pair sits in the expert-sorted buffer, and back; all on the device.
-    row_of_pair_TK [T, K] (-1: no expert); token_of_row_P [P] (-1: padding row); pair_of_row_P [P] (t*K + j,
-    -1 for padding); offsets_E int32 [E] cumulative rows per expert; routed_E / padded_E int64 [E] pairs /
-    rows per expert; has_holes: whether any pair may be -1 or any row padding (static)."""
+    """Where every routed pair sits in the expert-sorted buffer and back, on the device: row_of_pair_TK
+    (-1: no expert), token_of_row_P / pair_of_row_P (-1: padding), offsets_E int32 cumulative rows,
+    routed_E / padded_E int64 pairs / rows per expert, has_holes (static: any -1 possible)."""
     row_of_pair_TK: torch.Tensor
     pair_of_row_P: torch.Tensor
     token_of_row_P: torch.Tensor

@@ -1,28 +1,21 @@
 """Map MiniMind checkpoints to and from HF `transformers` Qwen3 architectures (no custom code needed).
 
-The MiniMind-3 block is the Qwen3 block: GQA attention with per-head q/k RMSNorm before rotate-half RoPE,
-pre-norm RMSNorm, SwiGLU MLP, softmax top-k router with optional renormalisation. So an MoE checkpoint
-is a `Qwen3MoeForCausalLM` (model_type "qwen3_moe") and a dense one a `Qwen3ForCausalLM` ("qwen3"); only
-the expert weights change layout. Parity is proven by scripts/test_export.py, not assumed.
-
-Expert layout written: per expert, `mlp.experts.{e}.{gate,up,down}_proj.weight` ([F, D], [F, D], [D, F]),
-which transformers 4.x reads natively and 5.x fuses on load into `gate_up_proj` [E, 2F, D] / `down_proj`
-[E, D, F]. `from_hf_state_dict` reads either layout.
+The MiniMind-3 block is the Qwen3 block, so an MoE checkpoint is a `Qwen3MoeForCausalLM` ("qwen3_moe") and
+a dense one a `Qwen3ForCausalLM` ("qwen3"); parity is proven by scripts/test_export.py. Experts are
+written per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`), which transformers 5.x fuses on load
+into `gate_up_proj` [E, 2F, D] / `down_proj` [E, D, F]; `from_hf_state_dict` reads either layout.
 """
 import re
 
 
 from model.config import MiniMindConfig
 
-# MiniMindConfig fields and how each maps. A field not listed here is new and unknown to the exporter:
-# a non-default value of it is refused rather than silently dropped.
+# How each MiniMindConfig field maps; a non-default value of a field not listed is refused, not dropped.
 _SAME = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
          "intermediate_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "initializer_range",
          "pad_token_id", "bos_token_id", "eos_token_id")
 _MOE_ONLY = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef")
-# Training fields (MiniMindConfig.training_fields(): the router losses, moe_impl, moe_expert_alignment,
-# router_dtype) do not change the function: nothing to export. The selection bias of aux-loss-free
-# balancing has no Qwen3-MoE counterpart: it is refused below when on.
+# (training fields do not change the function; aux-loss-free balancing has no Qwen3-MoE counterpart)
 _HANDLED = set(_SAME) | set(_MOE_ONLY) | set(MiniMindConfig.training_fields()) | {"rope_theta", "dropout", "use_moe"}
 
 

@@ -4,22 +4,19 @@ Shape legend: B batch, S query length, L key length (cache + S), D hidden size, 
 G key/value heads, Dh head dim, V vocab.
 
 The block is the MiniMind-3 / Qwen3 block (pre-norm, q/k norm before RoPE, rotate-half RoPE, tied
-embeddings), with HF parameter names, so a checkpoint maps onto `Qwen3MoeForCausalLM` by renaming.
-No distributed code lives here.
+embeddings) with HF parameter names: a checkpoint maps onto `Qwen3MoeForCausalLM` by renaming. Plain
+PyTorch; faster engines are swapped in from outside (kernels/swap.py).
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from dataclasses import dataclass
-
 
 from model.config import MiniMindConfig
-from model.moe import FeedForward, MOEFeedForward  # noqa: F401  (public re-exports)
-from model.router import layer_mean, minimind_aux_loss  # noqa: F401  (minimind_aux_loss: public re-export)
-
-__all__ = ["MiniMindConfig", "FeedForward", "MOEFeedForward", "MiniMindForCausalLM", "MiniMindModel",
-           "MiniMindCausalLMOutput", "left_pad"]
+from model.moe import FeedForward, MOEFeedForward
+from model.router import layer_mean
 
 
 class RMSNorm(nn.Module):
@@ -235,16 +232,11 @@ class MiniMindCausalLMOutput:
 
 
 class MiniMindForCausalLM(MiniMindPreTrainedModel):
-    """Causal LM head on MiniMindModel.
-
-    forward(input_ids [B, S] int64, labels [B, S] int64 or None, past_key_values, use_cache,
-            attention_mask [B, cached + S] (1 = token, 0 = padding) or None, segment_ids [B, S] or None)
-      -> MiniMindCausalLMOutput(loss = ce_loss + aux_loss, ce_loss, aux_loss, logits [B, S, V] in the
-         compute dtype, past_key_values: list of (k, v) [B, G, L, Dh] per layer when use_cache).
-    (With the chunked LM loss swapped in by kernels/swap.py, logits is None when labels are given.)
-    Labels are the inputs shifted by the caller's convention: position t predicts labels[:, t]; label -100
-    is ignored.
-    """
+    """Causal LM head on MiniMindModel. forward(input_ids [B, S] int64, labels [B, S] int64 or None
+    (position t predicts labels[:, t]; -100 ignored), past_key_values, use_cache, attention_mask, segment_ids
+    (see MiniMindModel)) -> MiniMindCausalLMOutput(loss = ce_loss + aux_loss, ce_loss, aux_loss, logits
+    [B, S, V] in the compute dtype (None with labels once kernels/swap.py swaps in the chunked loss),
+    past_key_values: (k, v) [B, G, L, Dh] per layer when use_cache)."""
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: MiniMindConfig):
@@ -257,8 +249,6 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
 
     def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False, attention_mask=None,
                 segment_ids=None, **_):
-        # attention_mask [B, cached + S] (1 = token, 0 = padding, left or right), segment_ids [B, S] (packed
-        # sequences): see MiniMindModel
         h, presents, aux_loss = self.model(input_ids, past_key_values, use_cache, attention_mask, segment_ids)
         loss = ce_loss = None
         if labels is None:
@@ -279,16 +269,11 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0,
                  eos_token_id=None, use_cache=True, generator=None, attention_mask=None, streamer=None):
-        """Autoregressive sampling. input_ids [B, S] int64 -> [B, S + n] int64 (n <= max_new_tokens).
-
-        Prompts of different lengths go in one batch left-padded, with attention_mask [B, S] (1 = token,
-        0 = padding; `left_pad` builds both): each row then continues exactly as it would alone, and the
-        padding stays at the front of the output. temperature 0 means greedy. top_k 0 / top_p 1.0 disable
-        those filters. Stops early once every row has produced one of `eos_token_id` (int or list). With
-        use_cache the KV cache makes each new token cost one position; without it the whole prefix is
-        recomputed (reference path for tests). streamer: an object with put(ids) / end() (e.g. transformers'
-        TextStreamer), given the prompt first, then each new token [B] as it is chosen.
-        """
+        """Autoregressive sampling: input_ids [B, S] int64 -> [B, S + n] int64 (n <= max_new_tokens). Prompts
+        of different lengths go left-padded with attention_mask [B, S] (`left_pad`): each row continues as
+        it would alone. temperature 0 = greedy; top_k 0 / top_p 1.0 = off. Stops once every row produced
+        one of `eos_token_id` (int or list). use_cache=False recomputes the prefix (the tests' reference).
+        streamer: put(ids) / end() (transformers' TextStreamer), given the prompt, then each new token."""
         eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
         past, ids, finished = None, input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         step_input, mask = input_ids, attention_mask

@@ -1,14 +1,9 @@
-"""Router losses and load balancing for the MoE layer: pure functions, one per formula.
+"""Router losses and load counting for the MoE layer: pure functions, one per formula.
 
 Shape legend: T tokens, B sequences of S positions (T = B*S), E experts, K experts per token.
-`token_mask` (bool, True = a real token) excludes padding positions from every statistic: a padded
-position neither counts as load nor contributes router probability mass. None = every position is real.
-
-Every balance loss here is per layer; the model averages them over its MoE layers
-(`layer_mean`), so one layer's imbalance cannot cancel another's, as it does when the routing of all
-layers is concatenated before the loss is computed (the usual cause of "the aux loss looks balanced but
-an expert is dead"). Perfectly balanced routing gives exactly `coef` for the Switch and per-sequence
-losses, for every K; MiniMind's formula gives coef * K.
+`token_mask` (bool, True = a real token; None = all real) keeps padding out of every statistic. Each
+balance loss is per layer and the model averages them over layers (`layer_mean`), so one layer's
+imbalance cannot cancel another's (as when all layers' routing is concatenated first).
 """
 import torch
 
@@ -24,18 +19,10 @@ def _masked_mean(values_T_, token_mask_T):
 
 def minimind_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, coef: float,
                       token_mask_T=None):
-    """MiniMind's load-balancing loss: coef * E * sum_{k,e} load[k, e] * mean_t scores[t, e].
-
-    load[k, e] is the fraction of tokens whose k-th slot picked expert e (so the loss grows with K;
-    a balanced router gives coef * K). Source: MiniMind's MOEFeedForward (jingyaogong/minimind), itself
-    the Switch Transformer loss applied per slot. Written with `scatter_` instead of `F.one_hot`
-    because on CPU `one_hot` validates its input with two `.item()` host reads; without a mask the values
-    and the reduction (`mean(0)` over the same [T, K, E] tensor) are MiniMind's, so the result is
-    bitwise its result (the user's acceptance test pins this).
-
-    Args: scores_TE fp32/bf16 router probabilities [T, E]; topk_idx_TK int64 [T, K]; token_mask_T
-        optional bool [T]. Returns: scalar tensor in scores' dtype.
-    """
+    """MiniMind's balance loss (jingyaogong/minimind; the Switch loss per slot): coef * E * sum_{k,e}
+    load[k, e] * mean_t scores[t, e], load[k, e] the fraction of tokens whose k-th slot picked e (coef * K
+    when balanced). `scatter_`, not `F.one_hot` (whose CPU input check reads the host twice); without a
+    mask bitwise MiniMind's (the acceptance test pins it). scores_TE [T, E]; topk_idx_TK int64 [T, K]."""
     one_hot_TKE = scores_TE.new_zeros(*topk_idx_TK.shape, num_experts, dtype=torch.float32)
     one_hot_TKE.scatter_(-1, topk_idx_TK.unsqueeze(-1), 1.0)
     if token_mask_T is None:
@@ -46,16 +33,9 @@ def minimind_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, num_ex
 
 def switch_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, coef: float,
                     token_mask_T=None):
-    """Switch Transformer load-balancing loss, normalised for top-k:
-
-        coef * E * sum_e f_e * P_e,   f_e = (pairs routed to e) / (T * K),   P_e = mean_t scores[t, e]
-
-    sum_e f_e = 1 for every K, so perfectly balanced routing (f_e = 1/E) gives coef * sum_e P_e = coef
-    exactly, whatever K is. Sources: Fedus et al. 2021, "Switch Transformers", eq. 4-6 (K = 1); the
-    division by T*K instead of T is Megatron-LM's `switch_load_balancing_loss_func` for top-k.
-
-    Args as `minimind_aux_loss`. Returns: scalar fp32 tensor.
-    """
+    """Switch Transformer balance loss for top-k: coef * E * sum_e f_e * P_e with f_e = (pairs routed to e)
+    / (T * K) and P_e = mean_t scores[t, e]: exactly coef when balanced, for every K (Fedus et al. 2021,
+    eq. 4-6; the T*K is Megatron-LM's). Args as `minimind_aux_loss`; returns an fp32 scalar."""
     K = topk_idx_TK.shape[1]
     one_hot_TKE = scores_TE.new_zeros(*topk_idx_TK.shape, num_experts, dtype=torch.float32)
     one_hot_TKE.scatter_(-1, topk_idx_TK.unsqueeze(-1), 1.0)
@@ -66,18 +46,10 @@ def switch_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, num_expe
 
 def sequence_aux_loss(scores_BSE: torch.Tensor, topk_idx_BSK: torch.Tensor, num_experts: int, coef: float,
                       token_mask_BS=None):
-    """Sequence-wise balance loss (DeepSeek-V3): balance within every sequence, then average.
-
-        coef * mean_b sum_e f[b, e] * P[b, e],
-        f[b, e] = E / (K * S_b) * (pairs of sequence b routed to e),   P[b, e] = mean_{t in b} s'[t, e]
-
-    with S_b the real tokens of sequence b and s' the router probabilities renormalised to sum to 1 (a
-    softmax router's already do). Balanced routing in every sequence gives coef. Source: DeepSeek-AI
-    2024, "DeepSeek-V3 Technical Report", eq. 17-20. A sequence with no real token is left out.
-
-    Args: scores_BSE [B, S, E]; topk_idx_BSK int64 [B, S, K]; token_mask_BS optional bool [B, S].
-    Returns: scalar fp32 tensor.
-    """
+    """Sequence-wise balance loss (DeepSeek-V3 report, eq. 17-20): coef * mean_b sum_e f[b, e] * P[b, e],
+    f[b, e] = E / (K * S_b) * (pairs of sequence b routed to e), P[b, e] = mean over b's S_b real tokens of
+    the renormalised scores; coef when every sequence is balanced; sequences without real tokens left out.
+    scores_BSE [B, S, E]; topk_idx_BSK int64 [B, S, K]; token_mask_BS bool [B, S] or None. fp32 scalar."""
     B, S, K = topk_idx_BSK.shape
     one_hot = scores_BSE.new_zeros(B, S, K, num_experts, dtype=torch.float32)
     one_hot.scatter_(-1, topk_idx_BSK.unsqueeze(-1), 1.0)
@@ -95,11 +67,8 @@ def sequence_aux_loss(scores_BSE: torch.Tensor, topk_idx_BSK: torch.Tensor, num_
 
 
 def router_z_loss(logits_TE: torch.Tensor, coef: float, token_mask_T=None):
-    """Router z-loss: coef * mean_t (log sum_e exp(logits[t, e]))^2, in fp32.
-
-    Keeps router logits small, so the softmax stays well conditioned in low precision. Source: Zoph et
-    al. 2022, "ST-MoE: Designing Stable and Transferable Sparse Expert Models", eq. 5.
-    """
+    """Router z-loss coef * mean_t (logsumexp_e logits[t, e])^2 in fp32: keeps the logits small (ST-MoE,
+    Zoph et al. 2022, eq. 5)."""
     z_T = torch.logsumexp(logits_TE.float(), dim=-1)
     return coef * _masked_mean(z_T.square(), token_mask_T)
 
@@ -108,14 +77,8 @@ AUX_LOSSES = {"minimind": minimind_aux_loss, "switch": switch_aux_loss, "sequenc
 
 
 def router_losses(config, logits_TE, scores_TE, topk_idx_TK, token_mask_T=None, num_sequences=1):
-    """One MoE layer's router losses as the config asks: (balance_loss, z_loss), each a scalar or None.
-
-    balance_loss: AUX_LOSSES[config.router_aux_loss_type] weighted by router_aux_loss_coef (None for type
-    "none" or coef 0); z_loss: router_z_loss weighted by router_z_loss_coef (None for coef 0).
-    Args: logits_TE [T, E] gate logits; scores_TE [T, E] router probabilities; topk_idx_TK int64 [T, K]
-        (the router's choice, before any capacity dropping); token_mask_T optional bool [T];
-        num_sequences B with T = B*S (the sequence-wise loss balances each sequence).
-    """
+    """One layer's (balance_loss, z_loss) as the config asks, each a scalar or None (off). logits_TE /
+    scores_TE [T, E]; topk_idx_TK the router's choice before capacity drops; num_sequences B (T = B*S)."""
     E, coef = config.num_experts, config.router_aux_loss_coef
     balance = z = None
     if config.router_aux_loss_type == "sequence" and coef > 0:
@@ -138,15 +101,9 @@ def layer_mean(per_layer_losses, like):
 
 
 def tokens_per_expert(topk_idx_TK: torch.Tensor, num_experts: int, token_mask_T=None, count_dropped=False):
-    """Routed (token, slot) pairs per expert: the one place per-expert counts are computed (router load,
-    capacity, both local dispatchers, expert parallelism).
-
-    Args: topk_idx_TK int64 [T, K] in [-1, E) (-1 = no expert); num_experts E; token_mask_T optional bool
-        [T] (False = padding: its pairs count for no expert); count_dropped: also count the pairs that go
-        to no expert.
-    Returns: int64 [E] on topk_idx's device (no host read); with count_dropped [E + 1], the last entry
-        being the pairs with -1 or a masked token.
-    """
+    """Routed (token, slot) pairs per expert, the one place they are counted: int64 [E] on topk_idx's device
+    (no host read); with count_dropped [E + 1], the last entry the pairs with -1 or a masked token.
+    topk_idx_TK int64 [T, K] in [-1, E) (-1 = no expert); token_mask_T bool [T] or None."""
     E = num_experts
     slot_TK = topk_idx_TK.remainder(E + 1)  # -1 -> E, the slot of "no expert" (one op instead of where(>= 0))
     if token_mask_T is not None:
@@ -158,23 +115,8 @@ def tokens_per_expert(topk_idx_TK: torch.Tensor, num_experts: int, token_mask_T=
 
 
 def expert_bias_update(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float):
-    """Aux-loss-free balancing step: bias += rate * sign(mean load - load), in place; returns bias.
-
-    Overloaded experts get a lower selection bias, idle ones a higher one. The bias only enters the top-k
-    choice (scores + bias), never the combine weights, so it steers routing without a loss term. Source:
-    Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts", and DeepSeek-V3
-    (bias update speed gamma). load_E: pairs per expert since the last update (any numeric dtype).
-    """
+    """Aux-loss-free balancing step, in place: bias += rate * sign(mean load - load). The bias only enters
+    the top-k choice, never the combine weights (Wang et al. 2024; DeepSeek-V3's bias update speed)."""
     load = load_E.float()
     bias_E += rate * torch.sign(load.mean() - load)
     return bias_E
-
-
-def load_summary(load_LE: torch.Tensor):
-    """Per layer: fraction of routed pairs per expert [L, E], max/mean load [L], experts with none [L]."""
-    load = load_LE.float()
-    total_L1 = load.sum(-1, keepdim=True).clamp(min=1)
-    fraction_LE = load / total_L1
-    max_over_mean_L = load.max(-1).values / load.mean(-1).clamp(min=1e-12)
-    idle_L = (load == 0).sum(-1)
-    return fraction_LE, max_over_mean_L, idle_L

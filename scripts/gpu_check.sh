@@ -40,12 +40,12 @@ step $PY scripts/test_moe_fused.py
 
 if [ -n "${QUICK:-}" ]; then BENCH_ARGS="--quick"; else BENCH_ARGS=""; fi
 section "bench_moe bf16"
-$PY scripts/bench_moe.py --device cuda --dtype bfloat16 $BENCH_ARGS 2>&1 | tee -a "$LOG"
+$PY scripts/bench/bench_moe.py --device cuda --dtype bfloat16 $BENCH_ARGS 2>&1 | tee -a "$LOG"
 section "bench_moe fp32"
-$PY scripts/bench_moe.py --device cuda --dtype float32 --impls dense,masked,sorted,fused,hf-grouped_mm $BENCH_ARGS 2>&1 | tee -a "$LOG"
+$PY scripts/bench/bench_moe.py --device cuda --dtype float32 --impls dense,masked,sorted,fused,hf-grouped_mm $BENCH_ARGS 2>&1 | tee -a "$LOG"
 section "bench_train bf16"
-$PY scripts/bench_train.py --device cuda --dtype bfloat16 --batch_size 32 --seq_len 256 2>&1 | tee -a "$LOG"
-$PY scripts/bench_train.py --device cuda --dtype bfloat16 --num_experts 64 --top_k 8 --moe_intermediate_size 128 --batch_size 32 --seq_len 256 2>&1 | tee -a "$LOG"
+$PY scripts/bench/bench_train.py --device cuda --dtype bfloat16 --batch_size 32 --seq_len 256 2>&1 | tee -a "$LOG"
+$PY scripts/bench/bench_train.py --device cuda --dtype bfloat16 --num_experts 64 --top_k 8 --moe_intermediate_size 128 --batch_size 32 --seq_len 256 2>&1 | tee -a "$LOG"
 
 section "done: status $status (results in $LOG)"
 exit $status

@@ -1,5 +1,6 @@
-"""The structure the project promises, checked: short functions where readers start, no distributed code
-in model/, one atomic-write helper, and a README layout table that names every source file.
+"""The structure the project promises, checked: a plain model with no engine or distributed code, a short
+MoE call path, imports that only run down the layers, one loop file, one atomic-write helper, short
+functions, product size, and READMEs whose layout tables name every source file.
 
     python scripts/test_code_shape.py
 """
@@ -7,61 +8,158 @@ import ast
 import glob
 import os
 import re
+import sys
+
+import torch
 
 from testlib import ROOT, run
 
-MAX_LINES = 80          # any function in train/ and in the MoE layer's files
-TRAIN_STEP_LINES = 60   # "fits on one screen"
-
-
-def _functions(path):
-    tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield node.name, node.lineno, node.end_lineno - node.lineno + 1
+MAX_FUNCTION_LINES = 80   # any function in train/ and in the MoE layer's files
+MAX_PRODUCT_LINES = 4686  # non-blank lines of model/, train/, data/, kernels/ (20% below 5,857)
+MAX_MODEL_LINES = 1000
+MAX_LOOP_LINES = 560      # non-blank lines of train/loop.py
+# which top-level folders each folder may import from (the arrows run down: scripts -> train -> kernels ->
+# model; data is used by train and by nothing below it)
+ALLOWED_IMPORTS = {"model": {"model"}, "data": {"data"}, "kernels": {"kernels", "model"},
+                   "train": {"train", "model", "data", "kernels"}}
 
 
 def _files(*patterns):
     return sorted(f for p in patterns for f in glob.glob(os.path.join(ROOT, p)))
 
 
+def _nonblank(paths):
+    return sum(1 for p in paths for line in open(p, encoding="utf-8") if line.strip())
+
+
+def _imports(path):
+    tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def test_imports_run_down_the_layers():
+    bad = []
+    for folder, allowed in ALLOWED_IMPORTS.items():
+        for f in _files(f"{folder}/*.py"):
+            for mod in _imports(f):
+                top = mod.split(".")[0]
+                if top in ALLOWED_IMPORTS and top not in allowed:
+                    bad.append(f"{os.path.relpath(f, ROOT)} imports {mod}")
+    assert not bad, f"imports against the layering: {bad}"
+
+
+def test_model_is_plain_pytorch():
+    """No distributed code and no engine code in model/: no oneDNN / Triton / MKL calls, no engine switches."""
+    pattern = r"torch\.distributed|\bdist\.|mkldnn|triton|onednn|_grouped_mm|grouped_mm\(|set_num_threads"
+    bad = [os.path.relpath(f, ROOT) for f in _files("model/*.py") if re.search(pattern, open(f, encoding="utf-8").read())]
+    assert not bad, f"engine or distributed code in model/: {bad} (it belongs in kernels/ or train/)"
+    from model.config import MiniMindConfig
+    engine_fields = {f for f in MiniMindConfig.__dataclass_fields__ if re.search(r"backend|_impl$", f)} - {"moe_impl"}
+    assert not engine_fields, f"engine fields in MiniMindConfig: {engine_fields}"
+
+
+def _moe_path_to_gemm(moe_impl):
+    """The repository's Python frames from MOEFeedForward.forward down to the first expert GEMM (the first
+    torch linear / mm call outside the router): [(file, function), ...]."""
+    from model.config import MiniMindConfig
+    from model.moe import MOEFeedForward
+    torch.manual_seed(0)
+    layer = MOEFeedForward(MiniMindConfig(hidden_size=32, num_experts=4, moe_intermediate_size=16,
+                                          moe_impl=moe_impl)).train()
+    chains = []
+
+    def profile(frame, event, arg):
+        if event == "c_call" and getattr(arg, "__name__", "") in ("linear", "mm", "matmul"):
+            chain, f = [], frame
+            while f is not None:
+                path = os.path.abspath(f.f_code.co_filename)
+                if os.path.relpath(path, ROOT).split(os.sep)[0] in ALLOWED_IMPORTS:  # (not torch, not the tests)
+                    chain.append((os.path.relpath(path, ROOT), f.f_code.co_name))
+                f = f.f_back
+            chains.append(chain[::-1])
+
+    sys.setprofile(profile)
+    try:
+        layer(torch.randn(2, 8, 32))
+    finally:
+        sys.setprofile(None)
+    experts = [c for c in chains if not any(name in ("route", "router_logits") for _, name in c)]
+    return experts[0] if experts else []
+
+
+def test_moe_call_path_is_short():
+    """From MOEFeedForward.forward to the expert GEMM on the default (sorted) path: at most 3 calls (the last
+    one into torch's nn.Linear), in the layer's own file plus at most 2 others."""
+    chain = _moe_path_to_gemm("sorted")
+    assert chain and chain[0] == ("model/moe.py", "forward"), chain
+    calls = len(chain)  # the repository's frames after forward, plus the call into torch
+    others = {f for f, _ in chain} - {"model/moe.py"}
+    assert calls <= 3 and len(others) <= 2, f"{calls} calls over {others | {'model/moe.py'}}: {chain}"
+
+
+def test_one_loop_file():
+    loop = os.path.join(ROOT, "train", "loop.py")
+    assert _nonblank([loop]) <= MAX_LOOP_LINES, f"train/loop.py has {_nonblank([loop])} non-blank lines"
+    uses = [os.path.relpath(f, ROOT) for f in _files("train/*.py") if not f.endswith("loop.py")
+            and re.search(r"def train_step|\.backward\(\)", open(f, encoding="utf-8").read())]
+    assert not uses, f"training-step code outside train/loop.py: {uses}"
+
+
+def test_product_size():
+    product = _files("model/*.py", "train/*.py", "data/*.py", "kernels/*.py")
+    n, n_model = _nonblank(product), _nonblank(_files("model/*.py"))
+    assert n <= MAX_PRODUCT_LINES, f"{n} non-blank product lines (at most {MAX_PRODUCT_LINES})"
+    assert n_model <= MAX_MODEL_LINES, f"model/ has {n_model} non-blank lines (at most {MAX_MODEL_LINES})"
+
+
 def test_functions_fit_on_a_screen():
-    long = [f"{os.path.relpath(f, ROOT)}:{line} {name} ({n} lines)"
-            for f in _files("train/*.py", "model/moe*.py", "model/dispatch*.py", "model/experts*.py")
-            for name, line, n in _functions(f) if n > MAX_LINES]
-    assert not long, f"functions longer than {MAX_LINES} lines: {long}"
-    steps = [n for name, _, n in _functions(os.path.join(ROOT, "train", "trainer.py")) if name == "train_step"]
-    assert steps and steps[0] <= TRAIN_STEP_LINES, f"train_step is {steps} lines (> {TRAIN_STEP_LINES})"
-
-
-def test_model_has_no_distributed_code():
-    bad = [os.path.relpath(f, ROOT) for f in _files("model/*.py")
-           if re.search(r"torch\.distributed|import torch\.distributed|\bdist\.", open(f, encoding="utf-8").read())]
-    assert not bad, f"distributed code in model/: {bad} (it belongs in train/)"
+    long = []
+    for f in _files("train/*.py", "model/moe.py", "model/dispatch.py", "kernels/swap.py"):
+        tree = ast.parse(open(f, encoding="utf-8").read(), filename=f)
+        long += [f"{os.path.relpath(f, ROOT)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+                 for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, f"functions longer than {MAX_FUNCTION_LINES} lines: {long}"
 
 
 def test_one_atomic_write_helper():
     product = [f for f in _files("model/*.py", "train/*.py", "data/*.py", "kernels/*.py", "scripts/*.py")
                if not os.path.basename(f).startswith("test_")]  # (tests may fake what a crash leaves)
     bad = [os.path.relpath(f, ROOT) for f in product
-           if not f.endswith(os.path.join("train", "atomic.py")) and ("os." + "replace(") in open(f, encoding="utf-8").read()]
+           if not f.endswith(os.path.join("data", "atomic.py")) and ("os." + "replace(") in open(f, encoding="utf-8").read()]
     assert not bad, f"hand-written atomic writes (use data/atomic.py): {bad}"
 
 
-def test_readme_layout_names_every_source_file():
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    layout = readme[readme.index("## Layout"):]
-    layout = layout[:layout.index("\n## ", 4)] if "\n## " in layout[4:] else layout
-    missing = []
+def test_no_machine_timings_in_docstrings():
+    bad = []
     for f in _files("model/*.py", "train/*.py", "data/*.py", "kernels/*.py"):
-        name = os.path.basename(f)
-        if name != "__init__.py" and name not in layout:
-            missing.append(os.path.relpath(f, ROOT))
-    assert not missing, f"README's layout table does not mention {missing}"
+        tree = ast.parse(open(f, encoding="utf-8").read(), filename=f)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)):
+                doc = ast.get_docstring(node) or ""
+                if re.search(r"EPYC|Xeon|\d ms\b|GFLOP/s|tokens/s on", doc):
+                    bad.append(f"{os.path.relpath(f, ROOT)}: {getattr(node, 'name', 'module')}")
+    assert not bad, f"machine-specific timings in docstrings (they belong in a README's benchmark figures): {bad}"
 
 
-TESTS = [test_functions_fit_on_a_screen, test_model_has_no_distributed_code, test_one_atomic_write_helper,
-         test_readme_layout_names_every_source_file]
+def test_readmes_name_every_source_file():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert readme.count("\n") <= 250, f"README.md has {readme.count(chr(10))} lines (a newcomer's ten minutes: <= 250)"
+    assert "model/moe.py" in "\n".join(readme.splitlines()[:30]), "the first screen of README.md must name model/moe.py"
+    missing = []
+    for folder in ("model", "train", "data", "kernels"):
+        text = open(os.path.join(ROOT, folder, "README.md"), encoding="utf-8").read()
+        missing += [f"{folder}/{os.path.basename(f)}" for f in _files(f"{folder}/*.py")
+                    if os.path.basename(f) != "__init__.py" and os.path.basename(f) not in text]
+    assert not missing, f"the folder READMEs' tables do not mention {missing}"
+
+
+TESTS = [test_imports_run_down_the_layers, test_model_is_plain_pytorch, test_moe_call_path_is_short,
+         test_one_loop_file, test_product_size, test_functions_fit_on_a_screen, test_one_atomic_write_helper,
+         test_no_machine_timings_in_docstrings, test_readmes_name_every_source_file]
 
 if __name__ == "__main__":
     run(TESTS)

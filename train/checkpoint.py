@@ -16,7 +16,10 @@ import socket
 
 import torch
 
-from data.atomic import atomic_file
+from data.atomic import atomic_dir, atomic_file
+from data.dataset import IGNORE_INDEX, DataError
+from data.tokenizer import token_byte_lengths
+from model.hf_adapter import is_hf_folder
 
 CKPT_NAME = "ckpt.pt"
 HF_CHECKSUM_KEY = "minimind_tensors_sha256"  # safetensors metadata entry written by export_hf.py
@@ -258,3 +261,52 @@ def load_hf_checked(hf_dir):
     ckpt = {"config": config.to_dict(), "model": {k: v.float() for k, v in state.items()}}
     check_weights_fit_config(ckpt, where)
     return model_from_checkpoint(ckpt)
+
+
+# What transformers' tokenizers save (and load from) besides the model's files
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def weights_source(args):
+    """(model to start from or None, tokenizer dir or None). A resumed or initialised run uses the
+    tokenizer saved next to its weights, even when the data cache is gone."""
+    init_model, source_dir = None, None
+    if args.resume:
+        source_dir = os.path.dirname(os.path.abspath(args.resume))
+    elif args.init_from:  # trained weights (ours or an exported HF folder), fresh optimizer and step
+        if is_hf_folder(args.init_from):
+            init_model, source_dir = load_hf_checked(args.init_from), args.init_from
+        else:
+            init_model = model_from_checkpoint(load_checkpoint(args.init_from))
+            source_dir = args.init_from if os.path.isdir(args.init_from) else os.path.dirname(os.path.abspath(args.init_from))
+    if args.tokenizer is not None or source_dir is None:
+        return init_model, args.tokenizer
+    for cand in (os.path.join(source_dir, "tokenizer"), source_dir):
+        if os.path.exists(os.path.join(cand, "tokenizer.json")):
+            return init_model, cand
+    if init_model is not None:  # a fresh tokenizer would not match the trained embeddings
+        raise ValueError(f"{args.init_from}: no tokenizer next to the weights; pass --tokenizer DIR")
+    return init_model, None
+
+
+def count_val_bytes(data):
+    """(supervised validation targets, UTF-8 bytes of the text they stand for)."""
+    lengths = torch.from_numpy(token_byte_lengths(data.tokenizer))
+    targets = nbytes = 0
+    for _, y, *_ in data.val_batches:
+        y = y[y != IGNORE_INDEX]
+        targets += y.numel()
+        nbytes += int(lengths[y.clamp(max=len(lengths) - 1)].sum())
+    if not targets:
+        raise DataError("the validation split has no token to predict (a corpus of a few tokens?); add data")
+    return targets, nbytes
+
+
+def copy_tokenizer(src, dst):
+    """Copy the tokenizer files of `src` (a tokenizer folder or an exported HF folder) into `dst`, atomically."""
+    if os.path.abspath(src) != os.path.abspath(dst):
+        with atomic_dir(dst) as tmp:
+            for name in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(src, name)):
+                    shutil.copyfile(os.path.join(src, name), os.path.join(tmp, name))

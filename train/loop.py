@@ -14,7 +14,6 @@ is the mean over the supervised tokens of the whole global batch, however it is 
 import contextlib
 import math
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -26,25 +25,22 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data.atomic import atomic_dir, atomic_write_text
+from data.atomic import atomic_write_text
 from data.dataset import IGNORE_INDEX, DataError
-from data.tokenizer import stop_token_ids, token_byte_lengths
+from data.tokenizer import stop_token_ids
 from kernels.swap import bf16_pays, describe as describe_engines, swap_engines
-from model.hf_adapter import is_hf_folder
 from model.model_minimind import MiniMindForCausalLM
-from model.router import load_summary
 from train import flags
-from train.checkpoint import (CKPT_NAME, abandon_run_dir, claim_run_dir, load_checkpoint, load_hf_checked,
-                              model_from_checkpoint, save_checkpoint)
-from train.parallel import (check_same_on_all_ranks, clip_grad_norm_ep, ep_dispatchers, expert_param_names,
-                            gather_experts, init_distributed, install as install_ep, moe_layers, reduce_expert_grads,
-                            shutdown, uninstall as uninstall_ep)
-from train.report import LoadTelemetry, MetricsLog, Progress, open_wandb, plot_expert_load, plot_loss_curve
+from train.checkpoint import (CKPT_NAME, abandon_run_dir, claim_run_dir, copy_tokenizer, count_val_bytes,
+                              load_checkpoint, save_checkpoint, weights_source)
+from train.parallel import (PeerFailed, check_same_on_all_ranks, clip_grad_norm_ep, ep_dispatchers, expert_param_names,
+                            gather_experts, init_distributed, install as install_ep, main_rank_first, moe_layers,
+                            reduce_expert_grads, shutdown, uninstall as uninstall_ep)
+from train.report import (LoadTelemetry, MetricsLog, Progress, describe_model, load_summary, open_wandb, plot_expert_load,
+                          plot_loss_curve)
 from train.threads import ThreadTuner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 @dataclass
@@ -104,13 +100,9 @@ class TrainClock:
 
     @contextlib.contextmanager
     def paused(self):
-        running = self._since is not None
-        self._done, self._since = self.read(), None
-        try:
-            yield
-        finally:
-            if running:
-                self._since = time.perf_counter()
+        running, (self._done, self._since) = self._since is not None, (self.read(), None)
+        yield
+        self._since = time.perf_counter() if running else None
 
 
 class StopSignal:
@@ -237,8 +229,8 @@ def train(args, log=print, stage=None):
 # ------------------------------------------------------------------------------------------- 1. setup
 
 def setup(stage, args, ctx, device_type, log):
-    """Build the Run and TrainState for `args` on this rank. Raises ValueError / DataError for bad input;
-    a run that fails here in a folder it created leaves no folder behind."""
+    """The Run and TrainState of `args` on this rank. Raises ValueError / DataError for bad input; a run that
+    fails here in a folder it created leaves no folder behind."""
     torch.manual_seed(args.seed)  # the same on every rank: identical initial weights everywhere
     device = f"cuda:{ctx.local_rank}" if device_type == "cuda" and args.device in ("auto", "cuda") else (
         args.device if device_type == "cuda" else "cpu")
@@ -291,87 +283,16 @@ def setup(stage, args, ctx, device_type, log):
     return run, state
 
 
-class PeerFailed(Exception):
-    """Another rank failed in a step this one waited for; that rank reports the error."""
-
-
-def main_rank_first(ctx, fn):
-    """fn() on rank 0 first, then on the others (rank 0 builds caches / the run folder). When it fails on
-    rank 0, the others learn it from one broadcast and raise PeerFailed instead of hanging at a barrier."""
-    if not ctx.distributed:
-        return fn()
-    failure = [None]
-    if ctx.is_main:
-        try:
-            result = fn()
-        except BaseException as e:
-            dist.broadcast_object_list([" ".join(f"{type(e).__name__}: {e}".split())], src=0)
-            raise
-        dist.broadcast_object_list(failure, src=0)
-        return result
-    dist.broadcast_object_list(failure, src=0)
-    if failure[0] is not None:
-        raise PeerFailed(f"rank 0 failed ({failure[0]})")
-    return fn()
-
-
-def weights_source(args):
-    """(model to start from or None, tokenizer dir or None). A resumed or initialised run uses the
-    tokenizer saved next to its weights, even when the data cache is gone."""
-    init_model, source_dir = None, None
-    if args.resume:
-        source_dir = os.path.dirname(os.path.abspath(args.resume))
-    elif args.init_from:  # trained weights (ours or an exported HF folder), fresh optimizer and step
-        if is_hf_folder(args.init_from):
-            init_model, source_dir = load_hf_checked(args.init_from), args.init_from
-        else:
-            init_model = model_from_checkpoint(load_checkpoint(args.init_from))
-            source_dir = args.init_from if os.path.isdir(args.init_from) else os.path.dirname(os.path.abspath(args.init_from))
-    if args.tokenizer is not None or source_dir is None:
-        return init_model, args.tokenizer
-    for cand in (os.path.join(source_dir, "tokenizer"), source_dir):
-        if os.path.exists(os.path.join(cand, "tokenizer.json")):
-            return init_model, cand
-    if init_model is not None:  # a fresh tokenizer would not match the trained embeddings
-        raise ValueError(f"{args.init_from}: no tokenizer next to the weights; pass --tokenizer DIR")
-    return init_model, None
-
-
-def count_val_bytes(data):
-    """(supervised validation targets, UTF-8 bytes of the text they stand for)."""
-    lengths = torch.from_numpy(token_byte_lengths(data.tokenizer))
-    targets = nbytes = 0
-    for _, y, *_ in data.val_batches:
-        y = y[y != IGNORE_INDEX]
-        targets += y.numel()
-        nbytes += int(lengths[y.clamp(max=len(lengths) - 1)].sum())
-    if not targets:
-        raise DataError("the validation split has no token to predict (a corpus of a few tokens?); add data")
-    return targets, nbytes
-
-
-def copy_tokenizer(src, dst):
-    """Copy the tokenizer files of `src` (a tokenizer folder or an exported HF folder) into `dst`, atomically."""
-    if os.path.abspath(src) != os.path.abspath(dst):
-        with atomic_dir(dst) as tmp:
-            for name in TOKENIZER_FILES:
-                if os.path.isfile(os.path.join(src, name)):
-                    shutil.copyfile(os.path.join(src, name), os.path.join(tmp, name))
-
-
 def resolve_dtype(args, ctx, device_type, log):
     """--dtype: auto = bf16 on CUDA; on CPU bf16 where its GEMMs measure >= 1.5x fp32 (all ranks agree)."""
-    if args.dtype != "auto":
-        return DTYPES[args.dtype]
-    if device_type == "cuda":
-        return torch.bfloat16
+    if args.dtype != "auto" or device_type == "cuda":
+        return DTYPES[args.dtype] if args.dtype != "auto" else torch.bfloat16
     pays, speedup = bf16_pays()
     flag = torch.tensor(int(pays))
     if ctx.distributed:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    name = "bfloat16" if flag.item() else "float32"
-    log(f"dtype auto: {name} (bf16 GEMMs {speedup:.1f}x as fast as fp32 on this CPU)")
-    return DTYPES[name]
+    log(f"dtype auto: {'bfloat16' if flag.item() else 'float32'} (bf16 GEMMs {speedup:.1f}x as fast as fp32 here)")
+    return torch.bfloat16 if flag.item() else torch.float32
 
 
 def make_optimizer(model, args):
@@ -395,15 +316,6 @@ def restore(args, ckpt, model, optimizer, state, data, log):
     optimizer.load_state_dict(ckpt["optimizer"])
     state.load_state_dict(ckpt)
     log(f"resumed from {args.resume} at step {state.step}")
-
-
-def describe_model(model, config, device, dtype):
-    n_params = sum(p.numel() for p in model.parameters())
-    n_active = n_params - (config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * 3
-                           * config.hidden_size * config.moe_intermediate_size if config.use_moe else 0)
-    kind = f"MoE E={config.num_experts} k={config.num_experts_per_tok}" if config.use_moe else "dense"
-    return (f"model: {n_params / 1e6:.2f}M params ({n_active / 1e6:.2f}M active), {kind}, {config.num_hidden_layers} "
-            f"layers, D={config.hidden_size}, moe_impl {config.moe_impl}; device {device}, {str(dtype)[6:]}")
 
 
 def wrap(model, args, ctx, device_type):
@@ -554,8 +466,7 @@ def spent(args, train_s):
 
 
 def track_finite(state, value):
-    """Remember the first step whose loss (or grad norm) is not finite, on the device: no host sync per
-    step; check_finite reads it at log and save time."""
+    """Remember the first step with a non-finite loss (or grad norm) on the device (no host sync per step)."""
     if state.first_bad_step is None:
         state.first_bad_step = torch.full((), torch.iinfo(torch.int64).max, device=value.device)
     bad = ~torch.isfinite(value) & (state.first_bad_step > state.step)
@@ -563,8 +474,8 @@ def track_finite(state, value):
 
 
 def check_finite(run, state):
-    """FloatingPointError (one line, exit code 2) if some step had a non-finite loss or grad norm: the run
-    stops before logging or saving anything after it. All ranks agree (MIN over them)."""
+    """FloatingPointError (one line, exit 2) if some step so far was non-finite: nothing after it is logged or
+    saved. All ranks agree (MIN over them)."""
     if state.first_bad_step is None:
         return
     bad = state.first_bad_step.clone()
@@ -598,7 +509,7 @@ def log_train(run, state, lr, ce, aux, grad_norm):
 
 @torch.no_grad()
 def evaluate(run):
-    """Mean LM cross-entropy (nats per supervised token) over the stage's validation batches."""
+    """Mean LM cross-entropy (nats per supervised token) over the validation batches."""
     was_training = run.model.training
     run.model.eval()
     total = count = 0

@@ -1,22 +1,17 @@
-"""Data and expert parallelism: process groups from torchrun's environment, and the all-to-all token
-dispatcher that shards the experts (model/ holds no distributed code; this wraps its dispatchers).
+"""Data and expert parallelism: process groups from torchrun's environment, and the all-to-all dispatcher
+that shards the experts (model/ holds no distributed code; this wraps its dispatchers).
 
-Groups: with W ranks and ep_size M (M | W), EP groups are the blocks of M consecutive ranks [g*M, (g+1)*M),
-each holding all experts, sharded; the expert-data-parallel groups join the ranks holding the same experts
-({r, r+M, r+2M, ...}). Expert gradients are reduced over those, dense gradients over all W by DDP.
-
-EP, per MoE layer (rank r of M owns the contiguous experts [r*E/M, (r+1)*E/M)):
-    dispatch: rows by destination rank -> all-to-all (x rows, routing weights, local expert ids)
-              -> the layer's own dispatcher (sorted or row map) on the received rows, for the rank's experts
-    experts:  the layer's run_experts on those rows (Dispatched.first_expert = the rank's first expert)
-    combine:  the local combine -> all-to-all back -> add the partial sums per source token
-A token goes once to each destination rank even when several of its top-k experts live there (as
-Megatron-LM's alltoall dispatcher and DeepEP); the receiver sums those experts' outputs. Split sizes and
-per-expert counts travel in one small all-to-all, read to the host once per layer. Every rank runs the
-same collectives whatever it receives (empty tensors stay in the graph), so backward always pairs up.
-Rows arrive grouped by source rank, each group in ascending token order: when the EP group holds the whole
-data-parallel batch, every expert sees the single-process rows in the single-process order (bitwise the
-same outputs and gradients; the combine's sum equals it for k <= 2).
+With W ranks and ep_size M (M | W), the EP groups are the blocks of M consecutive ranks, each holding all
+experts sharded (rank r of a group owns experts [r*E/M, (r+1)*E/M)); the expert-data-parallel groups join
+the ranks holding the same experts. DDP reduces the dense grads over all W, reduce_expert_grads the
+experts' over their group. Per MoE layer: dispatch = rows by destination rank -> all-to-all (rows,
+routing weights, local expert ids) -> the layer's own dispatcher on the received rows; the layer's
+run_experts runs the rank's experts; combine = local combine -> all-to-all back -> each token's partial
+sums added in ascending rank. A token goes once to each rank that holds one of its experts (as
+Megatron-LM's alltoall dispatcher and DeepEP). Counts travel in one small all-to-all, read to the host
+once per layer; every rank runs the same collectives whatever it receives, so backward always pairs up.
+Rows arrive grouped by source rank in token order: with the whole batch in one EP group every expert sees
+the single-process rows in order (bitwise the same outputs and gradients; the combine's for k <= 2).
 """
 import dataclasses
 import gc
@@ -97,9 +92,28 @@ def check_same_on_all_ranks(ctx, what, value):
                              f"{[(ref.get(k), other.get(k)) for k in diff]}")
 
 
-def barrier(ctx):
-    if ctx.distributed:
-        dist.barrier()
+class PeerFailed(Exception):
+    """Another rank failed in a step this one waited for; that rank reports the error."""
+
+
+def main_rank_first(ctx, fn):
+    """fn() on rank 0 first, then on the others (rank 0 builds caches / the run folder). When it fails on
+    rank 0, the others learn it from one broadcast and raise PeerFailed instead of hanging at a barrier."""
+    if not ctx.distributed:
+        return fn()
+    failure = [None]
+    if ctx.is_main:
+        try:
+            result = fn()
+        except BaseException as e:
+            dist.broadcast_object_list([" ".join(f"{type(e).__name__}: {e}".split())], src=0)
+            raise
+        dist.broadcast_object_list(failure, src=0)
+        return result
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise PeerFailed(f"rank 0 failed ({failure[0]})")
+    return fn()
 
 
 def shutdown(ctx, wait_for_peers=True):

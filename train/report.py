@@ -8,7 +8,6 @@ import sys
 from tqdm import tqdm
 
 from data.atomic import atomic_file
-from model.router import load_summary
 
 METRICS_NAME = "metrics.jsonl"
 
@@ -209,3 +208,23 @@ def plot_expert_load(fraction_LE, path, title="share of routed tokens per expert
     with atomic_file(path) as f:
         fig.savefig(f, format="png")
     plt.close(fig)
+
+
+def load_summary(load_LE):
+    """Per layer: fraction of routed pairs per expert [L, E], max/mean load [L], experts with none [L]."""
+    load = load_LE.float()
+    total_L1 = load.sum(-1, keepdim=True).clamp(min=1)
+    fraction_LE = load / total_L1
+    max_over_mean_L = load.max(-1).values / load.mean(-1).clamp(min=1e-12)
+    idle_L = (load == 0).sum(-1)
+    return fraction_LE, max_over_mean_L, idle_L
+
+
+def describe_model(model, config, device, dtype):
+    """One log line: parameters (total / active per token), shape, device and dtype."""
+    n_params = sum(p.numel() for p in model.parameters())
+    n_active = n_params - (config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * 3
+                           * config.hidden_size * config.moe_intermediate_size if config.use_moe else 0)
+    kind = f"MoE E={config.num_experts} k={config.num_experts_per_tok}" if config.use_moe else "dense"
+    return (f"model: {n_params / 1e6:.2f}M params ({n_active / 1e6:.2f}M active), {kind}, {config.num_hidden_layers} "
+            f"layers, D={config.hidden_size}, moe_impl {config.moe_impl}; device {device}, {str(dtype)[6:]}")

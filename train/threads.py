@@ -1,23 +1,13 @@
 """CPU thread count chosen by measurement while training, so a busy machine does not stall the run.
 
-torch's CPU kernels run as OpenMP teams of `torch.get_num_threads()` threads that meet at a barrier after
-every parallel region. When another process holds one of the cores, the thread sharing that core waits for
-the scheduler while the others spin at the barrier, for every one of the hundreds of regions in a step:
-measured on a 2-core AMD EPYC with one busy Python loop beside the main job, 2 threads ran at ~30% of their
-idle tokens/s and 1 thread at ~65% (`scripts/bench_step.py --busy 1` measures it on your machine). Which
-count is fastest depends on what else runs, and that changes during a run, so `ThreadTuner` measures:
-
-- it times every training step at the current count (the median of the last `window` steps);
-- right after the start, then every `probe_every` steps, it runs `window` steps at a neighbouring count
-  (half or double, within [1, max_threads]) and keeps whichever median is lower by at least 7%;
-- a probe that loses doubles the wait before the next one (up to `max_probe_every`), so an idle machine
-  pays ~1% for the probes; a step median that moves by 30% from where it settled (the load changed)
-  brings the next probe forward.
-
-The thread count does not change the results of this repo's training step (`scripts/test_cpu_speed.py`
-checks three AdamW steps bitwise at 1 and 2 threads, dense and MoE, fp32 and bf16), so switching keeps
-runs reproducible. That is a measured property of the kernels this model uses, not a torch guarantee:
-a plain `sum` over millions of elements does round differently at 1 and 2 threads.
+torch's CPU kernels run as OpenMP teams that meet at a barrier after every parallel region: when another
+process holds one of the cores, every region waits for the descheduled thread, and fewer threads can be
+much faster (`scripts/bench/bench_step.py --busy 1` measures it). `ThreadTuner` times every step (median of
+the last `window`), and right after the start, then every `probe_every` steps, runs `window` steps at half
+or double the count, keeping whichever is >= 7% faster; a losing probe doubles the wait (up to
+`max_probe_every`), a 30% change of the step time brings the next probe forward. The thread count does
+not change this model's step results (scripts/test_cpu_speed.py checks it bitwise), so runs stay
+reproducible.
 """
 import statistics
 
@@ -33,11 +23,8 @@ def halving(n):
 
 
 class ThreadTuner:
-    """observe(step_seconds) after every training step; sets torch.set_num_threads when a count wins.
-
-    max_threads: the largest count (e.g. the cores this process may use); log(str): where switches are
-    reported (one line each). Raises ValueError on max_threads < 1.
-    """
+    """observe(step_seconds) after every step; sets torch.set_num_threads when a count wins and logs the
+    switch. Raises ValueError on max_threads < 1."""
 
     def __init__(self, max_threads, window=4, probe_every=50, max_probe_every=800, log=print):
         if max_threads < 1:
