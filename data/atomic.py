@@ -1,13 +1,9 @@
-"""Atomic writes: every file and folder the project writes whole goes through these helpers, so a crash
-or a kill at any moment leaves either the old version or the new one, never a torn file.
+"""Atomic writes: every file and folder the project writes whole goes through these helpers, so a crash or a
+kill at any moment leaves the old version or the new one, never a torn file. Temp names start with a dot and
+are unique per process; an exception removes the temp and leaves the destination untouched.
 
-    with atomic_file("run/metrics.jsonl", "w") as f:   # temp file in the same folder, fsync, os.replace
-        f.write(...)
-    with atomic_dir("exports/model") as tmp:           # temp folder next to it, renamed over it at the end
-        model.save_pretrained(tmp)
-
-The temp names start with a dot and are unique per process; an exception removes the temp and leaves
-the destination untouched.
+    with atomic_file("run/metrics.jsonl", "w") as f:  # temp file in the same folder, fsync, os.replace
+    with atomic_dir("exports/model") as tmp:          # temp folder next to it, renamed over it at the end
 """
 import contextlib
 import os
@@ -17,8 +13,8 @@ import tempfile
 
 @contextlib.contextmanager
 def atomic_file(path, mode="wb", encoding=None):
-    """Open a temp file next to `path` for writing (`mode` "w" or "wb"); on a clean exit flush, fsync and
-    rename it over `path`. Parent folders are created. Raises whatever the write raised."""
+    """Open a temp file next to `path` (`mode` "w" or "wb", parents created); on a clean exit flush, fsync and
+    rename it over `path`. Raises whatever the write raised."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
@@ -62,9 +58,8 @@ def atomic_dir(path):
 
 
 def _usual_modes(folder):
-    """Give `folder` and everything in it the modes plain creation under this process's umask gives (0755 /
-    0644 under umask 022): mkdtemp makes the folder 0700, copytree copies a source folder's mode, and
-    safetensors' save_file (inside save_pretrained) leaves model.safetensors 0600."""
+    """Give `folder` and its contents the modes plain creation under the umask gives (0755 / 0644 under 022):
+    mkdtemp makes 0700, copytree copies the source's mode, safetensors' save_file leaves 0600."""
     os.umask(umask := os.umask(0))
     for root, dirs, files in os.walk(folder):
         for name, mode in [(d, 0o777) for d in dirs] + [(f, 0o666) for f in files]:

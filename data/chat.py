@@ -1,16 +1,12 @@
-"""Conversations for supervised fine-tuning: read and checked, rendered with the chat template into token
-ids with the assistant mask, and packed into fixed windows that keep conversations apart.
+"""Conversations for supervised fine-tuning: read and checked, rendered with the chat template into token ids
+with the assistant mask, and packed into fixed windows that keep conversations apart.
 
-Input: jsonl, one conversation per line, as `{"conversations": [{"role": ..., "content": ...}, ...]}`
-(MiniMind's SFT format) or `{"messages": [...]}` (the OpenAI / HF format). Roles: an optional `system`
-turn first, then `user` and `assistant` alternating, starting with `user` and ending with `assistant`.
-A line that breaks these rules, or an assistant turn with empty content, is a DataError naming file:line.
-
-Loss mask: exactly the tokens of each assistant turn's content and its end-of-turn token `<|im_end|>`;
-nothing of the system / user turns, the role headers or the padding. It comes from the chat template's
-`{% generation %}` block (data/tokenizer.py), so training sees the same tokens as chat does. Text that
-spells a special token (`<|im_end|>`) inside a message becomes that token, as the chat template's
-tokenizer makes it.
+Input: jsonl, one conversation per line, `{"conversations": [{"role": ..., "content": ...}, ...]}` (MiniMind's
+SFT format) or `{"messages": [...]}` (OpenAI / HF). Roles: an optional `system` turn, then `user` / `assistant`
+alternating, ending with `assistant`; a line breaking this, or an empty assistant turn, is a DataError (file:line).
+Loss mask: exactly each assistant turn's content tokens and its `<|im_end|>`, from the chat template's
+`{% generation %}` block (data/tokenizer.py), so training sees the tokens chat does. Text spelling a special
+token inside a message becomes that token.
 """
 import hashlib
 import os
@@ -56,8 +52,7 @@ def tokenize_conversation(tokenizer, messages):
 
 class Conversations:
     """Tokenized conversations back to back: ids [N] int64, mask [N] bool, offsets [n + 1] int64; truncated /
-    dropped: how many of the file's conversations were cut to the window / left out (no assistant token in
-    the window); sha1: the source file's hash."""
+    dropped: conversations cut to the window / left out (no assistant token in it); sha1: the source's hash."""
 
     def __init__(self, ids, mask, offsets, truncated=0, dropped=0, sha1=""):
         self.ids, self.mask, self.offsets = ids, mask, offsets
@@ -87,9 +82,8 @@ class Conversations:
 
 
 def load_conversations(path, tokenizer, max_len, cache_dir):
-    """Read, check and tokenize a conversation file (cached by the file's and the tokenizer's content and
-    max_len). A conversation over max_len tokens is cut to max_len, or left out when no assistant token
-    remains. Returns Conversations in file order. Raises DataError (file:line, or what to change)."""
+    """Conversations of a file in file order (cached by file, tokenizer and max_len); one over max_len tokens
+    is cut to it, or left out when no assistant token remains. Raises DataError (file:line, or what to change)."""
     sha1 = file_sha1(path) if os.path.isfile(path) else ""
     cache = os.path.join(cache_dir, f"sft-tokens-v2-{sha1[:16]}-{_tokenizer_hash(tokenizer)}-{max_len}.npz")
     if sha1 and os.path.exists(cache):
@@ -123,8 +117,8 @@ def _tokenizer_hash(tokenizer):
 
 
 def pack(lengths, order, seq_len):
-    """Greedy packing: conversations in `order` fill windows of seq_len positions one after another; one
-    that does not fit in what is left starts the next window. Returns a list of lists of indices."""
+    """Greedy packing of the conversations in `order` into seq_len windows (one that does not fit in what is
+    left starts the next): a list of lists of indices."""
     windows, current, room = [], [], seq_len
     for i in order:
         n = int(lengths[i])
@@ -139,9 +133,8 @@ def pack(lengths, order, seq_len):
 
 
 def window_tensors(conv, windows, seq_len, pad_id):
-    """x, y, segment_ids [W, seq_len] int64 for packed windows. In each conversation position t predicts
-    token t + 1 where that token is an assistant token (else IGNORE_INDEX); the conversation's last
-    position predicts nothing, so no position predicts across conversations. Padding: pad_id, segment -1."""
+    """x, y, segment_ids [W, seq_len] int64 for packed windows: position t predicts token t + 1 where that is an
+    assistant token (else IGNORE_INDEX), never across conversations. Padding: pad_id, segment -1."""
     x, y, seg = (torch.full((len(windows), seq_len), fill, dtype=torch.int64) for fill in (pad_id, IGNORE_INDEX, -1))
     for w, members in enumerate(windows):
         pos = 0
@@ -156,9 +149,8 @@ def window_tensors(conv, windows, seq_len, pad_id):
 
 
 class PackedBatches(EpochBatches):
-    """Batches of packed windows (x, y, segment_ids), each [batch_size, seq_len] int64, in an order
-    reshuffled every epoch: conversations are permuted by (seed, epoch), then packed greedily, so the
-    windows are a pure function of (seed, epoch); resumable (data/dataset.py's EpochBatches)."""
+    """Batches of packed windows (x, y, segment_ids), each [batch_size, seq_len] int64: conversations permuted
+    by (seed, epoch), then packed greedily; resumable (data/dataset.py's EpochBatches)."""
 
     def __init__(self, conv, seq_len, batch_size, pad_id, seed=0):
         self.conv, self.seq_len, self.batch_size, self.pad_id, self.seed = conv, seq_len, batch_size, pad_id, seed

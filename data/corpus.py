@@ -1,12 +1,8 @@
-"""The default corpus: real English prose that every Python install carries.
+"""The default corpus, real English prose every Python install carries: the docstrings of the standard library's
+`.py` files (read with `ast`, nothing imported), one document per module, plus one per `pydoc_data.topics`
+topic: a few MB. Deterministic (sorted walk), cached under CACHE_DIR; every VAL_EVERY-th document is validation.
 
-It is the docstrings (module, class and function) of the standard library's `.py` files, read with `ast`
-(no module is imported), joined into one document per module, plus the language reference topics of
-`pydoc_data.topics` (one document per topic): a few MB. The build is deterministic (sorted walk), cached
-under CACHE_DIR, and every VAL_EVERY-th document goes to the held-out validation split.
-
-CACHE_DIR, where everything derived from a corpus is cached, is `data/cache/`, or the folder named by
-the environment variable MINIMIND_CACHE_DIR (read once, at import; the tests point it at a temp folder).
+CACHE_DIR, where everything derived from a corpus is cached: `data/cache/`, or $MINIMIND_CACHE_DIR (read at import).
 """
 import ast
 import contextlib
@@ -42,8 +38,7 @@ def parse_module(path):
 
 
 def pydoc_topics(stdlib):
-    """[(topic, text)] of `pydoc_data.topics` (the language reference pages), sorted by topic; read with
-    `ast`, not imported."""
+    """[(topic, text)] of `pydoc_data.topics` (the language reference pages), sorted by topic; read with `ast`."""
     path = os.path.join(stdlib, "pydoc_data", "topics.py")
     tree = parse_module(path) if os.path.exists(path) else None
     for node in tree.body if tree else []:
@@ -66,10 +61,8 @@ def iter_documents():
 
 
 def build_splits(cache_dir, name, version, records):
-    """Build (once) and return {'train': path, 'val': path}: jsonl files in `cache_dir/<name>-<key>/`, one
-    line per (split, object) of `records` (an iterator, read only when building). The key is the Python
-    version, the stdlib path and `version`; both files are written into a temp folder renamed into place,
-    so an interrupted build never leaves a partial cache."""
+    """Build (once, atomically) and return {'train': path, 'val': path}: jsonl files in `cache_dir/<name>-<key>/`,
+    a line per (split, object) of the iterator `records`; key: Python version, stdlib path and `version`."""
     key = hashlib.sha1(f"{sys.version}|{sysconfig.get_paths()['stdlib']}|{version}".encode()).hexdigest()[:12]
     out = os.path.join(cache_dir, f"{name}-{key}")
     paths = {s: os.path.join(out, f"{s}.jsonl") for s in ("train", "val")}
@@ -83,7 +76,6 @@ def build_splits(cache_dir, name, version, records):
 
 
 def default_corpus(cache_dir=CACHE_DIR):
-    """Build (once) and return {'train': path, 'val': path} of the default corpus as jsonl files of
-    {"text": ...} lines, MiniMind's pretraining format, so it goes through the same loader as user data."""
+    """{'train': path, 'val': path} of the default corpus: jsonl of {"text": ...} (MiniMind's pretraining format)."""
     return build_splits(cache_dir, "stdlib-docs", BUILDER_VERSION, (
         ("val" if i % VAL_EVERY == VAL_EVERY - 1 else "train", {"text": doc}) for i, doc in enumerate(iter_documents())))

@@ -1,22 +1,18 @@
-"""Token streams -> resumable batches of fixed-length windows.
-
-The streams are 1-D arrays of token ids (the memory-mapped token caches of data/shards.py, or any
-array): windows are gathered from them on demand, so nothing here holds a copy of the corpus.
-"""
+"""Token streams (1-D id arrays, e.g. data/shards.py's memmaps) -> resumable batches of fixed-length windows,
+gathered on demand: nothing here holds a copy of the corpus."""
 import numpy as np
 import torch
 
 from data.shards import entropy
-from data.sources import DataError  # noqa: F401  (re-exported: where the trainer and scripts look for it)
+from data.sources import DataError  # noqa: F401  (re-exported for train/ and scripts)
 
 # A label that predicts nothing (F.cross_entropy's default ignore_index): the loss mask travels in the labels
 IGNORE_INDEX = -100
 
 
 class EpochBatches:
-    """`next()`: the batch (`_batch(items)`) of the next batch_size items of `_epoch_items(generator)`, an
-    order that is a pure function of (seed, epoch), reshuffled every epoch (a batch may cross into the
-    next one), so `state_dict()` = {"epoch", "cursor"} resumes exactly."""
+    """`next()`: `_batch(items)` of the next batch_size items of `_epoch_items(generator)`, an order that is a pure
+    function of (seed, epoch) (a batch may cross epochs), so `state_dict()` = {"epoch", "cursor"} resumes exactly."""
 
     def _start_epoch(self, epoch, cursor=0):
         self.epoch, self.cursor = epoch, cursor
@@ -40,13 +36,9 @@ class EpochBatches:
 
 
 class WindowBatches(EpochBatches):
-    """Batches of (seq_len + 1)-token windows starting every seq_len tokens of a stream (neighbours share
-    one boundary token, so every token is predicted once per epoch), in an order reshuffled every epoch.
-
-    tokens: 1-D array of ids (np.memmap welcome: only the windows of a batch are read). `next()` returns
-    x, y: [B, S] int64 with y = x shifted by one; resumable (EpochBatches). Raises DataError if the stream
-    holds fewer than one window.
-    """
+    """Batches of (seq_len + 1)-token windows starting every seq_len tokens of `tokens` (1-D ids; a memmap is read
+    only where a batch is), reshuffled every epoch: every token is predicted once per epoch. `next()`: x, y
+    [B, S] int64, y = x shifted by one; resumable (EpochBatches). Raises DataError for under one window."""
 
     def __init__(self, tokens, seq_len, batch_size, seed=0, name="data"):
         self.tokens = tokens
@@ -67,8 +59,8 @@ class WindowBatches(EpochBatches):
 
 
 def fixed_windows(tokens, seq_len, max_tokens):
-    """The first windows of a stream (validation): [N, seq_len + 1] int64, about max_tokens tokens (only
-    those are read). A stream shorter than one window yields one shorter window."""
+    """The first windows of a stream (validation): [N, seq_len + 1] int64, about max_tokens tokens (only those
+    are read); a stream shorter than one window yields one shorter window."""
     n = max(1, min((len(tokens) - 1) // seq_len, max(1, max_tokens // seq_len)))
     if len(tokens) - 1 < seq_len:
         return torch.from_numpy(np.asarray(tokens, dtype=np.int64))[None, :]

@@ -1,16 +1,11 @@
 """A faster encoder for byte-level BPE tokenizers: the same ids from `tiktoken` when the tokenizer allows it.
 
-HF `tokenizers` and `tiktoken` implement the same algorithm for GPT-2-style byte-level BPE: split the text
-with GPT-2's regex, map each piece's bytes to tokens, then repeatedly merge the adjacent pair whose
-merged token has the lowest rank. HF ranks a pair by its merge's position in `merges`, tiktoken by the
-merged token's id, so the two agree exactly when ids grow with merge order, which is how `tokenizers`'
-BpeTrainer numbers them. tiktoken is several times faster, and encoding is most of corpus preparation.
-
-`tiktoken_for(tokenizer_json)` returns a tiktoken Encoding only for tokenizers it can reproduce (no
-normalizer, a plain ByteLevel pre-tokenizer with the GPT-2 regex, a BPE without dropout, prefixes,
-suffixes, byte fallback or ignore_merges, ids increasing with merge order, every byte in the vocab), and
-only after it gave the same ids as `tokenizers` on a set of probe texts (the caller also compares a
-sample of the corpus); otherwise None, and `tokenizers` is used.
+HF `tokenizers` and `tiktoken` run the same GPT-2 byte-level BPE (split with GPT-2's regex, then repeatedly
+merge the adjacent pair whose merged token ranks lowest). HF ranks by position in `merges`, tiktoken by the
+merged token's id: they agree when ids grow with merge order, as `tokenizers`' BpeTrainer numbers them.
+`tiktoken_for` returns an Encoding only for tokenizers it can reproduce (no normalizer, plain ByteLevel with the
+GPT-2 regex, BPE without dropout / prefixes / suffixes / byte fallback / ignore_merges, every byte in the vocab)
+and that match `tokenizers` on probe texts (the caller also compares a corpus sample); else None.
 """
 import json
 

@@ -1,12 +1,8 @@
-"""One entry point from "a data path or nothing" to (tokenizer, train tokens, val tokens), cached on disk.
+"""One entry point from "a data path or nothing" to (tokenizer, train tokens, val tokens), cached on disk:
+source (data/sources.py) -> tokenizer (given, or a BPE trained on a bounded sample) -> token cache (data/shards.py).
 
-    source (data/sources.py) -> tokenizer (given, or a BPE trained on a bounded sample) -> token cache
-    (data/shards.py: tokenized once in parallel, then memory-mapped)
-
-Everything derived from a corpus is keyed by content, under CACHE_DIR (`data/cache/`, or
-$MINIMIND_CACHE_DIR: data/corpus.py): the tokenizer by the source's fingerprint, vocab size and sample
-size; the token cache by the source's and the tokenizer's hashes. One process at a time prepares a
-given corpus (a file lock); another one waits, then reuses the result.
+Cached by content under CACHE_DIR (data/corpus.py): the tokenizer by source fingerprint, vocab size and sample
+size; the token cache by source and tokenizer hashes. One process at a time prepares a corpus (a file lock).
 """
 import contextlib
 import fcntl
@@ -31,20 +27,13 @@ PARALLEL_FROM_BYTES = 32 << 20  # below this a process pool costs more to start 
 def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=CACHE_DIR, log=print,
                  text_field="text", tokenizer_sample_mb=TOKENIZER_SAMPLE_MB, workers=None, progress=False,
                  engine="auto"):
-    """Load or build everything the trainer needs.
-
-    data_path None -> the embedded stdlib-docstring corpus (its own train/val files); otherwise anything
-    data/sources.py reads (file, directory, glob, save_to_disk folder, hf:NAME), of which every VAL_EVERY-th
-    document is held out for validation. tokenizer_dir None -> a byte-level BPE of `vocab_size` trained
-    on the first `tokenizer_sample_mb` MB of training documents (all of them when the corpus is smaller);
-    else that tokenizer. workers: tokenization processes (None: one per core, at most 8, for inputs over
-    PARALLEL_FROM_BYTES, else 0 = in this process). progress: show a progress bar while tokenizing.
-    engine: "auto" (tiktoken where it gives the tokenizer's ids, data/fast_bpe.py) or "tokenizers".
-
-    Returns dict(tokenizer, tokenizer_dir, train, val (1-D read-only np.memmap of token ids), index (the
-    cache's index.json: counts, bytes, entropy), source (description)). Raises DataError for missing,
-    empty or malformed input, naming the file and line.
-    """
+    """Load or build everything training needs. data_path None: the embedded stdlib-docstring corpus; else
+    anything data/sources.py reads, every VAL_EVERY-th document held out. tokenizer_dir None: a `vocab_size` BPE
+    trained on the first `tokenizer_sample_mb` MB of training documents. workers: tokenization processes (None:
+    one per core, at most 8, over PARALLEL_FROM_BYTES, else 0 = in process). engine: "auto" (tiktoken where it
+    gives the tokenizer's ids, data/fast_bpe.py) or "tokenizers".
+    Returns dict(tokenizer, tokenizer_dir, train, val (1-D read-only np.memmap of ids), index (the cache's
+    index.json), source (description)). Raises DataError for missing, empty or malformed input (file and line)."""
     os.makedirs(cache_dir, exist_ok=True)
     if data_path is None:  # the default corpus comes split in two files; a user corpus is one source
         paths = default_corpus(cache_dir)
@@ -81,8 +70,7 @@ def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=
 
 
 def split_documents(source, val_source):
-    """(split, text, where) for every document: val_source's are "val"; without one, every VAL_EVERY-th
-    document of source is."""
+    """(split, text, where) per document: val_source's are "val"; without one, every VAL_EVERY-th of source."""
     for i, (text, where) in enumerate(source.documents()):
         yield ("val" if val_source is None and i % VAL_EVERY == VAL_EVERY - 1 else "train"), text, where
     if val_source is not None:
@@ -147,9 +135,8 @@ def _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cach
 
 
 def _cache_entry(cache_dir, kind, key, chars):
-    """cache_dir/<kind>-<first `chars` hex digits of sha1(key)>, once the temp folders of an interrupted build
-    of it are removed (data/atomic.py names them .<name>.tmp... / .old...; called under the corpus's lock,
-    so no live build of it owns them)."""
+    """cache_dir/<kind>-<`chars` hex digits of sha1(key)>, with an interrupted build's temps (.<name>.tmp... /
+    .old..., data/atomic.py) removed; called under the corpus's lock, so no live build owns them."""
     name = f"{kind}-{hashlib.sha1(key.encode()).hexdigest()[:chars]}"
     for leftover in glob.glob(os.path.join(cache_dir, f".{name}.tmp*")) + glob.glob(os.path.join(cache_dir, f".{name}.old*")):
         shutil.rmtree(leftover, ignore_errors=True) if os.path.isdir(leftover) else os.remove(leftover)

@@ -1,17 +1,11 @@
-"""The default fine-tuning set: questions about the Python standard library, answered from its own text.
+"""The default fine-tuning set: questions about the Python standard library, answered from its own text (`ast`).
 
-Built offline from what every Python install carries, with `ast` (no module is imported):
-- for each public function, class and method with a docstring: "What does `json.dumps` do?" -> the first
-  paragraph of its docstring (at most two sentences); "What is the signature of `json.dumps`?" -> the
-  signature written from the `def` line;
-- for each topic of `pydoc_data.topics`: "Explain `assert` in Python." -> the topic's first paragraph.
-Every fourth conversation has a system turn, and every third is two question/answer rounds about two
-names of one module (multi-turn). Conversations are jsonl lines `{"conversations": [{"role", "content"},
-...]}`, MiniMind's SFT format, so the default set goes through the same loader as user data.
-
-Held out by name: every question about a name whose sha1 is 0 mod 20 is in the validation file, so the
-held-out answers are about functions never seen in fine-tuning. The build is deterministic (sorted walk,
-fixed seed) and cached under CACHE_DIR (data/corpus.py) like the pretraining corpus.
+- each public documented function, class and method: "What does `json.dumps` do?" -> its docstring's first
+  paragraph (at most two sentences); "What is the signature of `json.dumps`?" -> written from the `def` line;
+- each `pydoc_data.topics` topic: "Explain `assert` in Python." -> the topic's first paragraph.
+About one conversation in four has a system turn, one in three is two rounds about two names of one module.
+Written as MiniMind's SFT jsonl (`{"conversations": [...]}`). Held out by name (sha1 = 0 mod 20), so validation
+asks about functions never seen in fine-tuning. Deterministic (sorted walk, fixed seed), cached under CACHE_DIR.
 """
 import ast
 import hashlib

@@ -1,20 +1,14 @@
-"""Token caches on disk: a corpus tokenized once, in parallel and in bounded memory, then read by
-`np.memmap`, so training memory does not grow with the corpus (nanoGPT's `.bin` idea).
+"""Token caches on disk: a corpus tokenized once, in parallel and in bounded memory, then read by `np.memmap`,
+so training memory does not grow with the corpus (nanoGPT's `.bin` idea).
 
-A prepared corpus is a folder `tokens-<key>/` holding, per split (`train`, `val`):
-- `<split>.bin`: the token ids of every document followed by the eos id, back to back, raw little-endian
-  `uint16` while the vocabulary fits (else `uint32`);
-- `<split>.docs.bin`: int64 start offset of every document in `<split>.bin`;
-and `index.json`: dtype, per-split token / document / UTF-8 byte counts, the tokenizer's and the source's
-hashes, and the validation split's unigram entropy (nats). The folder is written into a temp folder and
-renamed into place (data/atomic.py), so a crash or a malformed line never leaves a partial cache; an
-index that does not match its files is detected on open (`open_token_cache` returns None: rebuild).
-
-Tokenization runs in a pool of processes (`workers`; processes rather than the tokenizer's own threads,
-because turning ids into arrays is single-threaded Python work), each on batches of about `BATCH_BYTES`
-of text, with tiktoken where it reproduces the tokenizer exactly (data/fast_bpe.py), else HF
-`tokenizers`' batch encoder; at most two batches per worker are in flight, so preparation memory is
-bounded whatever the corpus size.
+A folder `tokens-<key>/` holds per split: `<split>.bin`, every document's ids followed by eos, back to back, raw
+little-endian uint16 while the vocabulary fits (else uint32); `<split>.docs.bin`, int64 document start offsets;
+and `index.json`: dtype, per-split token / document / UTF-8 byte counts, tokenizer and source hashes, the val
+split's unigram entropy (nats). Written atomically (data/atomic.py); `open_token_cache` returns None for an
+index that does not match its files (rebuild).
+Tokenization runs in `workers` processes (converting ids to arrays is single-threaded Python work) on batches
+of about BATCH_BYTES, with tiktoken where it reproduces the tokenizer (data/fast_bpe.py), else `tokenizers`;
+at most two batches per worker are in flight, so memory is bounded whatever the corpus size.
 """
 import itertools
 import json
@@ -49,8 +43,7 @@ def _make_encoder(tokenizer_json, use_tiktoken):
 
 
 def _init_worker(tokenizer_json, use_tiktoken, parent_pid):
-    """A pool worker. On Linux it gets SIGKILL when the preparing process dies (a kill -9 leaves no orphan
-    holding the cache lock it inherited with the fork); a forked one already holds the parent's encoder."""
+    """A pool worker; on Linux it gets SIGKILL when the parent dies (no orphan keeps the inherited cache lock)."""
     global _encoder
     if sys.platform.startswith("linux"):
         import ctypes
@@ -63,8 +56,7 @@ def _init_worker(tokenizer_json, use_tiktoken, parent_pid):
 
 
 def _encode_batch(texts, eos_id, dtype):
-    """texts -> (ids of every text each followed by eos_id [dtype], tokens per text incl. eos [int64],
-    UTF-8 bytes per text [int64])."""
+    """texts -> (ids of every text each followed by eos_id [dtype], tokens per text incl. eos, UTF-8 bytes per text)."""
     encoded = _encoder(texts)
     lengths = np.fromiter((len(x) + 1 for x in encoded), dtype=np.int64, count=len(encoded))
     ids = np.empty(int(lengths.sum()), dtype=dtype)
@@ -77,9 +69,8 @@ def _encode_batch(texts, eos_id, dtype):
 
 
 class TokenEncoder:
-    """Encodes batches of texts in `workers` processes (0: in this process), with tiktoken where it gives
-    the tokenizer's ids (also checked on `first_texts`). Use as a context manager; `map(batches)` yields
-    (batch, `_encode_batch` result) in input order. `engine` names the encoder used."""
+    """Context manager encoding batches in `workers` processes (0: in this one), with tiktoken where it gives the
+    tokenizer's ids (also on `first_texts`); `map(batches)` yields (batch, `_encode_batch` result) in order."""
 
     def __init__(self, tokenizer_json, eos_id, dtype, workers, first_texts=(), engine="auto"):
         self.tokenizer_json, self.eos_id, self.dtype, self.workers = tokenizer_json, eos_id, dtype, workers
@@ -95,8 +86,7 @@ class TokenEncoder:
         global _encoder
         _encoder = _make_encoder(self.tokenizer_json, self.use_tiktoken)  # once; forked workers inherit it
         if self.workers > 0:
-            # fork where it is safe (Linux), as torch's DataLoader does: workers start at once and share the
-            # parent's memory (a spawned one would import the trainer again)
+            # fork where it is safe (Linux), as torch's DataLoader does (a spawned worker re-imports the caller)
             method = "fork" if sys.platform.startswith("linux") else "spawn"
             saved = os.environ.get("TOKENIZERS_PARALLELISM")
             os.environ["TOKENIZERS_PARALLELISM"] = "false"  # set before the fork: no fork warning from tokenizers
@@ -164,10 +154,9 @@ class _SplitWriter:
 
 def build_token_cache(path, documents, tokenizer_json, eos_id, vocab_size, meta, workers=0, progress=None,
                       engine="auto"):
-    """Tokenize `documents` ((split, text, where), split "train" or "val") into the folder `path`, or leave
-    nothing there on any exception (e.g. the iterator's DataError for a malformed line). `meta` (dict) goes
-    into index.json; `progress`: None or a callable(n_chars) called per batch; engine: "auto" (tiktoken
-    where it reproduces the tokenizer) or "tokenizers". Returns the index dict."""
+    """Tokenize `documents` ((split, text, where)) into the folder `path`, or leave nothing there on any exception
+    (e.g. DataError for a malformed line). `meta` goes into index.json; `progress`: None or callable(n_chars) per
+    batch; engine: "auto" (tiktoken where it reproduces the tokenizer) or "tokenizers". Returns the index dict."""
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32  # while every id fits
     with atomic_dir(path) as tmp:
         writers = {s: _SplitWriter(tmp, s) for s in SPLITS}
@@ -203,9 +192,8 @@ def build_token_cache(path, documents, tokenizer_json, eos_id, vocab_size, meta,
 
 
 def _tail_as_validation(folder, dtype, splits, tokenizer_json, vocab_size):
-    """Too few held-out documents (a corpus of a handful of documents): the held-out documents go back at
-    the end of the training stream, and validation becomes the last max(5%, 2) tokens of it, which is cut
-    there. Returns the new split counts and the validation token counts per id."""
+    """Too few held-out documents: they go back at the end of the training stream, and its last max(5%, 2) tokens
+    become validation. Returns the new split counts and the validation token counts per id."""
     from tokenizers import Tokenizer
     file = {name: os.path.join(folder, name) for name in ("train.bin", "val.bin", "train.docs.bin", "val.docs.bin")}
     stream = np.concatenate([np.fromfile(file["train.bin"], dtype=dtype), np.fromfile(file["val.bin"], dtype=dtype)])
@@ -231,9 +219,8 @@ def entropy(counts):
 
 
 def open_token_cache(path):
-    """Open a prepared corpus: an object with `train` and `val`, read-only np.memmap token arrays (1-D, the
-    index's dtype; empty arrays for an empty split), `index` (the parsed index.json) and `path`. None when
-    it is absent, or when index.json does not match the files (the caller rebuilds it)."""
+    """A prepared corpus: `train`, `val` (read-only 1-D np.memmap in the index's dtype; empty for an empty split),
+    `index` (parsed index.json), `path`. None when absent or when index.json does not match the files."""
     try:
         with open(os.path.join(path, "index.json"), encoding="utf-8") as f:
             index = json.load(f)

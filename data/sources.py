@@ -1,19 +1,14 @@
-"""The formats people have, read as one stream of documents, in constant memory.
-
-`--data_path` may be:
-- a file: `.jsonl` (one JSON object per line, the text in `--text_field`, default "text": MiniMind's
-  pretraining format), `.json` (the same, or one JSON array of such objects: read whole, so keep big
-  corpora in jsonl), `.txt` (paragraphs separated by a blank line are the documents), `.parquet`
-  (the `--text_field` column);
-- a directory: every such file under it (recursively, sorted by path, hidden files skipped), or a folder
-  written by `datasets.Dataset.save_to_disk` (a `DatasetDict` folder: its "train" split);
-- a glob such as `shards/*.jsonl` (quote it so the shell does not expand it);
-- `hf:NAME` (or `hf:NAME:CONFIG`): a dataset read by `datasets.load_dataset(NAME, split="train",
-  streaming=True)`: a hub name when there is network, or a local folder of data files.
-
-`DocumentSource.documents()` yields `(text, where)`, where `where` names the file and line (or row) for
-error messages; empty and whitespace-only documents are skipped. A malformed record raises `DataError`
-naming its file and line when the reader reaches it, so checking the input takes no pass of its own.
+"""The formats people have, read as one stream of documents, in constant memory. `--data_path` may be:
+- a file: `.jsonl` (a JSON object per line, the text in `--text_field`, default "text": MiniMind's pretraining
+  format), `.json` (the same, or one JSON array, read whole), `.txt` (blank-line-separated paragraphs),
+  `.parquet` (the `--text_field` column);
+- a directory: every such file under it (recursive, sorted, hidden skipped), or a `save_to_disk` folder
+  (of a `DatasetDict`: its "train" split);
+- a glob such as `shards/*.jsonl` (quoted, so the shell does not expand it);
+- `hf:NAME` (or `hf:NAME:CONFIG`): `datasets.load_dataset(NAME, split="train", streaming=True)`, a hub name or a
+  local folder of data files.
+`DocumentSource.documents()` yields `(text, where)` (file and line or row), skipping blank documents; a
+malformed record raises `DataError` naming file and line when the reader reaches it (no separate check pass).
 """
 import glob
 import hashlib
@@ -27,9 +22,8 @@ class DataError(ValueError):
 
 @dataclass
 class DocumentSource:
-    """Where the documents come from: `files` (sorted paths of one kind each), or `dataset_dir` (a
-    save_to_disk folder), or `hub` (a name for datasets.load_dataset). `text_field` names the text column
-    of jsonl, parquet and datasets. `total_bytes`: size of the input on disk (for progress; 0 = unknown)."""
+    """Where the documents come from: `files` (sorted paths), `dataset_dir` (a save_to_disk folder) or `hub` (a
+    datasets.load_dataset name); `text_field`: the text column. `total_bytes`: input size on disk (0 = unknown)."""
     description: str
     text_field: str = "text"
     files: tuple = ()
@@ -54,10 +48,8 @@ class DocumentSource:
                 yield from FILE_KINDS[os.path.splitext(path)[1].lower()](path, self.text_field)
 
     def fingerprint(self, memo=None):
-        """Content hash (hex, 16 chars) of the input and of how it is read (kind, text field). A hub
-        dataset is keyed by its name only (its content is not read to compute a key); a local folder
-        given as hf:DIR by its files. `memo`: a dict {path|size|mtime: sha1} reused across calls so a
-        warm start does not re-read gigabytes."""
+        """Content hash (16 hex) of the input and how it is read. A hub dataset is keyed by name, hf:DIR by its
+        files. `memo`: a dict {path|size|mtime: sha1} kept across calls, so a warm start re-reads nothing."""
         h = hashlib.sha1(f"text_field={self.text_field}".encode())
         files = self._local_files()
         if self.hub is not None:
@@ -123,8 +115,7 @@ def file_sha1(path, memo=None):
 
 
 def _decoded_lines(path):
-    """(line number, str) of a file read as UTF-8 (a leading byte-order mark dropped), newlines "\\r\\n" and
-    "\\r" turned into "\\n" as Python's text mode does (a bare "\\r" ends a line too)."""
+    """(line number, str) of a UTF-8 file (BOM dropped), "\\r\\n" and a bare "\\r" read as "\\n" (as text mode)."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
@@ -162,8 +153,7 @@ def _jsonl_documents(path, field):
 
 
 def jsonl_records(path):
-    """(parsed object, "file:line") for every non-blank line of a jsonl file. Raises DataError naming
-    file:line for bytes that are not UTF-8 or a line that is not JSON."""
+    """(parsed object, "file:line") per non-blank jsonl line. Raises DataError (file:line) for non-UTF-8 or non-JSON."""
     for lineno, line in _decoded_lines(path):
         if not line.strip():
             continue
@@ -174,8 +164,7 @@ def jsonl_records(path):
 
 
 def _txt_documents(path, _field):
-    """Paragraphs: the text split on "\\n\\n" (the rule of datasets' text loader with sample_by="paragraph"),
-    without a final newline's empty piece; each named by the line it starts on."""
+    """Paragraphs: the text split on "\\n\\n" (datasets' text loader, sample_by="paragraph"), named by first line."""
     buf, start = "", 1
     for lineno, line in _decoded_lines(path):
         if not buf:

@@ -1,8 +1,6 @@
 """Byte-level BPE tokenizer trained with HF `tokenizers`, saved so `AutoTokenizer.from_pretrained` loads it.
-
-Special tokens (fixed ids): 0 `<|endoftext|>` (document separator, pad and pretraining EOS),
-1 `<|im_start|>` and 2 `<|im_end|>` (chat turns, ChatML as in MiniMind / Qwen).
-"""
+Special tokens (fixed ids): 0 `<|endoftext|>` (document separator, pad, pretraining EOS), 1 `<|im_start|>` and
+2 `<|im_end|>` (chat turns, ChatML as in MiniMind / Qwen)."""
 import json
 import os
 
@@ -13,9 +11,8 @@ from data.sources import DataError
 from data.atomic import atomic_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# ChatML. The {% generation %} block marks what an assistant turn is trained on (its content and its
-# <|im_end|>): transformers' apply_chat_template(return_assistant_tokens_mask=True) turns it into the SFT
-# loss mask. Rendering ignores the marks, so the text is plain ChatML.
+# ChatML; {% generation %} marks what an assistant turn is trained on (content and <|im_end|>), the SFT loss mask
+# of apply_chat_template(return_assistant_tokens_mask=True). Rendering ignores the marks: plain ChatML.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' }}"
@@ -28,9 +25,8 @@ CHAT_TEMPLATE = (
 
 
 def token_byte_lengths(tokenizer):
-    """int64 [len(tokenizer)]: UTF-8 bytes of the text each token id stands for (0 for special tokens), for
-    bits per byte. Byte-level BPE tokens are read through GPT-2's byte alphabet (exact, also for tokens
-    holding part of a character); other tokenizers through `decode` of the single id."""
+    """int64 [len(tokenizer)]: UTF-8 bytes each token id stands for (0 for specials), for bits per byte; exact via
+    GPT-2's byte alphabet for byte-level BPE tokens (even part of a character), else `decode` of the id."""
     import numpy as np
     from data.fast_bpe import _byte_decoder
     special, to_byte = set(tokenizer.all_special_ids), _byte_decoder()
@@ -48,10 +44,8 @@ def stop_token_ids(tokenizer):
 
 
 def train_tokenizer(texts, vocab_size=6400):
-    """Train a byte-level BPE on an iterable of str. Returns a `PreTrainedTokenizerFast`.
-
-    Raises ValueError if vocab_size cannot hold the 256 byte symbols plus the special tokens.
-    """
+    """A `PreTrainedTokenizerFast` byte-level BPE trained on an iterable of str. Raises ValueError if vocab_size
+    cannot hold the 256 bytes plus the special tokens."""
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size={vocab_size} must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens)")
     tok = Tokenizer(models.BPE())
@@ -68,14 +62,14 @@ def train_tokenizer(texts, vocab_size=6400):
 
 
 def save_tokenizer(tokenizer, out_dir):
-    """Write tokenizer files atomically: into a temp dir next to out_dir, then rename over it."""
+    """Write the tokenizer files into out_dir atomically (data/atomic.py)."""
     with atomic_dir(out_dir) as tmp:
         tokenizer.save_pretrained(tmp)
 
 
 def load_tokenizer(folder):
-    """AutoTokenizer.from_pretrained(folder), or DataError naming the file that is wrong: malformed JSON (with
-    its line and column), or a tokenizer.json that transformers cannot read as a tokenizer."""
+    """AutoTokenizer.from_pretrained(folder), or DataError naming the bad file: malformed JSON (line and column),
+    or a tokenizer.json transformers cannot load."""
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         path = os.path.join(folder, name)
         if os.path.isfile(path):

@@ -1,11 +1,8 @@
-"""Checkpoints: fp32 weights, optimizer, step, data position, RNG state, config and args in one file,
-written atomically (temp file in the same directory, fsync, `os.replace`), loaded strictly.
-
-Every checkpoint carries a SHA-256 of its tensors (`checksum`), verified on every load: a flipped bit
-inside a tensor is reported, never loaded. (torch.load itself only notices damage to the container.)
-A run folder is claimed by one run at a time (`claim_run_dir`: an flock on out_dir/.lock that the kernel
-drops when the holder dies) and never overwritten by accident. HF exports carry the same SHA-256 in the metadata of model.safetensors (`safetensors_metadata`), which
-`load_safetensors` / `load_hf_checked` verify; transformers ignores the entry.
+"""Checkpoints: fp32 weights, optimizer, step, data position, RNG state, config and args in one file, written
+atomically (data/atomic.py), loaded strictly. Each carries a SHA-256 of its tensors (`checksum`), verified on
+every load, so a flipped bit is reported, never loaded (torch.load only notices a damaged container); HF exports
+carry it in model.safetensors' metadata (`safetensors_metadata`, checked by `load_safetensors`). A run folder
+is claimed by one run at a time (`claim_run_dir`: an flock on out_dir/.lock, dropped when the holder dies).
 """
 import fcntl
 import hashlib
@@ -23,16 +20,13 @@ from model.hf_adapter import is_hf_folder
 
 CKPT_NAME = "ckpt.pt"
 HF_CHECKSUM_KEY = "minimind_tensors_sha256"  # safetensors metadata entry written by export_hf.py
-
-
 LOCK_NAME = ".lock"
 _TEMP = re.compile(r"^\..+\.(tmp|old)[^/]*$")  # atomic_file / atomic_dir leftovers
 
 
 def claim_run_dir(out_dir, resuming, overwrite, is_main):
-    """Create out_dir, refuse it when it holds another run, lock it (rank 0) and clean temp leftovers.
-    Returns the open lock file (keep it for the run; closing it releases the lock) or None on other ranks.
-    Raises ValueError naming the directory and what to do."""
+    """Create out_dir, refuse it when it holds another run, lock it (rank 0) and clean temp leftovers. Returns the
+    open lock file (closing it releases the lock), None on other ranks. Raises ValueError saying what to do."""
     os.makedirs(out_dir, exist_ok=True)
     ckpt = os.path.join(out_dir, CKPT_NAME)
     if not resuming and not overwrite and os.path.exists(ckpt):
@@ -66,9 +60,8 @@ def remove_temp_leftovers(out_dir):
 
 
 def abandon_run_dir(out_dir, lock):
-    """Rank 0, when a run fails before training in a folder it created: remove the folder if it holds
-    nothing but the lock, the tokenizer copy and temp leftovers (a refused run leaves nothing behind),
-    and release the lock."""
+    """Rank 0, a run failed before training: release the lock and remove out_dir if it holds nothing but the
+    lock, the tokenizer copy and temp leftovers (a refused run leaves nothing behind)."""
     keep = [n for n in os.listdir(out_dir) if n not in (LOCK_NAME, "tokenizer") and not _TEMP.match(n)]
     if not keep:
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -93,8 +86,8 @@ def atomic_torch_save(obj, path):
 
 
 def save_checkpoint(path, model, optimizer=None, extra=None):
-    """Write {"model": fp32 CPU state_dict, "optimizer", "config", **extra, "checksum"} atomically (the loop's
-    extra: the TrainState's state_dict, the flags as "args", the data identity and the world size)."""
+    """Write {"model": fp32 CPU state_dict, "optimizer", "config", **extra, "checksum"} atomically (train/loop.py's
+    extra: TrainState, the flags as "args", the data identity, the world size)."""
     model = unwrap(model)
     state = {"model": {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
                        for k, v in model.state_dict().items()},
@@ -165,9 +158,8 @@ def read_saved_flags(path):
 
 
 def check_weights_fit_config(ckpt, path):
-    """Raise ValueError (one line, naming the file) unless ckpt["config"] is a valid MiniMindConfig and
-    ckpt["model"] has exactly its tensors with their shapes. The reference model is built on the meta
-    device: no memory, no compute."""
+    """Raise ValueError (one line, naming the file) unless ckpt["config"] is a valid MiniMindConfig and ckpt["model"]
+    has exactly its tensors and shapes (checked against a model on the meta device)."""
     from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
     if not isinstance(ckpt["config"], dict) or not isinstance(ckpt["model"], dict):
         raise ValueError(f"{path}: not a checkpoint (its config or model entry is not a dict)")
@@ -199,15 +191,13 @@ def _one_line(e, limit=200):
 
 
 def safetensors_metadata(state):
-    """Metadata for `safetensors.torch.save_file(state, path, metadata=...)`: the format tag transformers
-    expects and the SHA-256 of the tensors (`tensor_checksum`), which `load_safetensors` verifies."""
+    """`metadata=` for safetensors' save_file: transformers' format tag and the tensors' `tensor_checksum`."""
     return {"format": "pt", HF_CHECKSUM_KEY: tensor_checksum({"tensors": state})}
 
 
 def load_safetensors(path):
-    """The tensors of one .safetensors file (CPU). Raises ValueError (one line, naming the file) for a file
-    that is not readable safetensors or whose tensors do not match the SHA-256 in its metadata. A file
-    without that entry (not written by export_hf.py) is loaded unchecked: nothing to check it against."""
+    """The tensors of one .safetensors file (CPU). Raises ValueError (one line, naming the file) when unreadable or
+    not matching the SHA-256 in its metadata; a file without one (not from export_hf.py) loads unchecked."""
     from safetensors import safe_open
     try:
         with safe_open(path, "pt") as f:
@@ -222,10 +212,9 @@ def load_safetensors(path):
 
 
 def load_hf_checked(hf_dir):
-    """MiniMindForCausalLM (fp32) from a Qwen3 / Qwen3-MoE HF folder (config.json + *.safetensors: an export
-    of ours or any such model), strictly; every problem is a one-line ValueError naming the file:
-    config.json that is not JSON or not a config we can express, unreadable weights, a checksum mismatch,
-    weights that do not fit the config (a missing or extra tensor, a wrong shape)."""
+    """MiniMindForCausalLM (fp32) from a Qwen3 / Qwen3-MoE HF folder (config.json + *.safetensors), strictly. Every
+    problem (bad or inexpressible config, unreadable weights, checksum mismatch, a missing / extra / misshapen
+    tensor) is a one-line ValueError naming the file; FileNotFoundError without config.json or weights."""
     import glob
     import json
 
@@ -269,8 +258,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def weights_source(args):
-    """(model to start from or None, tokenizer dir or None). A resumed or initialised run uses the
-    tokenizer saved next to its weights, even when the data cache is gone."""
+    """(model to start from or None, tokenizer dir or None); a resumed / initialised run uses its own tokenizer."""
     init_model, source_dir = None, None
     if args.resume:
         source_dir = os.path.dirname(os.path.abspath(args.resume))

@@ -13,10 +13,8 @@ METRICS_NAME = "metrics.jsonl"
 
 
 class MetricsLog:
-    """Records of this run: `records` (list of dicts with "step") mirrored to out_dir/metrics.jsonl.
-
-    On resume the file keeps what was logged up to the checkpoint's step and drops the rest (rewritten
-    atomically). A new run starts an empty file."""
+    """`records` (dicts with "step") mirrored to out_dir/metrics.jsonl. On resume the file keeps the records up to
+    the checkpoint's step (rewritten atomically); a new run starts an empty file."""
 
     def __init__(self, out_dir, resume_step, is_main, wandb_run=None):
         self.path = os.path.join(out_dir, METRICS_NAME)
@@ -49,9 +47,8 @@ class MetricsLog:
 
 
 def read_records(path):
-    """The records of a metrics.jsonl. A line that is not a JSON object with a "step" (a line torn by a
-    kill or a full disk, a blank line) is skipped with a warning that names the file and line: a damaged
-    log must not block a resume."""
+    """The records of a metrics.jsonl; a line that is not a JSON object with a "step" (torn by a kill or a full
+    disk) is skipped with a warning naming file and line, so a damaged log does not block a resume."""
     records = []
     with open(path, encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):
@@ -81,10 +78,9 @@ def open_wandb(args, config, out_dir):
 
 
 class Progress:
-    """tqdm bar over the optimizer steps (rank 0 only), essential fields first so that it fits 80 columns:
-    `pretrain 160/1300 00:31<03:40 loss 3.123 10.7k tok/s lr 3.0e-03 load 1.21 idle 0` (load: the largest
-    max/mean expert load over the layers, 1.0 = balanced; idle: experts without a token). `say` prints a
-    line above it."""
+    """tqdm bar over the optimizer steps (rank 0), fitting 80 columns: `pretrain 160/1300 00:31<03:40 loss 3.123
+    10.7k tok/s lr 3.0e-03 load 1.21 idle 0` (load: largest max/mean expert load over layers, 1.0 = balanced;
+    idle: experts without a token). `say` prints a line above it."""
 
     def __init__(self, label, start_step, max_steps, enabled, log):
         self.log = log
@@ -111,8 +107,7 @@ class LoadTelemetry:
     """Sums the per-step loads over a logging interval and over the run."""
 
     def __init__(self):
-        self.interval = None
-        self.total = None
+        self.interval = self.total = None
 
     def add(self, load_LE):
         if load_LE is None:
@@ -131,8 +126,7 @@ class LoadTelemetry:
                 "idle_experts": idle.tolist()}
 
     def state_dict(self):
-        """The interval's and the run's sums (int64 [L, E] CPU tensors or None), for the checkpoint: a
-        resumed run logs the same loads as an uninterrupted one."""
+        """The interval's and the run's sums (int64 [L, E] CPU tensors or None), so a resume logs the same loads."""
         return {k: None if v is None else v.cpu() for k, v in (("interval", self.interval), ("total", self.total))}
 
     def load_state_dict(self, state):
@@ -152,9 +146,8 @@ def wandb_fields(fields):
 
 
 def plot_loss_curve(records, path, unigram_entropy=None, bpb_per_nat=None):
-    """records: dicts with "step" and "train_loss" and/or "val_loss". With bpb_per_nat (the validation
-    set's bits per byte for a loss of 1 nat/token) a right axis reads the validation loss in bits per byte.
-    Writes a PNG atomically."""
+    """PNG (atomic) of records' "train_loss" / "val_loss" by "step"; bpb_per_nat (validation bits per byte at 1
+    nat/token) adds a right axis in bits per byte."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -182,8 +175,7 @@ def plot_loss_curve(records, path, unigram_entropy=None, bpb_per_nat=None):
 
 
 def plot_expert_load(fraction_LE, path, title="share of routed tokens per expert"):
-    """Heatmap of layers x experts (fraction of each layer's routed pairs; 1/E everywhere = balanced).
-    fraction_LE: nested lists or an array [L, E]. Writes a PNG atomically."""
+    """PNG (atomic) heatmap of fraction_LE [L, E] (each layer's share of routed pairs; 1/E everywhere = balanced)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -37,9 +37,8 @@ def add_data_flags(g):
 
 
 def chat_tokenizer(tokenizer_dir, log):
-    """The tokenizer, with our ChatML template (and its {% generation %} mask) when its own template lacks
-    one and it has the ChatML tokens; saved under data/cache so the run folder gets the template too.
-    Returns (tokenizer, folder it loads from)."""
+    """(tokenizer, folder it loads from): with our ChatML template (and {% generation %} mask) when its own lacks
+    one, saved under CACHE_DIR so the run folder gets the template too. Raises DataError without <|im_end|>."""
     tok = load_tokenizer(tokenizer_dir)
     if "{% generation %}" in str(tok.chat_template or ""):
         return tok, tokenizer_dir
@@ -65,8 +64,7 @@ def held_out_split(conv, path, every=20):
 
 
 def load_data(args, tokenizer_dir, global_batch_size, log):
-    """Conversations -> packed windows of assistant-masked labels, for training (reshuffled every epoch)
-    and evaluation (the held-out conversations in file order)."""
+    """Conversations -> packed assistant-masked windows: training (reshuffled per epoch), evaluation (file order)."""
     if tokenizer_dir is None:
         raise DataError("no tokenizer: fine-tuning starts from trained weights (--init_from) or takes --tokenizer")
     tokenizer, tokenizer_dir = chat_tokenizer(tokenizer_dir, log)

@@ -1,13 +1,11 @@
 """CPU thread count chosen by measurement while training, so a busy machine does not stall the run.
 
-torch's CPU kernels run as OpenMP teams that meet at a barrier after every parallel region: when another
-process holds one of the cores, every region waits for the descheduled thread, and fewer threads can be
-much faster (`scripts/bench/bench_step.py --busy 1` measures it). `ThreadTuner` times every step (median of
-the last `window`), and right after the start, then every `probe_every` steps, runs `window` steps at half
-or double the count, keeping whichever is >= 7% faster; a losing probe doubles the wait (up to
-`max_probe_every`), a 30% change of the step time brings the next probe forward. The thread count does
-not change this model's step results (scripts/test_cpu_speed.py checks it bitwise), so runs stay
-reproducible.
+torch's CPU kernels are OpenMP teams meeting at a barrier after every parallel region: when another process
+holds a core, every region waits for the descheduled thread, and fewer threads can be much faster
+(`scripts/bench/bench_step.py --busy 1`). `ThreadTuner` times every step (median of the last `window`); at the
+start, then every `probe_every` steps, it runs `window` steps at half or double the count and keeps whichever
+is >= 7% faster; a losing probe doubles the wait (up to `max_probe_every`), a 30% change of step time brings
+the next probe forward. Step results do not depend on the count (scripts/test_cpu_speed.py checks it bitwise).
 """
 import statistics
 
@@ -23,8 +21,8 @@ def halving(n):
 
 
 class ThreadTuner:
-    """observe(step_seconds) after every step; sets torch.set_num_threads when a count wins and logs the
-    switch. Raises ValueError on max_threads < 1."""
+    """observe(step_seconds) after every step; sets and logs torch.set_num_threads when a count wins. Raises
+    ValueError on max_threads < 1."""
 
     def __init__(self, max_threads, window=4, probe_every=50, max_probe_every=800, log=print):
         if max_threads < 1:

@@ -10,9 +10,9 @@ Engines mode: the main job's model (D=256, 4 layers, E=4 top-2, F=384, batch 16 
 `--use_moe 0`) on random tokens, full AdamW steps (forward, backward, clipping, optimizer); each variant
 is a freshly built model with the same weights, run in rounds (`--rounds` x `--steps` steps per variant
 per round) so that machine drift hits all alike; tokens/s = total tokens / total time of the timed rounds.
-Variants: fp32 with torch's nn.Linear (MKL; the engines before issue 14), fp32 with the oneDNN linears
-(kernels/cpu_linear.py), bf16 autocast with torch's SDPA, bf16 with the written-out attention, then with
-the chunked LM-head loss (kernels/linear_cross_entropy.py), then with torch's fused AdamW (the trainer's).
+Variants: the plain model (nn.Linear on MKL, SDPA) in fp32, with the oneDNN linears, the plain model
+under bf16 autocast, then adding kernels/swap.py's swaps one by one (written-out attention, chunked
+LM-head loss, fused MoE engines) and torch's fused AdamW: the last is what the trainer runs.
 
 Busy mode (`--busy N`): starts N single-threaded busy loops first (the other jobs of a shared machine) and
 times 1, 2, ... threads, printing each as a share of the idle figure measured just before.
@@ -43,27 +43,52 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from kernels import swap as S  # noqa: E402
+from kernels.cpu_linear import OneDNNLinear  # noqa: E402
 from kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
-from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
+from model.model_minimind import Attention, MiniMindConfig, MiniMindForCausalLM  # noqa: E402
+from model.moe import MOEFeedForward  # noqa: E402
 
-VARIANTS = {  # name: (linear_backend, attn_impl, autocast bf16, lm_loss_impl, fused AdamW)
-    "fp32 MKL linears, sdpa": ("torch", "sdpa", False, "torch", False),
-    "fp32 oneDNN linears, sdpa": ("auto", "sdpa", False, "torch", False),
-    "bf16, sdpa": ("auto", "sdpa", True, "torch", False),
-    "bf16, explicit attention": ("auto", "explicit", True, "torch", False),
-    "+ chunked LM loss": ("auto", "explicit", True, "chunked", False),
-    "+ fused AdamW": ("auto", "explicit", True, "chunked", True),
+# name: (autocast bf16, the swaps of kernels/swap.py applied, fused AdamW); the last is what the trainer runs
+VARIANTS = {
+    "plain PyTorch, fp32": (False, (), False),
+    "fp32, oneDNN linears": (False, ("linear",), False),
+    "plain PyTorch, bf16": (True, (), False),
+    "bf16, explicit attention": (True, ("attention",), False),
+    "+ chunked LM loss": (True, ("attention", "loss"), False),
+    "+ fused MoE engines": (True, ("attention", "loss", "moe"), False),
+    "+ fused AdamW": (True, ("attention", "loss", "moe"), True),
 }
 
 
-def make_step(args, linear_backend, attn_impl, bf16, lm_loss_impl, fused_adamw):
+def apply_swaps(model, swaps):
+    """The chosen swaps of kernels/swap.py, one by one (swap_engines applies all that pay)."""
+    done = {}
+    moe_linears = {id(m) for moe in model.modules() if isinstance(moe, MOEFeedForward) for m in moe.modules()}
+    for m in list(model.modules()):
+        if "linear" in swaps and type(m) is torch.nn.Linear and id(m) not in moe_linears:
+            S._swap(m, OneDNNLinear, done)
+        elif "attention" in swaps and type(m) is Attention:
+            S._swap(m, S.ExplicitAttention, done)
+        elif "loss" in swaps and type(m) is MiniMindForCausalLM:
+            S._swap(m, S.ChunkedLossCausalLM, done)
+        elif "moe" in swaps and type(m) is MOEFeedForward and m.config.moe_impl == "fused":
+            S._swap(m, S.FusedExpertsMoE, done)
+            S._swap(m.dispatcher, S.KernelRowMapDispatcher, done)
+    return model
+
+
+def build(args, use_moe=None):
     torch.manual_seed(0)
     cfg = MiniMindConfig(vocab_size=6400, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
-                         num_attention_heads=4, num_key_value_heads=2, use_moe=bool(args.use_moe), num_experts=4,
-                         num_experts_per_tok=2, moe_intermediate_size=384, intermediate_size=768,
-                         moe_impl=args.impl, linear_backend=linear_backend, attn_impl=attn_impl,
-                         lm_loss_impl=lm_loss_impl)
-    model = MiniMindForCausalLM(cfg).train()
+                         num_attention_heads=4, num_key_value_heads=2,
+                         use_moe=bool(args.use_moe if use_moe is None else use_moe), num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=384, intermediate_size=768, moe_impl=args.impl)
+    return MiniMindForCausalLM(cfg).train()
+
+
+def make_step(args, bf16, swaps, fused_adamw):
+    model = apply_swaps(build(args), swaps)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused_adamw)
     gen = torch.Generator().manual_seed(1)
     batch = torch.randint(0, 6400, (args.batch_size, args.seq_len + 1), generator=gen)
@@ -115,7 +140,7 @@ def busy_loops(n):
 
 
 def busy(args):
-    name = "bf16, explicit attention, chunked LM loss, fused AdamW"
+    name = "the trainer's engines (bf16, every swap, fused AdamW)"
     step = make_step(args, *VARIANTS["+ fused AdamW"])
     counts = [n for n in (os.cpu_count(), 2, 1) if n <= os.cpu_count()]
     idle = {}
@@ -135,21 +160,16 @@ def busy(args):
 
 
 def split(args):
-    from train.cpu_engines import bf16_pays
-    bf16 = bf16_pays()[0]  # as --dtype auto decides
+    bf16 = S.bf16_pays()[0]  # as --dtype auto decides
     dtype = torch.bfloat16 if bf16 else torch.float32
     B, S, D = args.batch_size, args.seq_len, args.hidden_size
     print(f"ms per step (fwd+bwd), batch {B} x {S}, D={D}, {args.num_layers} layers, "
           f"{'bf16 autocast' if bf16 else 'fp32'}, {torch.get_num_threads()} threads")
     rows = {}
     for use_moe in (0, 1):
-        torch.manual_seed(0)
-        cfg = MiniMindConfig(vocab_size=6400, hidden_size=D, num_hidden_layers=args.num_layers, num_attention_heads=4,
-                             num_key_value_heads=2, use_moe=bool(use_moe), num_experts=4, num_experts_per_tok=2,
-                             moe_intermediate_size=384, intermediate_size=768, moe_impl=args.impl,
-                             attn_impl="explicit" if bf16 else "sdpa")
-        model = MiniMindForCausalLM(cfg).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as train/setup.py's
+        model = build(args, use_moe)
+        S.swap_engines(model, "cpu", dtype)  # the trainer's engines
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as train/loop.py's
         h = torch.randn(B, S, D)
         labels = torch.randint(0, 6400, (B, S))
         cos, sin = model.model.rope(0, S, "cpu")
@@ -172,7 +192,7 @@ def split(args):
         t_attn = sum(part(lambda x, b=b: b.self_attn(b.input_layernorm(x), cos, sin)[0]) for b in blocks)
         t_ffn = sum(part(lambda x, b=b: b.mlp(b.post_attention_layernorm(x))) for b in blocks)
         t_head = part(lambda x: linear_cross_entropy(model.model.norm(x).view(-1, D), model.lm_head.weight,
-                                                     labels.view(-1)))  # the chunked loss of lm_loss_impl auto
+                                                     labels.view(-1)))  # the chunked loss (kernels/swap.py)
         opt.step()
         t0 = time.perf_counter()
         for _ in range(args.steps):
