@@ -7,11 +7,11 @@
 Implementations:
   masked      MiniMind's per-expert masked loop (scripts/moe_reference.py), the bitwise reference
   sorted      ours, moe_impl="sorted": one host sync per layer, bitwise equal to masked
-  fused       ours, moe_impl="fused": zero syncs, grouped GEMM, Triton permute/combine on CUDA; on CPU
-              its experts run as oneDNN chains (SwiGLUExperts impl "auto" -> "cpu_chains")
+  fused       ours, moe_impl="fused" with kernels/swap.py's engines: zero syncs, grouped GEMM and Triton
+              permute/combine on CUDA; on CPU its experts run as oneDNN chains
   fused-grouped
-              (CPU, where the chains run) the same layer with experts.impl="grouped": permute ->
-              grouped GEMM on oneDNN -> combine, the row that tells whether the chains pay for themselves
+              (CPU, where the chains run) the same layer with the grouped-GEMM engine (torch's CPU
+              grouped_mm): the row that tells whether the chains pay for themselves
   hf-eager, hf-grouped_mm, hf-batched_mm
               transformers' Qwen3MoeSparseMoeBlock with each `experts_implementation` (same weights,
               converted to its fused gate_up layout)
@@ -45,7 +45,10 @@ import torch  # noqa: E402
 
 from moe_reference import reference_masked_forward  # noqa: E402
 from sync_count import count_syncs  # noqa: E402
-from kernels.cpu_linear import _OneDNNLinear  # noqa: E402  (the model's oneDNN linear, forward + backward)
+from kernels import swap as S  # noqa: E402
+from kernels.cpu_experts import cpu_experts_run  # noqa: E402
+from kernels.cpu_linear import _OneDNNLinear, onednn_runs  # noqa: E402  (the oneDNN linear, forward + backward)
+from kernels.swap import swap_engines  # noqa: E402
 from model.model_minimind import FeedForward, MiniMindConfig, MOEFeedForward  # noqa: E402
 
 SHAPES = [  # name, hidden D, experts E, top-k, expert width F
@@ -243,12 +246,16 @@ def main():
         moe = MOEFeedForward(MiniMindConfig(**cfg)).to(device).train()
         fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).to(device).train()
         fused.load_state_dict(moe.state_dict())
-        from kernels.grouped_gemm import onednn_runs
+        swap_engines(fused, device, ptdtype)  # the trainer's engines for the fused path
         onednn = onednn_runs(device, torch.float32)
-        chains = fused.experts.gathers_own_rows(torch.empty(1, d, device=device))
-        grouped = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).to(device).train()
-        grouped.load_state_dict(moe.state_dict())
-        grouped.experts.impl = "grouped"
+        chains = cpu_experts_run(device, ptdtype)
+
+        def grouped(t):  # the fused layer with the grouped-GEMM engine where the chains would run
+            saved, S.cpu_experts_run = S.cpu_experts_run, (lambda *a: False)
+            try:
+                return fused(t)
+            finally:
+                S.cpu_experts_run = saved
         builders = {"dense": lambda: dense_equivalent(moe).to(device).train(),
                     "dense-onednn": lambda: DenseOneDNN(dense_equivalent(moe)).to(device).train(),
                     "masked": lambda: (lambda t: reference_masked_forward(moe, t)),
