@@ -1,8 +1,8 @@
 """Talk to a fine-tuned model in the terminal: multi-turn, streamed token by token, stops at end-of-turn.
 
-    python scripts/chat.py                                   # checkpoints/sft, interactive
-    python scripts/chat.py --prompt "What does os.path.join do?"   # one question, one answer
-    python scripts/chat.py --ckpt exports/minimind-moe-sft   # an exported HF folder (transformers generates)
+    .venv/bin/python scripts/chat.py                                   # checkpoints/sft, interactive
+    .venv/bin/python scripts/chat.py --prompt "What does os.path.join do?"   # one question, one answer
+    .venv/bin/python scripts/chat.py --ckpt exports/minimind-moe-sft   # an exported HF folder (transformers generates)
 
 Interactive: each line you type is a user turn; the whole conversation so far is rendered with the
 tokenizer's chat template (ChatML) and the answer is generated with the KV cache, printed as it comes,

@@ -1,7 +1,7 @@
 """Sample a continuation from a checkpoint or from an exported HuggingFace folder.
 
-    python scripts/generate.py --ckpt checkpoints/pretrain --prompt "Return the number of"
-    python scripts/generate.py --ckpt exports/minimind-moe --prompt "Return the number of"
+    .venv/bin/python scripts/generate.py --ckpt checkpoints/pretrain --prompt "Return the number of"
+    .venv/bin/python scripts/generate.py --ckpt exports/minimind-moe --prompt "Return the number of"
 
 --ckpt takes a checkpoint file, the run directory holding ckpt.pt and tokenizer/, or a folder written by
 scripts/export_hf.py (then `transformers` AutoModelForCausalLM.generate samples, so both sides can be

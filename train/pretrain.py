@@ -1,9 +1,9 @@
 """Pretrain a MiniMind-style MoE GPT (the main job).
 
-    python train/pretrain.py                       # embedded corpus, small MoE, ~4.5 min on 2 CPU cores
-    python train/pretrain.py --data_path my.jsonl  # {"text": ...} per line; also .txt, .parquet, dirs, globs
-    python train/pretrain.py --resume              # continue checkpoints/pretrain/ckpt.pt exactly
-    torchrun --nproc_per_node 4 train/pretrain.py --ep_size 2 --out_dir checkpoints/ddp   # DDP x EP
+    .venv/bin/python train/pretrain.py                       # embedded corpus, small MoE, minutes on a CPU
+    .venv/bin/python train/pretrain.py --data_path my.jsonl  # {"text": ...} per line; also .txt, .parquet, dirs, globs
+    .venv/bin/python train/pretrain.py --resume              # continue checkpoints/pretrain/ckpt.pt exactly
+    .venv/bin/torchrun --nproc_per_node 4 train/pretrain.py --ep_size 2 --out_dir checkpoints/ddp   # DDP x EP
 
 Writes to --out_dir: ckpt.pt (fp32 weights, optimizer, train state, config, flags), config.json,
 tokenizer/, metrics.jsonl, loss.png, expert_load.png, .lock (held while a run uses the folder).

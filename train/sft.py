@@ -1,9 +1,9 @@
 """Supervised fine-tuning: turn the pretrained MoE into a model that answers, on the shared loop.
 
-    python train/sft.py                                  # after train/pretrain.py: embedded stdlib Q&A set
-    python train/sft.py --data_path my_chats.jsonl       # {"conversations": [...]} or {"messages": [...]}
-    python train/sft.py --init_from exports/minimind-moe # start from an exported HF folder instead
-    python scripts/chat.py --ckpt checkpoints/sft        # talk to the result
+    .venv/bin/python train/sft.py                                  # after train/pretrain.py: embedded stdlib Q&A set
+    .venv/bin/python train/sft.py --data_path my_chats.jsonl       # {"conversations": [...]} or {"messages": [...]}
+    .venv/bin/python train/sft.py --init_from exports/minimind-moe # start from an exported HF folder instead
+    .venv/bin/python scripts/chat.py --ckpt checkpoints/sft        # talk to the result
 
 Starts from `--init_from` (default: the main job's checkpoints/pretrain), writes to --out_dir like
 pretraining: ckpt.pt, config.json, tokenizer/ (with the chat template), metrics.jsonl, loss.png,
@@ -91,11 +91,11 @@ def load_data(args, tokenizer_dir, global_batch_size, log):
 
 
 STAGE = loop.Stage(name="sft", description=__doc__, default_out_dir="checkpoints/sft", add_data_flags=add_data_flags,
-              load_data=load_data, data_order_flags=("data_path", "val_path"),
-              sample_prompt=f"<|im_start|>user\n{SAMPLE_QUESTION}<|im_end|>\n<|im_start|>assistant\n",
-              defaults=dict(init_from="checkpoints/pretrain", max_steps=300, learning_rate=1e-3, warmup_steps=20,
-                            batch_size=8, seq_len=256, eval_interval=100, save_interval=100, log_interval=10,
-                            sample_tokens=64))
+                   load_data=load_data, data_order_flags=("data_path", "val_path"),
+                   sample_prompt=f"<|im_start|>user\n{SAMPLE_QUESTION}<|im_end|>\n<|im_start|>assistant\n",
+                   defaults=dict(init_from="checkpoints/pretrain", max_steps=300, learning_rate=1e-3, warmup_steps=20,
+                                 batch_size=8, seq_len=256, eval_interval=100, save_interval=100, log_interval=10,
+                                 sample_tokens=64))
 
 
 def parse_args(argv=None):
