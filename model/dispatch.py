@@ -274,7 +274,7 @@ class RowMapDispatcher:
     def combine_rows(self, rows_PD, rm):
         """y[t] = sum over j = 0..K-1 with row[t, j] >= 0 of rows[row[t, j]], in fp32, j ascending."""
         T, K = rm.row_of_pair_TK.shape
-        v_TKD = rows_PD.index_select(0, rm.row_of_pair_TK.reshape(-1).clamp(min=0)).view(T, K, -1).float()
+        v_TKD = rows_PD.index_select(0, rm.row_of_pair_TK.reshape(-1).clamp(min=0)).view(T, K, rows_PD.shape[1]).float()
         if rm.has_holes:
             v_TKD = v_TKD.masked_fill((rm.row_of_pair_TK < 0).unsqueeze(-1), 0)
         y_TD = v_TKD[:, 0]

@@ -70,9 +70,10 @@ class MOEFeedForward(nn.Module):
         E = config.num_experts
         self.gate = nn.Linear(config.hidden_size, E, bias=False)
         self.experts = nn.ModuleList(FeedForward(config.hidden_size, config.moe_intermediate_size) for _ in range(E))
-        self.expert_bias = None
         if config.router_bias_update_rate > 0:
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
+        else:
+            self.expert_bias = None
         self.dispatcher = RowMapDispatcher(E) if config.moe_impl == "fused" else SortedDispatcher(E)
         self.aux_loss = torch.zeros(())
         self.stats = MoEStats()

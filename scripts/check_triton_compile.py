@@ -33,12 +33,11 @@ def main():
         prec = "ieee" if dt == "fp32" else "tf32"
         jobs = {
             "gather_rows": (P._gather_rows_kernel,
-                            dict(x_ptr=f"*{dt}", src_ptr="*i64", scale_ptr="*fp32", out_ptr=f"*{dt}", D=i32, stride_x=i32,
-                                 stride_out=i32, HAS_SCALE=const, BLOCK_D=const), dict(HAS_SCALE=True, BLOCK_D=256)),
+                            dict(x_ptr=f"*{dt}", src_ptr="*i64", out_ptr=f"*{dt}", D=i32, stride_x=i32, stride_out=i32,
+                                 BLOCK_D=const), dict(BLOCK_D=256)),
             "combine_rows": (P._combine_rows_kernel,
-                             dict(h_ptr=f"*{dt}", row_ptr="*i64", w_ptr="*fp32", out_ptr=f"*{dt}", K=i32, D=i32,
-                                  stride_h=i32, stride_out=i32, HAS_WEIGHT=const, BLOCK_D=const),
-                             dict(HAS_WEIGHT=True, BLOCK_D=256)),
+                             dict(h_ptr=f"*{dt}", row_ptr="*i64", out_ptr=f"*{dt}", K=i32, D=i32, stride_h=i32,
+                                  stride_out=i32, BLOCK_D=const), dict(BLOCK_D=256)),
             "grouped_mm": (G._grouped_mm_kernel,
                            dict(a_ptr=f"*{dt}", b_ptr=f"*{dt}", c_ptr=f"*{dt}", bounds_ptr="*i32", tile_start_ptr="*i32",
                                 E=i32, N=i32, K=i32, stride_am=i32, stride_ak=i32, stride_be=i32, stride_bk=i32,

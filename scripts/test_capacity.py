@@ -27,18 +27,29 @@ def x_batch(t=40, seed=1):
 
 
 def routed(mod, x):
-    _, w, idx = mod.route(x.reshape(-1, 32))
+    """(topk_weight_TK, topk_idx_TK) of the layer's router on x (route's other results: the losses)."""
+    with torch.no_grad():
+        idx, w, _, _ = mod.route(x.reshape(-1, 32))
     return w.detach(), idx
 
 
 def test_counts_within_capacity_and_sync_free():
+    """Sorted: one sync with capacity; the fused layer after kernels.swap.swap_engines: no sync, the same
+    per-expert counts (also with padding to capacity)."""
+    from kernels.swap import swap_engines
     for cf in (0.25, 0.5, 1.0):
-        mod = build(capacity_factor=cf)
-        x = x_batch()
-        _, n = count_syncs(mod, x)
-        cap = math.ceil(cf * 40 * 2 / 4)
-        assert int(mod.stats.tokens_per_expert.max()) <= cap, (cf, mod.stats.tokens_per_expert, cap)
-        assert n == 1, f"{n} syncs with capacity"
+        for pad in (False, True):
+            mod = build(capacity_factor=cf, moe_pad_to_capacity=pad)
+            x = x_batch()
+            _, n = count_syncs(mod, x)
+            cap = math.ceil(cf * 40 * 2 / 4)
+            assert int(mod.stats.tokens_per_expert.max()) <= cap, (cf, mod.stats.tokens_per_expert, cap)
+            assert n == 1, f"{n} syncs with capacity"
+            fused = build(capacity_factor=cf, moe_pad_to_capacity=pad, moe_impl="fused")
+            assert swap_engines(fused, "cpu", torch.float32) == {"FusedExpertsMoE": 1, "KernelRowMapDispatcher": 1}
+            _, n = count_syncs(fused, x)
+            assert n == 0, f"fused: {n} syncs with capacity"
+            assert torch.equal(fused.stats.tokens_per_expert, mod.stats.tokens_per_expert), cf
 
 
 def test_probs_policy_keeps_highest_weights_position_keeps_earliest():

@@ -1,7 +1,16 @@
 """Expert parallelism over 2 and 4 gloo processes on CPU, checked against the single-process layer.
 
     python scripts/test_expert_parallel.py
+
+The EP dispatcher (train/parallel.py: AllToAllDispatcher, `install`) wraps the layer's own dispatcher, so
+every expert engine runs under EP (ENGINES): "sorted" (moe_impl="sorted"), and moe_impl="fused" as the
+plain model ("plain": RowMapDispatcher + MOEFeedForward.run_experts) and after kernels.swap.swap_engines
+(what the trainer runs: "chains", the CPU oneDNN expert chains, and "grouped", the grouped-GEMM engine,
+forced on CPU by making kernels.swap.cpu_experts_run return False). The trainer swaps first, then installs
+EP; so do these tests.
 """
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -10,20 +19,62 @@ from model.dispatch import SortedDispatcher
 from model.model_minimind import MiniMindConfig, MOEFeedForward
 
 D = 32
+ENGINES = ("sorted", "plain", "chains", "grouped")
 
 
-def build(e, k, seed=0, moe_impl="sorted"):
+def build(e, k, seed=0, moe_impl="sorted", **kw):
     torch.manual_seed(seed)
     return MOEFeedForward(MiniMindConfig(hidden_size=D, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
                                          use_moe=True, num_experts=e, num_experts_per_tok=k,
-                                         moe_intermediate_size=16, moe_impl=moe_impl)).train()
+                                         moe_intermediate_size=16, moe_impl=moe_impl, **kw)).train()
+
+
+def make(e, k, engine, seed=0, **kw):
+    """The layer that runs `engine` (ENGINES), same weights for every engine."""
+    mod = build(e, k, seed, "sorted" if engine == "sorted" else "fused", **kw)
+    if engine in ("chains", "grouped"):
+        from kernels.swap import swap_engines
+        done = swap_engines(mod, "cpu", torch.float32)
+        assert done == {"FusedExpertsMoE": 1, "KernelRowMapDispatcher": 1}, done
+    return mod
+
+
+@contextlib.contextmanager
+def engine_choice(engine):
+    """Run the swapped layers with `engine`'s expert engine, and check on leaving that it (and no other
+    engine) ran; "sorted" and "plain" must run neither."""
+    import kernels.swap as swap_module
+    if engine == "chains":
+        from kernels.cpu_experts import cpu_experts_run
+        if not cpu_experts_run("cpu", torch.float32):
+            raise Skip("the CPU expert chains do not run here (no oneDNN)")
+    calls = {"expert_chains": 0, "grouped_swiglu": 0}
+    saved = {n: getattr(swap_module, n) for n in ("expert_chains", "grouped_swiglu", "cpu_experts_run")}
+
+    def counting(n):
+        def f(*args, **kwargs):
+            calls[n] += 1
+            return saved[n](*args, **kwargs)
+        return f
+
+    swap_module.expert_chains, swap_module.grouped_swiglu = counting("expert_chains"), counting("grouped_swiglu")
+    if engine == "grouped":
+        swap_module.cpu_experts_run = lambda device, dtype: False
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(swap_module, n, f)
+    want = {"chains": "expert_chains", "grouped": "grouped_swiglu"}.get(engine)
+    assert all(calls[n] == 0 for n in calls if n != want), f"{engine}: {calls}"
+    assert want is None or calls[want] > 0, f"{engine}: {want} never ran ({calls})"
 
 
 def scenario_inputs(name, world):
     """Per-rank inputs [1, S_r, D] for the named scenario, and the expert count / top-k."""
     g = torch.Generator().manual_seed(7)
     sizes = {"even": [24] * world, "uneven": [5, 31, 0, 12][:world], "one_empty_rank": [0] + [16] * (world - 1),
-             "all_to_one": [12] * world, "idle_expert": [12] * world}[name]
+             "all_to_one": [12] * world, "idle_expert": [12] * world, "idle_rank": [12] * world}[name]
     xs = [torch.randn(1, s, D, generator=g) for s in sizes]
     for x in xs:
         x[..., 0] = x[..., 0].abs() + 1.0  # feature 0 > 0 everywhere: lets force() pin the idle expert
@@ -31,8 +82,10 @@ def scenario_inputs(name, world):
 
 
 def force(mod, name):
-    """Gate weights that send every token to expert 0 (all_to_one) or never to the last (idle_expert:
-    its logit is pinned far below every other expert's via the always-positive feature 0 of the input)."""
+    """Gate weights that send every token to expert 0 (all_to_one), never to the last (idle_expert:
+    its logit is pinned far below every other expert's via the always-positive feature 0 of the input),
+    or every token to experts 0 and 1 (idle_rank: every rank that owns none of experts 0 and 1, e.g. rank 1
+    of 2 with E = 4, receives no routed pair at all)."""
     with torch.no_grad():
         if name == "all_to_one":
             mod.gate.weight.zero_()
@@ -41,12 +94,18 @@ def force(mod, name):
             mod.gate.weight[:, 0] = 0.0
             mod.gate.weight[-1] = 0.0
             mod.gate.weight[-1, 0] = -1000.0
+        elif name == "idle_rank":
+            mod.gate.weight.zero_()
+            mod.gate.weight[0, 0] = 50.0
+            mod.gate.weight[1, 0] = 49.0
+            mod.gate.weight[:2, 1:] = torch.randn(2, D - 1, generator=torch.Generator().manual_seed(3)) * 0.3
 
 
-def dispatch_experts_combine(dispatcher, experts, x_TD, topk_idx_TK, topk_weight_TK):
-    """The MoE layer's steps 3-5 on given routing: x_TD [T, D] -> y_TD [T, D]."""
-    rows, tokens_per_expert, handle = dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
-    return dispatcher.combine(experts(rows, tokens_per_expert, handle), handle)
+def dispatch_experts_combine(layer, dispatcher, x_TD, topk_idx_TK, topk_weight_TK):
+    """The MoE layer's steps 3-5 on given routing (the dispatch contract, `layer`'s experts):
+    x_TD [T, D] -> y_TD [T, D]."""
+    d = dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
+    return dispatcher.combine(layer.run_experts(d), d)
 
 
 @torch.no_grad()
@@ -55,12 +114,12 @@ def grouped_by_rank_reference(mod, x, world):
     y = (0 + sum of rank 0's experts) + sum of rank 1's experts + ... Each expert still sees the same rows
     (all tokens routed to it, ascending), so this differs from the plain layer only by float reassociation."""
     x_TD = x.reshape(-1, x.shape[-1])
-    _, w, idx = mod.route(x_TD)
+    idx, w, _, _ = mod.route(x_TD)
     per_rank = mod.config.num_experts // world
     y = torch.zeros_like(x_TD)
     for m in range(world):
         mine = idx.div(per_rank, rounding_mode="floor") == m
-        y = y + dispatch_experts_combine(SortedDispatcher(mod.config.num_experts), mod.experts, x_TD,
+        y = y + dispatch_experts_combine(mod, SortedDispatcher(mod.config.num_experts), x_TD,
                                          torch.where(mine, idx, -1), w)
     return y.view_as(x)
 
@@ -76,7 +135,7 @@ def run_layer(mod, xs, upstream):
 
 
 def ep_worker(rank, world, cases):
-    from train.expert_parallel import install
+    from train.parallel import install
     results = {}
     for name, e, k in cases:
         mod = build(e, k)
@@ -93,7 +152,8 @@ def ep_worker(rank, world, cases):
 
 
 CASES = [("even", 4, 1), ("even", 4, 2), ("even", 8, 2), ("even", 8, 4), ("uneven", 4, 2),
-         ("one_empty_rank", 4, 2), ("all_to_one", 4, 1), ("idle_expert", 8, 2)]
+         ("one_empty_rank", 4, 2), ("all_to_one", 4, 1), ("idle_expert", 8, 2), ("idle_rank", 4, 2),
+         ("idle_rank", 8, 2)]
 
 
 def check_against_single(world):
@@ -139,6 +199,13 @@ def _compare(world, cases, per_rank):
                        for res in per_rank), "the idle expert got a non-zero grad"
         if name == "all_to_one":
             assert all(int(res[(name, e, k)]["tpe"][0]) == res[(name, e, k)]["y"].shape[1] for res in per_rank)
+        if name == "idle_rank":  # experts >= 2 get no pair (so whole ranks receive nothing): zero grads
+            assert sum(int(res[(name, e, k)]["tpe"][2:].sum()) for res in per_rank) == 0, "experts >= 2 got tokens"
+            for r, res in enumerate(per_rank):
+                for ex in res[(name, e, k)]["owned"]:
+                    for pn in ("gate_proj", "up_proj", "down_proj"):
+                        v = res[(name, e, k)]["grads"][f"experts.{ex}.{pn}.weight"]
+                        assert ex < 2 or (v is not None and not v.any()), f"{what}: idle expert {ex} on rank {r}"
         gate = sum(res[(name, e, k)]["grads"]["gate.weight"] for res in per_rank)
         assert torch.allclose(gate, grads["gate.weight"], rtol=1e-5, atol=1e-6), f"{what}: gate grad"
     b = per_rank[0][("even", 8, 4)] if ("even", 8, 4) in cases else None
@@ -161,7 +228,7 @@ def roundtrip_worker(rank, world):
 
 def roundtrip_one(rank, k):
     """Identity experts, weights 1/k, -1 entries: dispatch + combine must return x and its grad exactly."""
-    from train.expert_parallel import AllToAllDispatcher
+    from train.parallel import AllToAllDispatcher
     e = 4
     g = torch.Generator().manual_seed(rank)
     T = 10 + 3 * rank
@@ -170,15 +237,15 @@ def roundtrip_one(rank, k):
     idx[0, 0] = -1  # a "no expert" entry: that token loses one share
     w = torch.full((T, k), 1.0 / k)
     ep = AllToAllDispatcher(dist.group.WORLD, e, SortedDispatcher(e))
-    rows, _, handle = ep.dispatch(x, idx, w)
-    y = ep.combine(rows, handle)  # identity experts: their output rows are their input rows
+    d = ep.dispatch(x, idx, w)
+    y = ep.combine(d.rows_PD, d)  # identity experts: their output rows are their input rows
     up = torch.randn(T, D, generator=g)
     (y * up).sum().backward()
     share = 1.0 - (idx < 0).float().sum(-1, keepdim=True) / k
     local = SortedDispatcher(e)
-    rows, _, handle = local.dispatch(x.detach(), idx, w)
+    d = local.dispatch(x.detach(), idx, w)
     return dict(ok_y=torch.equal(y, x.detach() * share), ok_g=torch.equal(x.grad, up * share),
-                ref=torch.equal(y, local.combine(rows, handle)))
+                ref=torch.equal(y, local.combine(d.rows_PD, d)))
 
 
 def test_dispatch_combine_roundtrip():
@@ -201,7 +268,7 @@ CAPACITY_CASES = [dict(capacity_factor=0.5), dict(capacity_factor=0.5, moe_drop_
 
 
 def capacity_worker(rank, world):
-    from train.expert_parallel import install
+    from train.parallel import install
     out = []
     for kw in CAPACITY_CASES:
         torch.manual_seed(0)
@@ -233,49 +300,172 @@ def test_capacity_under_ep():
             assert int(counts.max()) <= cap, f"rank {r} {key}: {counts} > {cap}"
 
 
-FUSED_CASES = [("even", 8, 2), ("uneven", 4, 2), ("one_empty_rank", 4, 2), ("idle_expert", 8, 2)]
+FUSED_CASES = [("even", 8, 2), ("uneven", 4, 2), ("one_empty_rank", 4, 2), ("idle_expert", 8, 2),
+               ("all_to_one", 4, 1), ("idle_rank", 4, 2), ("even", 8, 4)]
+FUSED_ENGINES = ("plain", "chains", "grouped")
+# Ranks whose experts get no routed pair (idle_rank: every pair goes to experts 0 and 1) or a rank without
+# tokens (one_empty_rank), without and with capacity dropping, padding to capacity and alignment (the
+# idle ranks then run their experts on padding rows only). idle_rank gives every rank the same batch
+# size; one_empty_rank does not, so it leaves out padding to capacity (test_pad_to_capacity_uneven_batches).
+EMPTY_RANK_LAYOUTS = [{}, dict(capacity_factor=1.0), dict(capacity_factor=0.75, moe_drop_policy="position"),
+                      dict(capacity_factor=1.0, moe_pad_to_capacity=True), dict(moe_expert_alignment=4),
+                      dict(capacity_factor=1.5, moe_pad_to_capacity=True, moe_expert_alignment=8)]
+EMPTY_RANK_CASES = [("idle_rank", 4, 2, kw) for kw in EMPTY_RANK_LAYOUTS] + [
+    ("one_empty_rank", 4, 2, kw) for kw in EMPTY_RANK_LAYOUTS if not kw.get("moe_pad_to_capacity")]
+UNEVEN_PAD_CASES = [("uneven", 4, 2, dict(capacity_factor=1.0, moe_pad_to_capacity=True)),
+                    ("one_empty_rank", 4, 2, dict(capacity_factor=1.0, moe_pad_to_capacity=True)),
+                    ("uneven", 4, 2, dict(capacity_factor=0.5, moe_pad_to_capacity=True, moe_expert_alignment=4))]
 
 
-def fused_worker(rank, world):
-    from train.expert_parallel import install
+def fused_worker(rank, world, cases):
+    from train.parallel import install
     out = {}
-    for name, e, k in FUSED_CASES:
-        mod = build(e, k, moe_impl="fused")
-        force(mod, name)
-        install(mod, dist.group.WORLD, e)
-        x = scenario_inputs(name, world)[rank]
-        y, xg, grads = run_layer(mod, x, torch.linspace(-1, 1, x.numel()).view_as(x))
-        d = mod.dispatcher
-        owned = {n: g for n, g in grads.items()
-                 if n.startswith("experts.") and d.owns(int(n.split(".")[1]))}
-        out[name, e, k] = dict(y=y, xg=xg, gate=grads["gate.weight"], owned=owned)
+    for engine in FUSED_ENGINES:
+        for name, e, k in cases:
+            mod = make(e, k, engine)
+            force(mod, name)
+            install(mod, dist.group.WORLD, e)
+            x = scenario_inputs(name, world)[rank]
+            with engine_choice(engine):
+                y, xg, grads = run_layer(mod, x, torch.linspace(-1, 1, x.numel()).view_as(x))
+            d = mod.dispatcher
+            owned = {n: g for n, g in grads.items()
+                     if n.startswith("experts.") and d.owns(int(n.split(".")[1]))}
+            out[engine, name, e, k] = dict(y=y, xg=xg, gate=grads["gate.weight"], owned=owned)
     return out
 
 
-def test_fused_path_under_ep():
-    """moe_impl="fused" as the EP ranks' local expert compute: output, input grads, the owners' expert
-    grads and the summed router grads equal the single-process fused layer on the whole batch (within
-    1e-5: EP adds each token's per-rank partial sums in another order)."""
+def per_batch_worker(rank, world, cases, engines):
+    """Each (engine, case) under EP on this rank's batch: output, input grad, grads, the owned expert
+    parameter names and the pairs routed per expert."""
+    from train.parallel import install
+    out = {}
+    for engine in engines:
+        for i, (name, e, k, kw) in enumerate(cases):
+            mod = make(e, k, engine, **kw)
+            force(mod, name)
+            install(mod, dist.group.WORLD, e)
+            x = scenario_inputs(name, world)[rank]
+            with engine_choice(engine):
+                y, xg, grads = run_layer(mod, x, torch.linspace(-1, 1, x.numel()).view_as(x))
+            d = mod.dispatcher
+            out[engine, i] = dict(y=y, xg=xg, grads=grads, tpe=mod.stats.tokens_per_expert.clone(),
+                                  owned=[n for n in grads if n.startswith("experts.") and d.owns(int(n.split(".")[1]))])
+    return out
+
+
+def fused_and_empty_worker(rank, world, fused_cases):
+    return fused_worker(rank, world, fused_cases), per_batch_worker(rank, world, EMPTY_RANK_CASES, ENGINES)
+
+
+_SPAWNED = {}
+
+
+def fused_and_empty_results(world):
+    """One spawn per world size serves the fused-EP and the empty-rank tests (spawning is the slow part)."""
+    if world not in _SPAWNED:
+        cases = [c for c in FUSED_CASES if c[1] % world == 0]
+        _SPAWNED[world] = cases, spawn(fused_and_empty_worker, world, cases)
+    return _SPAWNED[world]
+
+
+def check_fused_against_single(world):
+    """moe_impl="fused" as the EP ranks' local expert compute, for every fused engine: output, input grads,
+    the owners' expert grads and the summed router grads equal the single-process layer with the same
+    engine on the whole batch (within 1e-5: EP adds each token's per-rank partial sums in another order)."""
+    cases, results = fused_and_empty_results(world)
+    per_rank = [r[0] for r in results]
+    for engine in FUSED_ENGINES:
+        for name, e, k in cases:
+            mod = make(e, k, engine)
+            force(mod, name)
+            xs = scenario_inputs(name, world)
+            ups = [torch.linspace(-1, 1, x.numel()).view_as(x) for x in xs]
+            with engine_choice(engine):
+                y, xg, grads = run_layer(mod, torch.cat(xs, 1), torch.cat(ups, 1))
+            got = [r[engine, name, e, k] for r in per_rank]
+            what = f"world={world} {engine} {name} E={e} k={k}"
+            close = lambda a, b: (a - b).abs().max().item() <= 1e-5 if a.numel() else True  # noqa: E731
+            assert close(torch.cat([g["y"] for g in got], 1), y), what
+            assert close(torch.cat([g["xg"] for g in got], 1), xg), what
+            assert close(sum(g["gate"] for g in got), grads["gate.weight"]), what
+            owners = {}
+            for g in got:
+                for n, v in g["owned"].items():
+                    owners[n] = owners.get(n, 0) + 1
+                    assert v is not None, f"{what} {n}: no grad on its owner"
+                    assert close(v, grads[n]), f"{what} {n}"
+            assert sorted(owners) == sorted(n for n in grads if n.startswith("experts.")) and set(owners.values()) == {1}, \
+                f"{what}: every expert parameter has exactly one owner"
+
+
+def test_fused_path_under_ep_2_ranks():
+    check_fused_against_single(2)
+
+
+def test_fused_path_under_ep_4_ranks():
+    check_fused_against_single(4)
+
+
+def compare_per_batch(world, cases, engines, per_rank):
+    """EP results against the single-process layer (same engine) run on each rank's batch alone
+    (capacity is applied to each rank's own tokens): rank r's output and input grad, each owner's expert
+    grads and the summed router grads (the sums over ranks of the per-batch grads) within 1e-5; with
+    idle_rank no pair reaches experts >= 2, whose grads are zero."""
+    close = lambda a, b: (a - b).abs().max().item() <= 1e-5 if a.numel() else True  # noqa: E731
+    for engine in engines:
+        for i, (name, e, k, kw) in enumerate(cases):
+            what = f"world={world} {engine} {name} E={e} k={k} {kw}"
+            refs = []
+            for x in scenario_inputs(name, world):
+                mod = make(e, k, engine, **kw)
+                force(mod, name)
+                with engine_choice(engine):
+                    refs.append(run_layer(mod, x, torch.linspace(-1, 1, x.numel()).view_as(x)))
+            got = [res[engine, i] for res in per_rank]
+            for r, (g, (y, xg, _)) in enumerate(zip(got, refs)):
+                assert close(g["y"], y), f"{what} rank {r}: forward"
+                assert close(g["xg"], xg), f"{what} rank {r}: input grad"
+            summed = {n: sum(ref[2][n] for ref in refs) for n in refs[0][2]}
+            assert close(sum(g["grads"]["gate.weight"] for g in got), summed["gate.weight"]), f"{what}: gate grad"
+            owned = sorted(n for g in got for n in g["owned"])
+            assert owned == sorted(n for n in summed if n.startswith("experts.")), f"{what}: owners"
+            for r, g in enumerate(got):
+                for n in g["owned"]:
+                    assert g["grads"][n] is not None and close(g["grads"][n], summed[n]), f"{what} rank {r}: {n}"
+            if name == "idle_rank":
+                assert sum(int(g["tpe"][2:].sum()) for g in got) == 0, f"{what}: experts >= 2 got tokens"
+                for r, g in enumerate(got):
+                    for n in g["owned"]:
+                        if int(n.split(".")[1]) >= 2:
+                            assert not g["grads"][n].any(), f"{what}: idle expert {n} on rank {r}"
+
+
+def test_rank_without_routed_pairs_2_ranks():
+    """EP where a rank's experts get no token (rank 1 of 2 receives no routed pair) or a rank has no token,
+    every engine, every capacity / padding layout: forward and backward complete on every rank and match
+    the single process (compare_per_batch). (A rank receiving no routed pair crashed the fused EP path
+    with gloo's "Received data size doesn't match".)"""
+    compare_per_batch(2, EMPTY_RANK_CASES, ENGINES, [r[1] for r in fused_and_empty_results(2)[1]])
+
+
+def test_rank_without_routed_pairs_4_ranks():
+    """As the 2-rank test; with 4 ranks and E = 4, ranks 2 and 3 receive no routed pair."""
+    compare_per_batch(4, EMPTY_RANK_CASES, ENGINES, [r[1] for r in fused_and_empty_results(4)[1]])
+
+
+def test_pad_to_capacity_uneven_batches():
+    """Padding to capacity under EP when the ranks' batches differ in size (each rank's capacity comes from
+    its own token count): every engine completes forward and backward and matches the single process on
+    each rank's batch (compare_per_batch)."""
     world = 2
-    per_rank = spawn(fused_worker, world)
-    for name, e, k in FUSED_CASES:
-        mod = build(e, k, moe_impl="fused")
-        force(mod, name)
-        xs = scenario_inputs(name, world)
-        ups = [torch.linspace(-1, 1, x.numel()).view_as(x) for x in xs]
-        y, xg, grads = run_layer(mod, torch.cat(xs, 1), torch.cat(ups, 1))
-        got = [r[name, e, k] for r in per_rank]
-        close = lambda a, b: (a - b).abs().max().item() <= 1e-5 if a.numel() else True  # noqa: E731
-        assert close(torch.cat([g["y"] for g in got], 1), y), name
-        assert close(torch.cat([g["xg"] for g in got], 1), xg), name
-        assert close(sum(g["gate"] for g in got), grads["gate.weight"]), name
-        for g in got:
-            for n, v in g["owned"].items():
-                assert close(v, grads[n]), f"{name} {n}"
+    compare_per_batch(world, UNEVEN_PAD_CASES, ENGINES, spawn(per_batch_worker, world, UNEVEN_PAD_CASES, ENGINES))
 
 
-TESTS = [test_capacity_under_ep, test_fused_path_under_ep, test_ep_equals_single_process_2_ranks, test_ep_equals_single_process_4_ranks, test_dispatch_combine_roundtrip,
-         test_deterministic]
+TESTS = [test_capacity_under_ep, test_fused_path_under_ep_2_ranks, test_fused_path_under_ep_4_ranks,
+         test_rank_without_routed_pairs_2_ranks, test_rank_without_routed_pairs_4_ranks,
+         test_pad_to_capacity_uneven_batches, test_ep_equals_single_process_2_ranks,
+         test_ep_equals_single_process_4_ranks, test_dispatch_combine_roundtrip, test_deterministic]
 
 if __name__ == "__main__":
     run(TESTS)

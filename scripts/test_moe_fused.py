@@ -2,9 +2,17 @@
 
     python scripts/test_moe_fused.py
 
-The fused layer (RowMapDispatcher + SwiGLUExperts) has two expert implementations (`layer.experts.impl`,
-model/experts.py): "grouped" (permute -> grouped GEMM -> combine, the GPU design) and "cpu_chains"
-(per-expert oneDNN chains, what "auto" picks on CPU); every equivalence test runs both.
+The fused layer is MOEFeedForward with a RowMapDispatcher (model/dispatch.py). Its experts run three ways,
+and every equivalence test runs all three (ENGINES):
+  "plain"    the plain model: MOEFeedForward.run_experts, one nn.Linear chain per expert (reads the
+             counts to the host, so it is not the zero-sync path);
+  "chains"   after kernels.swap.swap_engines: FusedExpertsMoE with the CPU oneDNN expert chains
+             (kernels/cpu_experts.py, what run_experts picks on CPU where kernels.cpu_experts.cpu_experts_run
+             holds) and the KernelRowMapDispatcher (kernels/permute.py autograd);
+  "grouped"  the same swapped layer with the grouped-GEMM engine (kernels/grouped_gemm.py: grouped_swiglu,
+             torch's grouped_mm where it takes the operands, else the per-expert reference loop), forced on
+             CPU by making kernels.swap.cpu_experts_run return False.
+Each engine run checks which expert engine actually ran (`engine`).
 
 Tolerance, fp32: forward and every gradient within 1e-5 absolute on outputs of size ~0.1-1 (the grouped
 GEMM sums each dot product in another order than per-expert nn.Linear, the routing weight is applied
@@ -13,48 +21,86 @@ few ulps, ~1e-7 measured). bf16 autocast: within 2e-2 (bf16 has 8 mantissa bits;
 both paths round the expert outputs to bf16 once, at different points).
 """
 import contextlib
+import copy
 import warnings
 
 import torch
 
 from testlib import Skip, run  # noqa: F401
-from sync_count import count_syncs
+from sync_count import SyncCounter, count_syncs
+import kernels.swap as swap_module
+from kernels.cpu_experts import cpu_experts_run
+from kernels.swap import FusedExpertsMoE, KernelRowMapDispatcher, swap_engines
 from model.dispatch import RowLayout, RowMapDispatcher, SortedDispatcher
-from model.experts import _back_to_back
 from model.model_minimind import MiniMindConfig, MOEFeedForward
 
 D = 32
-IMPLS = ("cpu_chains", "grouped")
+ENGINES = ("plain", "chains", "grouped")
+SWAPS = {"FusedExpertsMoE": 1, "KernelRowMapDispatcher": 1}
+
+
+def swapped(fused, dtype=torch.float32):
+    """A copy of the plain fused layer with the engines of kernels/swap.py swapped in (same weights)."""
+    layer = copy.deepcopy(fused)
+    done = swap_engines(layer, "cpu", dtype)
+    assert done == SWAPS, done
+    assert type(layer) is FusedExpertsMoE and type(layer.dispatcher) is KernelRowMapDispatcher
+    return layer
 
 
 @contextlib.contextmanager
-def fused_impl(mod, impl, gemm_backend="auto", permute_backend="auto"):
-    """Run the fused layer `mod` with a given experts implementation and kernel backends (its public
-    attributes experts.impl, experts.gemm_backend, dispatcher.permute_backend), then restore them."""
-    saved = mod.experts.impl, mod.experts.gemm_backend, mod.dispatcher.permute_backend
-    mod.experts.impl, mod.experts.gemm_backend, mod.dispatcher.permute_backend = impl, gemm_backend, permute_backend
+def engine(layers, name):
+    """Run the fused layer with expert engine `name` (ENGINES): layers = (plain fused, swapped). Yields the
+    layer to call; on leaving checks that the intended expert engine (and no other) ran."""
+    plain, swapped_layer = layers
+    calls = {"expert_chains": 0, "grouped_swiglu": 0}
+    saved = {n: getattr(swap_module, n) for n in ("expert_chains", "grouped_swiglu", "cpu_experts_run")}
+
+    def counting(n):
+        def f(*args, **kwargs):
+            calls[n] += 1
+            return saved[n](*args, **kwargs)
+        return f
+
+    swap_module.expert_chains, swap_module.grouped_swiglu = counting("expert_chains"), counting("grouped_swiglu")
+    if name == "grouped":
+        swap_module.cpu_experts_run = lambda device, dtype: False
+    elif name not in ("plain", "chains"):
+        raise ValueError(name)
     try:
-        yield mod
+        yield plain if name == "plain" else swapped_layer
     finally:
-        mod.experts.impl, mod.experts.gemm_backend, mod.dispatcher.permute_backend = saved
+        for n, f in saved.items():
+            setattr(swap_module, n, f)
+    if name == "plain":
+        assert calls == {"expert_chains": 0, "grouped_swiglu": 0}, f"plain run_experts ran an engine: {calls}"
+    else:
+        ran, other = ("expert_chains", "grouped_swiglu") if name == "chains" else ("grouped_swiglu", "expert_chains")
+        assert calls[other] == 0, f"engine {name}: {other} ran ({calls})"
+        assert calls[ran] > 0 or sum(calls.values()) == 0, f"engine {name}: {ran} did not run ({calls})"
 
 
-def dispatch_experts_combine(dispatcher, experts, x_TD, topk_idx_TK, topk_weight_TK, layout=None):
-    """The MoE layer's steps 3-5 on given routing: x_TD [T, D] -> y_TD [T, D]."""
-    permute = not experts.gathers_own_rows(x_TD)
-    rows, tokens_per_expert, handle = dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout, permute)
-    return dispatcher.combine(experts(rows, tokens_per_expert, handle), handle)
+def engines_here(dtype=torch.float32):
+    """ENGINES that run on this machine for the compute dtype (the chains need oneDNN)."""
+    return tuple(e for e in ENGINES if e != "chains" or cpu_experts_run("cpu", dtype))
+
+
+def dispatch_experts_combine(layer, x_TD, topk_idx_TK, topk_weight_TK, layout=RowLayout()):
+    """The MoE layer's steps 3-5 on given routing (the dispatch contract): x_TD [T, D] -> y_TD [T, D]."""
+    d = layer.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout)
+    return layer.dispatcher.combine(layer.run_experts(d), d)
 
 
 def pair(E, k, seed=0, **kw):
-    """(sorted layer, fused layer) with the same weights."""
+    """(sorted layer, plain fused layer, swapped fused layer) with the same weights."""
     torch.manual_seed(seed)
     cfg = dict(hidden_size=D, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True,
                num_experts=E, num_experts_per_tok=k, moe_intermediate_size=24, **kw)
     ref = MOEFeedForward(MiniMindConfig(**cfg)).train()
     fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).train()
     fused.load_state_dict(ref.state_dict())
-    return ref, fused
+    assert type(ref.dispatcher) is SortedDispatcher and type(fused.dispatcher) is RowMapDispatcher
+    return ref, fused, swapped(fused)
 
 
 def fwd_bwd(mod, x, g):
@@ -84,39 +130,43 @@ CONFIGS = [  # E, k, extra config
 
 
 def test_matches_sorted_fp32():
-    for (E, k, kw), impl in ((c, i) for c in CONFIGS for i in IMPLS):
-        ref, fused = pair(E, k, **kw)
-        for S in (1, 7, 50):
-            x = torch.randn(2, S, D)
-            g = torch.randn(2, S, D)
-            ya, dxa, ga = fwd_bwd(ref, x, g)
-            with fused_impl(fused, impl):
-                yb, dxb, gb = fwd_bwd(fused, x, g)
-            what = f"{impl} E={E} k={k} {kw} S={S}"
-            assert_close(ya, yb, 1e-5, what + " forward")
-            assert_close(dxa, dxb, 1e-5, what + " grad x")
-            for n in ga:
-                assert_close(ga[n], gb[n], 1e-5, f"{what} grad {n}")
-            assert torch.equal(ref.stats.tokens_per_expert, fused.stats.tokens_per_expert), what
-            pads = kw.get("moe_pad_to_capacity") or kw.get("moe_expert_alignment", 1) > 1
-            if pads:
-                assert ref.stats.padded_tokens_per_expert.tolist() == fused.stats.padded_tokens_per_expert.tolist(), what
-            else:
-                assert ref.stats.padded_tokens_per_expert is None and fused.stats.padded_tokens_per_expert is None
-            assert torch.equal(ref.aux_loss, fused.aux_loss), what
+    for E, k, kw in CONFIGS:
+        ref, *layers = pair(E, k, **kw)
+        for impl in engines_here():
+            for S in (1, 7, 50):
+                x = torch.randn(2, S, D)
+                g = torch.randn(2, S, D)
+                ya, dxa, ga = fwd_bwd(ref, x, g)
+                with engine(layers, impl) as fused:
+                    yb, dxb, gb = fwd_bwd(fused, x, g)
+                what = f"{impl} E={E} k={k} {kw} S={S}"
+                assert_close(ya, yb, 1e-5, what + " forward")
+                assert_close(dxa, dxb, 1e-5, what + " grad x")
+                assert set(ga) == set(gb), what
+                for n in ga:
+                    assert_close(ga[n], gb[n], 1e-5, f"{what} grad {n}")
+                assert torch.equal(ref.stats.tokens_per_expert, fused.stats.tokens_per_expert), what
+                pads = kw.get("moe_pad_to_capacity") or kw.get("moe_expert_alignment", 1) > 1
+                if pads:
+                    assert (ref.stats.padded_tokens_per_expert.tolist()
+                            == fused.stats.padded_tokens_per_expert.tolist()), what
+                else:
+                    assert ref.stats.padded_tokens_per_expert is None and fused.stats.padded_tokens_per_expert is None
+                assert torch.equal(ref.aux_loss, fused.aux_loss), what
 
 
 def test_idle_experts_get_zero_grads():
     """An expert with no tokens still gets a (zero) gradient in training (DDP needs every parameter)."""
-    ref, fused = pair(6, 1)
-    with torch.no_grad():
-        fused.gate.weight[:, 0] = 0.0
-        fused.gate.weight[5] = 0.0
-        fused.gate.weight[5, 0] = -1000.0
+    _, *layers = pair(6, 1)
+    for layer in layers:
+        with torch.no_grad():
+            layer.gate.weight[:, 0] = 0.0
+            layer.gate.weight[5] = 0.0
+            layer.gate.weight[5, 0] = -1000.0
     x = torch.randn(1, 20, D)
     x[..., 0] = x[..., 0].abs() + 1.0
-    for impl in IMPLS:
-        with fused_impl(fused, impl):
+    for impl in engines_here():
+        with engine(layers, impl) as fused:
             _, _, grads = fwd_bwd(fused, x, torch.randn(1, 20, D))
         assert int(fused.stats.tokens_per_expert[5]) == 0
         for name in ("gate_proj", "up_proj", "down_proj"):
@@ -125,97 +175,132 @@ def test_idle_experts_get_zero_grads():
 
 
 def test_deterministic():
-    for (E, k, kw), impl in ((c, i) for c in CONFIGS[:6] for i in IMPLS):
-        _, fused = pair(E, k, **kw)
+    for E, k, kw in CONFIGS[:6]:
+        _, *layers = pair(E, k, **kw)
         x, g = torch.randn(3, 40, D), torch.randn(3, 40, D)
-        with fused_impl(fused, impl):
-            a, b = fwd_bwd(fused, x, g), fwd_bwd(fused, x, g)
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-        assert all(torch.equal(a[2][n], b[2][n]) for n in a[2])
+        for impl in engines_here():
+            with engine(layers, impl) as fused:
+                a, b = fwd_bwd(fused, x, g), fwd_bwd(fused, x, g)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), impl
+            assert all(torch.equal(a[2][n], b[2][n]) for n in a[2]), impl
 
 
 def test_zero_syncs():
-    """No sync-inducing call in the forward, in training and eval, with capacity, padding and alignment:
-    with the CPU expert chains (which read their segment bounds from CPU memory: not a sync), and with
-    the grouped path on torch's grouped_mm, whose offsets never leave the device (the CUDA design)."""
-    variants = [("cpu_chains", {}), ("grouped", {"gemm_backend": "torch", "permute_backend": "reference"})]
+    """After swap_engines, no sync-inducing call in forward or backward, in training and eval, with
+    capacity, padding and alignment: with the CPU expert chains (which read their segment bounds from CPU
+    memory: not a sync), and with the grouped engine on torch's grouped_mm, whose offsets never leave
+    the device (the CUDA design). The plain fused layer reads the counts at most once (its run_experts),
+    the sorted layer exactly once. Also through a module tree: swap_engines swaps every fused MoE layer."""
+    variants = [e for e in engines_here() if e != "plain"]
     for E, k, kw in CONFIGS + [(64, 8, {}), (16, 4, {"capacity_factor": 1.25, "moe_pad_to_capacity": True})]:
-        ref, fused = pair(E, k, **kw)
+        ref, *layers = pair(E, k, **kw)
         x = torch.randn(2, 30, D)
         for train in (True, False):
-            for impl, backends in variants:
-                fused.train(train)
-                with fused_impl(fused, impl, **backends):
-                    _, syncs = count_syncs(fused, x)
-                assert syncs == 0, f"{impl} E={E} k={k} {kw} train={train}: {syncs} syncs"
+            for impl in variants:
+                with engine(layers, impl) as fused:
+                    fused.train(train)
+                    xi = x.clone().requires_grad_()
+                    with SyncCounter() as c:
+                        fused(xi).sum().backward()
+                assert c.count == 0, f"{impl} E={E} k={k} {kw} train={train}: syncs {c.ops}"
+            layers[0].train(train)
+            assert count_syncs(layers[0], x)[1] <= 1, f"plain fused E={E} k={k} {kw}"
             ref.train(train)
             assert count_syncs(ref, x)[1] == 1
+    # a module tree: two fused layers and a sorted one; only the fused ones are swapped
+    torch.manual_seed(0)
+    cfg = dict(hidden_size=D, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True, num_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=24)
+    tree = torch.nn.Sequential(MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")),
+                               MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused", capacity_factor=1.0)))
+    plain_tree = copy.deepcopy(tree)
+    assert swap_engines(tree, "cpu", torch.float32) == {"FusedExpertsMoE": 2, "KernelRowMapDispatcher": 2}
+    assert swap_engines(tree, "cpu", torch.float32) == {}, "a second swap must find nothing left to swap"
+    x = torch.randn(2, 30, D)
+    y, n = count_syncs(tree, x)
+    assert n == 0, f"swapped tree: {n} syncs"
+    assert_close(y, plain_tree(x), 1e-5, "swapped tree vs plain tree")
+    sorted_layer = MOEFeedForward(MiniMindConfig(**cfg))
+    assert swap_engines(sorted_layer, "cpu", torch.float32) == {} and type(sorted_layer) is MOEFeedForward
 
 
 def test_empty_and_tiny_inputs():
+    """No token (B or S = 0), one token: forward equals the sorted layer, backward runs, for every engine
+    and layout. Every case runs; the failures are reported together."""
+    failures = []
     for kw in ({}, {"moe_expert_alignment": 4}, {"capacity_factor": 2.0, "moe_pad_to_capacity": True}):
-        ref, fused = pair(4, 2, **kw)
-        for shape, impl in ((s, i) for s in ((1, 0, D), (0, 5, D), (1, 1, D)) for i in IMPLS):
+        ref, *layers = pair(4, 2, **kw)
+        for shape, impl in ((s, i) for s in ((1, 0, D), (0, 5, D), (1, 1, D)) for i in engines_here()):
             x = torch.randn(*shape)
-            with fused_impl(fused, impl):
-                assert_close(ref(x).detach(), fused(x).detach(), 1e-5, f"{impl} {kw} {shape}")
-                xi = x.clone().requires_grad_()
-                fused(xi).sum().backward()
-            assert xi.grad.shape == x.shape
+            try:
+                with engine(layers, impl) as fused:
+                    assert_close(ref(x).detach(), fused(x).detach(), 1e-5, f"{impl} {kw} {shape}")
+                    xi = x.clone().requires_grad_()
+                    fused(xi).sum().backward()
+                assert xi.grad.shape == x.shape
+            except Exception as e:  # noqa: BLE001 (collected, raised below)
+                failures.append(f"{impl} {kw} {shape}: {type(e).__name__}: {str(e).splitlines()[0]}")
     # an EP rank that received no pairs but pads every expert to an alignment: P > 0 rows, T = 0 tokens
-    _, fused = pair(4, 2)
-    for impl in IMPLS:
-        with fused_impl(fused, impl):
-            y = dispatch_experts_combine(RowMapDispatcher(4), fused.experts, torch.randn(0, D),
-                                         torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), RowLayout(None, 4))
-        assert y.shape == (0, D), impl
+    _, *layers = pair(4, 2)
+    for impl in engines_here():
+        try:
+            with engine(layers, impl) as fused:
+                y = dispatch_experts_combine(fused, torch.randn(0, D), torch.zeros(0, 2, dtype=torch.long),
+                                             torch.zeros(0, 2), RowLayout(None, 4))
+            assert y.shape == (0, D), impl
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"{impl} T=0 direct call, alignment 4: {type(e).__name__}: {str(e).splitlines()[0]}")
+    assert not failures, f"{len(failures)} cases failed:\n  " + "\n  ".join(failures)
 
 
-def test_state_dict_and_packing():
-    """Same keys as the sorted layer; weights are views of two buffers and stay so through an optimizer
-    step, .to(dtype) and load_state_dict; replaced weights are packed again by the next forward (stacked
-    as copies inside inference_mode), also after deepcopy."""
-    ref, fused = pair(4, 2)
+def test_state_dict_and_swap():
+    """swap_engines changes classes only: the same keys as the sorted layer, the same Parameter objects,
+    the same values; the swapped layer survives an optimizer step, .to(dtype), load_state_dict (also with
+    assign=True), inference_mode and deepcopy, and keeps computing the plain layer's function."""
+    ref, fused, _ = pair(4, 2)
     assert list(ref.state_dict()) == list(fused.state_dict())
-
-    def packed(mod):
-        gu = [w for ex in mod.experts for w in (ex.gate_proj.weight, ex.up_proj.weight)]
-        return _back_to_back(gu) and _back_to_back([ex.down_proj.weight for ex in mod.experts])
-
-    assert packed(fused)
-    opt = torch.optim.AdamW(fused.parameters(), lr=1e-2)
-    fused(torch.randn(1, 9, D)).sum().backward()
+    layer = copy.deepcopy(fused)
+    params = {n: p for n, p in layer.named_parameters()}
+    assert swap_engines(layer, "cpu", torch.float32) == SWAPS
+    assert [n for n, _ in layer.named_parameters()] == list(params) and all(
+        params[n] is p for n, p in layer.named_parameters()), "swap_engines replaced a parameter"
+    assert list(layer.state_dict()) == list(ref.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(layer.state_dict().values(), ref.state_dict().values()))
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    layer(torch.randn(1, 9, D)).sum().backward()
     opt.step()
-    assert packed(fused)
-    fused.to(torch.float64)
-    assert packed(fused) and fused.experts[0].gate_proj.weight.dtype == torch.float64
-    fused.to(torch.float32)
-    fused.load_state_dict(ref.state_dict())
-    assert packed(fused)
     x = torch.randn(1, 9, D)
-    want = ref(x)
-    fused.load_state_dict(ref.state_dict(), assign=True)  # new tensors: no longer back to back
-    assert not packed(fused)
-    with torch.inference_mode(), warnings.catch_warnings():
+    ref.load_state_dict(layer.state_dict())
+    assert_close(layer(x), ref(x), 1e-5, "after an optimizer step")
+    layer.to(torch.float64)  # fp64: no oneDNN chain, the grouped engine's reference loop
+    assert type(layer) is FusedExpertsMoE and layer.experts[0].gate_proj.weight.dtype == torch.float64
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert_close(fused(x), want, 1e-5, "unpacked fallback")  # no re-packing inside inference_mode
-    assert not packed(fused)
-    assert_close(fused(x), want, 1e-5, "re-packed by the forward")
-    assert packed(fused)
-    import copy
-    twin = copy.deepcopy(fused)
+        assert_close(layer(x.double()), ref.double()(x.double()), 1e-5, "float64")
+    layer.to(torch.float32), ref.to(torch.float32)
+    fused.load_state_dict(ref.state_dict())
+    layer.load_state_dict(ref.state_dict())
+    want = ref(x)
+    assert_close(layer(x), want, 1e-5, "load_state_dict")
+    layer.load_state_dict(ref.state_dict(), assign=True)  # new tensors
+    assert_close(layer(x), want, 1e-5, "load_state_dict(assign=True)")
+    with torch.inference_mode():
+        assert_close(layer(x), want, 1e-5, "inference_mode")
+    twin = copy.deepcopy(layer)
+    assert type(twin) is FusedExpertsMoE and type(twin.dispatcher) is KernelRowMapDispatcher
     assert_close(twin(x), want, 1e-5, "deepcopy")
-    assert packed(twin) and packed(fused)
+    assert_close(fused(x), want, 1e-5, "plain fused layer")
 
 
 def test_bf16_autocast_cpu():
-    ref, fused = pair(8, 2)
+    ref, fused, _ = pair(8, 2)
+    layers = (fused, swapped(fused, torch.bfloat16))
     x, g = torch.randn(2, 16, D), torch.randn(2, 16, D)
-    for impl in IMPLS:
+    for impl in engines_here(torch.bfloat16):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             a = fwd_bwd(ref, x, g)
-            with fused_impl(fused, impl):
-                b = fwd_bwd(fused, x, g)
+            with engine(layers, impl) as layer:
+                b = fwd_bwd(layer, x, g)
         assert a[0].dtype == b[0].dtype == x.dtype
         assert_close(a[0], b[0], 2e-2, f"{impl} bf16 autocast")
         assert_close(a[1], b[1], 2e-2, f"{impl} bf16 autocast grad x")
@@ -225,10 +310,9 @@ def test_bf16_autocast_cpu():
 
 def test_odd_sizes_fall_back():
     """Sizes torch's grouped_mm cannot take, in forward or only in backward (rows not 16-byte multiples:
-    D or F not a multiple of 4 in fp32, of 8 in bf16), use the reference loop in the grouped path when
-    oneDNN is not there (as on CUDA, where it never is); the CPU expert chains and the oneDNN grouped GEMM
-    take any size. Values and all grads agree in every variant."""
-    import kernels.grouped_gemm as G
+    D or F not a multiple of 4 in fp32, of 8 in bf16), use the reference loop in the grouped engine (as on
+    CUDA, where the chains never run); the CPU expert chains take any size. Values and all grads agree in
+    every variant."""
     for D_, F_, dtype in ((33, 13, None), (32, 13, None), (33, 24, None), (36, 64, torch.bfloat16),
                           (100, 64, torch.bfloat16)):
         torch.manual_seed(0)
@@ -237,19 +321,14 @@ def test_odd_sizes_fall_back():
         ref = MOEFeedForward(MiniMindConfig(**cfg)).train()
         fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).train()
         fused.load_state_dict(ref.state_dict())
+        layers = (fused, swapped(fused, dtype or torch.float32))
         x, g = torch.randn(2, 11, D_), torch.randn(2, 11, D_)
         tol = 1e-5 if dtype is None else 5e-2
-        for variant in ("cpu_chains", "grouped", "grouped without oneDNN"):
-            supports = G.onednn_supports
-            if variant == "grouped without oneDNN":
-                G.onednn_supports = lambda a, b: False
-            try:
-                with (warnings.catch_warnings(), fused_impl(fused, variant.split()[0]),
-                      torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)):
-                    warnings.simplefilter("ignore")
-                    a, b = fwd_bwd(ref, x, g), fwd_bwd(fused, x, g)
-            finally:
-                G.onednn_supports = supports
+        for variant in engines_here(dtype or torch.float32):
+            with (warnings.catch_warnings(), engine(layers, variant) as layer,
+                  torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)):
+                warnings.simplefilter("ignore")
+                a, b = fwd_bwd(ref, x, g), fwd_bwd(layer, x, g)
             what = f"{variant} D={D_} F={F_} {dtype}"
             assert_close(a[0], b[0], tol, what + " forward")
             assert_close(a[1], b[1], tol, what + " grad x")
@@ -259,30 +338,25 @@ def test_odd_sizes_fall_back():
 
 def test_direct_call_with_dropped_pairs():
     """The dispatchers and experts called directly with -1 entries (as the EP transport passes them, in
-    any slot order): those pairs contribute 0; sorted and row-map paths agree; an unknown impl is refused."""
-    ref, fused = pair(4, 2)
+    any slot order): those pairs contribute 0; sorted and row-map paths agree for every engine."""
+    ref, *layers = pair(4, 2)
     x = torch.randn(10, D)
     idx = torch.tensor([[0, 1], [-1, 2], [3, -1], [-1, -1], [3, 0], [1, 2], [2, 3], [0, 2], [-1, 1], [1, 0]])
     w = torch.rand(10, 2)
-    want = dispatch_experts_combine(SortedDispatcher(4), ref.experts, x, idx, w)
-    for impl in IMPLS:
-        with fused_impl(fused, impl):
-            got = dispatch_experts_combine(RowMapDispatcher(4), fused.experts, x, idx, w)
+    want = dispatch_experts_combine(ref, x, idx, w)
+    assert not want[3].abs().any()
+    for impl in engines_here():
+        with engine(layers, impl) as fused:
+            got = dispatch_experts_combine(fused, x, idx, w)
         assert_close(got, want, 1e-5, f"{impl} dropped pairs")
-        assert not got[3].abs().any()
-    for attr, bad in (("impl", "fast"), ("gemm_backend", "cuda")):
-        try:
-            setattr(fused.experts, attr, bad)
-        except ValueError as e:
-            assert attr in str(e)
-        else:
-            raise AssertionError(f"unknown {attr} accepted")
+        assert not got[3].abs().any(), impl
 
 
 def test_compiles_without_graph_breaks():
-    """torch.compile(fullgraph=True) traces the fused layer's forward and backward in one graph (no
-    data-dependent shape, no host read) and computes the same values."""
-    ref, fused = pair(4, 2)
+    """torch.compile(fullgraph=True) traces the swapped fused layer's forward and backward in one graph (no
+    data-dependent shape, no host read: under compile run_experts takes the grouped engine) and computes
+    the same values."""
+    ref, _, fused = pair(4, 2)
     x, g = torch.randn(2, 16, D), torch.randn(2, 16, D)
     compiled = torch.compile(fused, fullgraph=True)
     a = fwd_bwd(ref, x, g)
@@ -299,8 +373,9 @@ def test_cuda_matches_sorted():
     if not torch.cuda.is_available():
         raise Skip("needs CUDA")
     for E, k, kw in CONFIGS[:6]:
-        ref, fused = pair(E, k, **kw)
+        ref, fused, _ = pair(E, k, **kw)
         ref.cuda(), fused.cuda()
+        assert swap_engines(fused, "cuda", torch.float32) == SWAPS
         x, g = torch.randn(4, 64, D, device="cuda"), torch.randn(4, 64, D, device="cuda")
         a, b = fwd_bwd(ref, x, g), fwd_bwd(fused, x, g)
         assert_close(a[0], b[0], 1e-5, "cuda fp32 forward")
@@ -315,7 +390,7 @@ def test_cuda_matches_sorted():
 
 
 TESTS = [test_matches_sorted_fp32, test_idle_experts_get_zero_grads, test_deterministic, test_zero_syncs,
-         test_empty_and_tiny_inputs, test_state_dict_and_packing, test_bf16_autocast_cpu, test_odd_sizes_fall_back,
+         test_empty_and_tiny_inputs, test_state_dict_and_swap, test_bf16_autocast_cpu, test_odd_sizes_fall_back,
          test_direct_call_with_dropped_pairs, test_compiles_without_graph_breaks, test_cuda_matches_sorted]
 
 if __name__ == "__main__":

@@ -264,6 +264,22 @@ def test_masked_impl_equals_sorted():
             assert (load_s is None) == (load_m is None) and (load_s is None or torch.equal(load_s, load_m)), what
 
 
+def test_swap_engines_keeps_sorted_layer():
+    """kernels.swap.swap_engines leaves the sorted layer (and its nn.Linear experts) alone, in a module
+    tree too, on CPU under fp32 and bf16: nothing swapped, still bitwise the masked reference."""
+    from kernels.swap import swap_engines
+    mod = build(seed=3, num_experts=8, num_experts_per_tok=2).train()
+    tree = torch.nn.Sequential(mod)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert swap_engines(tree, "cpu", dtype) == {}, dtype
+    assert type(mod) is MOEFeedForward and all(type(m) is torch.nn.Linear for m in mod.experts.modules()
+                                               if isinstance(m, torch.nn.Linear))
+    torch.manual_seed(21)
+    assert_same(*run_both(mod, torch.randn(3, 11, 64)), 2, "after swap_engines")
+    _, n = count_syncs(tree, torch.randn(2, 8, 64))
+    assert n == 1, f"{n} syncs after swap_engines"
+
+
 def test_user_acceptance_file():
     """The user's own acceptance test (../shared/acceptance/test_moe_sorted.py), when it is present."""
     path = os.path.join(SHARED, "acceptance", "test_moe_sorted.py")
@@ -278,7 +294,8 @@ def test_user_acceptance_file():
 TESTS = [test_bitwise_vs_masked_reference, test_odd_hidden_and_intermediate_sizes, test_idle_experts_and_tiny_batches,
          test_zero_token_grads_train_vs_eval, test_empty_input, test_bf16_on_cpu, test_aux_loss_and_state_dict,
          test_single_sync_per_layer, test_sync_counter_sees_known_syncs, test_deterministic,
-         test_cuda_bitwise_and_syncs, test_masked_impl_equals_sorted, test_user_acceptance_file]
+         test_cuda_bitwise_and_syncs, test_masked_impl_equals_sorted, test_swap_engines_keeps_sorted_layer,
+         test_user_acceptance_file]
 
 if __name__ == "__main__":
     run(TESTS)

@@ -19,6 +19,19 @@ D = 16
 COEF = 0.01
 
 
+def route_only(mod, x_TD):
+    """(topk_idx_TK, topk_weight_TK) of the layer's router, without the side effects a training-mode
+    route() has (it sets aux_loss and adds to the load)."""
+    was_training = mod.training
+    mod.eval()
+    try:
+        with torch.no_grad():
+            idx, w, _, _ = mod.route(x_TD)
+    finally:
+        mod.train(was_training)
+    return idx, w
+
+
 def balanced_routing(T, K, E):
     """[T, K] distinct experts per token, every expert chosen exactly T*K/E times."""
     return torch.tensor([[(t * K + j) % E for j in range(K)] for t in range(T)])
@@ -52,10 +65,11 @@ def test_minimind_default_is_bitwise_minimind():
     mod = layer(E, K, router_aux_loss_coef=COEF)
     x = torch.randn(2, 20, D)
     mod(x)
-    _, _, idx = mod.route(x.view(-1, D))
+    aux = mod.aux_loss
+    idx, _ = route_only(mod, x.view(-1, D))
     s = torch.softmax(mod.gate(x.view(-1, D)), -1)
     want = (F.one_hot(idx, num_classes=E).float().mean(0) * s.mean(0)).sum() * E * COEF
-    assert torch.equal(mod.aux_loss, want)
+    assert torch.equal(aux, want)
 
 
 def layer(E, K, seed=0, **kw):
@@ -92,8 +106,7 @@ def test_padding_changes_no_loss_and_no_load():
     for kw in VARIANTS:
         mod = layer(8, 2, **kw)
         x, mask, parts = padded_batch(mod, [11, 7], S=16)
-        with torch.no_grad():
-            pad_routes = mod.route(x[0, 11:])[2]
+        pad_routes = route_only(mod, x[0, 11:])[0]
         assert (pad_routes == 0).any(dim=-1).all(), "padding must route to expert 0 for this test to mean anything"
         y = mod(x, token_mask=mask)
         loss_padded, z_padded, load_padded = mod.aux_loss.detach(), mod.stats.z_loss, mod.pop_load()
@@ -167,18 +180,18 @@ def test_no_cancellation_across_layers():
 
 
 def router_grads_after(model, batch, grad_accum, repeats):
-    """The router grads after `repeats` micro-steps of the training loop (train.trainer.forward_backward,
+    """The router grads after `repeats` micro-steps of the training loop (train.loop.forward_backward,
     single process) on `batch`, accumulated with --grad_accum `grad_accum`."""
     from types import SimpleNamespace
-    from train.trainer import forward_backward
+    from train.loop import forward_backward
     model.zero_grad(set_to_none=True)
     run = SimpleNamespace(args=SimpleNamespace(grad_accum=grad_accum), ctx=SimpleNamespace(world_size=1),
-                          device=torch.device("cpu"), autocast=contextlib.nullcontext, train_model=model,
-                          scaler=torch.amp.GradScaler("cpu", enabled=False))
+                          device=torch.device("cpu"), autocast=contextlib.nullcontext, train_model=model)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
     x, y = batch[:, :-1], batch[:, 1:]
     n_global = int((y != -100).sum()) * repeats  # every micro-step's supervised tokens
     for _ in range(repeats):
-        forward_backward(run, x, y, n_global)
+        forward_backward(run, scaler, n_global, x, y)
     return [blk.mlp.gate.weight.grad.clone() for blk in model.model.layers]
 
 
@@ -202,10 +215,10 @@ def test_grad_accumulation_scales_aux_once():
 def test_bias_steers_selection_not_weights():
     mod = layer(4, 2, router_bias_update_rate=0.1)
     x = torch.randn(1, 30, D)
-    scores, w0, idx0 = mod.route(x[0])
     with torch.no_grad():
         mod.expert_bias.copy_(torch.tensor([10.0, 0.0, 0.0, 10.0]))
-    scores1, w1, idx1 = mod.route(x[0])
+        scores1 = torch.softmax(mod.router_logits(x[0]), -1)
+    idx1, w1 = route_only(mod, x[0])
     assert torch.equal(idx1.sort(-1).values, torch.tensor([[0, 3]] * 30)), "bias decides the selection"
     want = scores1.gather(-1, idx1)
     assert torch.allclose(w1, want / want.sum(-1, keepdim=True)), "weights are the unbiased scores"
@@ -275,14 +288,13 @@ def test_training_logs_load_and_draws_heatmap():
     """A tiny run with switch loss + z-loss + bias: per-layer load fields in metrics.jsonl, a heatmap PNG,
     and the bias buffers in the checkpoint; the export refuses the selection bias by name."""
     import json
-    from train.pretrain import parse_args
-    from train.trainer import train
+    from train.pretrain import parse_args, train
     out = tempfile.mkdtemp(prefix="test_router_")
-    args = ["--hidden_size", "32", "--num_layers", "2", "--num_heads", "2", "--num_kv_heads", "1", "--num_experts", "4",
-            "--top_k", "2", "--moe_intermediate_size", "32", "--seq_len", "32", "--batch_size", "4", "--vocab_size", "512",
-            "--eval_tokens", "512", "--max_steps", "6", "--log_interval", "3", "--eval_interval", "6", "--no_progress",
-            "--sample_tokens", "0", "--aux_loss_type", "switch", "--z_loss_coef", "1e-3", "--bias_update_rate", "1e-2",
-            "--out_dir", out]
+    args = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "2", "--num_key_value_heads", "1",
+            "--num_experts", "4", "--num_experts_per_tok", "2", "--moe_intermediate_size", "32", "--seq_len", "32",
+            "--batch_size", "4", "--vocab_size", "512", "--eval_tokens", "512", "--max_steps", "6", "--log_interval", "3",
+            "--eval_interval", "6", "--no_progress", "--sample_tokens", "0", "--router_aux_loss_type", "switch",
+            "--router_z_loss_coef", "1e-3", "--router_bias_update_rate", "1e-2", "--out_dir", out]
     s = train(parse_args(args), log=lambda *_: None)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     logged = [r for r in rows if "expert_load" in r]

@@ -194,7 +194,8 @@ class AllToAllDispatcher:
                                      send_rows, self.group)
         idx_recv = local_send.new_empty(n_recv, local_send.shape[1])
         dist.all_to_all_single(idx_recv, local_send.contiguous(), recv_rows, send_rows, group=self.group)
-        pad_to = layout.pad_to * M if layout.pad_to is not None else None  # each source rank may fill the capacity
+        # each source rank may fill its own capacity (from its own batch): pad to what arrives at most
+        pad_to = max(layout.pad_to * M, *recv_per_local_expert) if layout.pad_to is not None else None
         local = self.local.dispatch(x_recv, idx_recv, w_recv, RowLayout(pad_to, layout.alignment, may_drop=True),
                                     host_tokens_per_expert=recv_per_local_expert)
         return dataclasses.replace(local, first_expert=self.first_expert, routed_E=pairs_E, state=dict(
