@@ -78,9 +78,9 @@ def open_wandb(args, config, out_dir):
 
 
 class Progress:
-    """tqdm bar over the optimizer steps (rank 0), fitting 80 columns: `pretrain 160/1300 00:31<03:40 loss 3.123
-    10.7k tok/s lr 3.0e-03 load 1.21 idle 0` (load: largest max/mean expert load over layers, 1.0 = balanced;
-    idle: experts without a token). `say` prints a line above it."""
+    """tqdm bar over the optimizer steps (rank 0), fitting 80 columns: `pretrain 160/1300 00:31<03:40, loss 3.123
+    10.7k tok/s lr 3.0e-03 load 1.21` (load: largest max/mean expert load over layers, 1.0 = balanced; then
+    `idle N` when N experts got no token). `say` prints a line above it."""
 
     def __init__(self, label, start_step, max_steps, enabled, log):
         self.log = log
@@ -92,7 +92,8 @@ class Progress:
         if fields is not None:
             text = f"loss {fields['train_loss']:.3f} {fields['tok_per_s'] / 1e3:.1f}k tok/s lr {fields['lr']:.1e}"
             if show_load and "load_max_over_mean" in fields:
-                text += f" load {max(fields['load_max_over_mean']):.2f} idle {sum(fields['idle_experts'])}"
+                idle = sum(fields["idle_experts"])
+                text += f" load {max(fields['load_max_over_mean']):.2f}" + (f" idle {idle}" if idle else "")
             self.bar.postfix = text
             self.bar.refresh()
 
