@@ -11,8 +11,9 @@ from testlib import ROOT, Skip, run  # noqa: F401
 
 import torch  # noqa: E402
 
-from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from train import cpu_engines as engines, setup as setup_mod  # noqa: E402
+import kernels.swap as engines  # noqa: E402
+from model.model_minimind import Attention, MiniMindConfig, MiniMindForCausalLM  # noqa: E402
+from train import loop  # noqa: E402
 from train.threads import ThreadTuner, halving  # noqa: E402
 
 
@@ -52,8 +53,9 @@ def test_thread_tuner_follows_the_load():
 
 def test_thread_count_keeps_the_step_bitwise():
     """Three AdamW steps of the main job's model shape (2 layers) give bitwise the same weights at 1 and 2
-    threads, for the sorted and fused MoE and the dense model, fp32 and bf16: so the tuner's switches do
-    not change a run's numbers (checked for this model's kernels, not for every torch op)."""
+    threads, for the sorted and fused MoE and the dense model, fp32 and bf16, with the engines the trainer
+    swaps in for that dtype (kernels.swap.swap_engines): so the tuner's switches do not change a run's
+    numbers (checked for this model's kernels, not for every torch op)."""
     if os.cpu_count() < 2:
         raise Skip("needs 2 cores")
     saved = torch.get_num_threads()
@@ -65,7 +67,8 @@ def test_thread_count_keeps_the_step_bitwise():
                              num_key_value_heads=2, use_moe=use_moe, num_experts=4, num_experts_per_tok=2,
                              moe_intermediate_size=384, moe_impl=impl)
         model = MiniMindForCausalLM(cfg).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # the trainer's (train/setup.py)
+        engines.swap_engines(model, "cpu", torch.bfloat16 if bf16 else torch.float32)  # as train/loop.setup
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # the trainer's (train/loop.py)
         gen = torch.Generator().manual_seed(1)
         for _ in range(3):
             x = torch.randint(0, 6400, (8, 129), generator=gen)
@@ -87,27 +90,39 @@ def test_thread_count_keeps_the_step_bitwise():
 
 
 def test_dtype_auto_on_cpu():
-    """--dtype auto on CPU is bf16 exactly when the measured bf16 GEMM speedup reaches the threshold;
-    --attn_impl auto follows the dtype; the measurement is far from the threshold on this CPU (so runs
-    agree)."""
+    """--dtype auto on CPU is bf16 exactly when the measured bf16 GEMM speedup reaches the threshold
+    (train/loop.resolve_dtype, logged); the attention the trainer swaps in follows the dtype (explicit
+    scores under bf16, SDPA in fp32: kernels.swap.swap_engines); the measurement is far from the threshold
+    on this CPU (so runs agree); an explicit --dtype is taken as given, and CUDA's auto is bf16, unmeasured."""
     class Ctx:
         distributed = False
+
+    def args(dtype):
+        return type("A", (), {"device": "cpu", "dtype": dtype})
 
     real = engines.bf16_gemm_speedup
     try:
         for speedup, want in [(0.0, "float32"), (1.2, "float32"), (engines.BF16_MIN_SPEEDUP, "bfloat16"), (4.0, "bfloat16")]:
             engines.bf16_gemm_speedup = lambda *a, **k: speedup
             lines = []
-            assert engines.cpu_dtype(Ctx, lines.append) == want
-            assert want in lines[0] and "dtype auto" in lines[0], lines
+            assert loop.resolve_dtype(args("auto"), Ctx, "cpu", lines.append) == getattr(torch, want)
+            assert len(lines) == 1 and want in lines[0] and "dtype auto" in lines[0], lines
+        engines.bf16_gemm_speedup = lambda *a, **k: 4.0  # (an explicit --dtype measures nothing)
+        lines = []
+        assert loop.resolve_dtype(args("float32"), Ctx, "cpu", lines.append) == torch.float32
+        assert loop.resolve_dtype(args("bfloat16"), Ctx, "cpu", lines.append) == torch.bfloat16
+        engines.bf16_gemm_speedup = lambda *a, **k: 0.0
+        assert loop.resolve_dtype(args("auto"), Ctx, "cuda", lines.append) == torch.bfloat16 and not lines, lines
     finally:
         engines.bf16_gemm_speedup = real
-    assert engines.cpu_attention(torch.bfloat16, lines.append) == "explicit"
-    assert engines.cpu_attention(torch.float32, lines.append) == "sdpa"
+    for dtype, want in ((torch.bfloat16, engines.ExplicitAttention), (torch.float32, Attention)):
+        model = MiniMindForCausalLM(MiniMindConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2))
+        done = engines.swap_engines(model, "cpu", dtype)
+        kinds = {type(layer.self_attn) for layer in model.model.layers}
+        assert kinds == {want}, (dtype, kinds, done)
+        assert done.get("ExplicitAttention", 0) == (2 if want is engines.ExplicitAttention else 0), done
     s = [engines.bf16_gemm_speedup(1024, 512, 2048, reps=5) for _ in range(3)]
     assert all(x == 0.0 for x in s) or min(s) >= engines.BF16_MIN_SPEEDUP or max(s) < 1.0, s
-    assert setup_mod.resolve_device(type("A", (), {"device": "cpu", "dtype": "auto"})) == ("cpu", "auto")
-    assert setup_mod.resolve_device(type("A", (), {"device": "cpu", "dtype": "float32"})) == ("cpu", "float32")
 
 
 def test_bf16_curve_tracks_fp32():
@@ -129,7 +144,7 @@ def test_bf16_curve_tracks_fp32():
 
 
 def test_fused_adamw_is_the_loop():
-    """The trainer's optimizer is torch's fused AdamW on CPU (train/setup.make_optimizer), with the two
+    """The trainer's optimizer is torch's fused AdamW on CPU (train/loop.make_optimizer), with the two
     weight-decay groups; 10 of its steps on fixed gradients end within 1e-6 relative to the largest weight
     (the update's rounding order; measured ~1e-7) of the per-parameter loop's."""
     def weights(fused):
@@ -139,7 +154,7 @@ def test_fused_adamw_is_the_loop():
                              moe_intermediate_size=32)
         model = MiniMindForCausalLM(cfg).train()
         args = type("Args", (), {"weight_decay": 0.1, "learning_rate": 3e-3})
-        opt = setup_mod.make_optimizer(model, args)
+        opt = loop.make_optimizer(model, args)
         assert opt.defaults["fused"] is True and len(opt.param_groups) == 2
         if not fused:
             for group in opt.param_groups:

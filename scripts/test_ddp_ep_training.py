@@ -11,8 +11,8 @@ import torch
 from testlib import ROOT, SHARED, Skip, run, spawn_ranks  # noqa: F401
 
 _TMP = tempfile.mkdtemp(prefix="test_ddp_ep_")
-TINY = ["--hidden_size", "64", "--num_layers", "2", "--num_heads", "4", "--num_kv_heads", "2",
-        "--num_experts", "4", "--top_k", "2", "--moe_intermediate_size", "64", "--seq_len", "32",
+TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4", "--num_key_value_heads", "2",
+        "--num_experts", "4", "--num_experts_per_tok", "2", "--moe_intermediate_size", "64", "--seq_len", "32",
         "--vocab_size", "512", "--eval_tokens", "1024", "--warmup_steps", "3", "--log_interval", "1",
         "--eval_interval", "1000", "--no_progress", "--sample_tokens", "0", "--learning_rate", "3e-3"]
 
@@ -26,19 +26,18 @@ def data_file():
 
 
 def _train_rank(rank, world, argvs):
+    """train/pretrain.py's command line (train.loop.run_cli) on this rank: {"ok": True}, or the exit code
+    and what it wrote to stderr (a refusal: the one "error:" line, or a peer's note)."""
     import contextlib
     import io
-    from train.pretrain import parse_args
-    from train.trainer import train
+    from train.loop import run_cli
+    from train.pretrain import STAGE
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            args = parse_args(argvs[rank])
-        train(args, log=lambda *_: None)
+            run_cli(STAGE, argvs[rank], log=lambda *_: None)
         return {"ok": True}
-    except ValueError as e:
-        return {"ok": False, "error": str(e)}
-    except SystemExit as e:  # refused at parse time: the one "error:" line
+    except SystemExit as e:
         return {"ok": False, "error": err.getvalue(), "exit": e.code}
 
 
@@ -49,8 +48,7 @@ def launch(world, argv, per_rank=None):
 
 
 def single(argv):
-    from train.pretrain import parse_args
-    from train.trainer import train
+    from train.pretrain import parse_args, train
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -73,9 +71,9 @@ def test_ddp_ep_matches_single_process():
     changes the gradients slightly every step and compounds over 20 steps: looser bound."""
     for coef, bound in (("0", 1e-5), ("0.01", 5e-3)):
         common = TINY + ["--data_path", data_file(), "--max_steps", "20", "--save_interval", "20",
-                         "--aux_loss_coef", coef, "--dtype", "float32", "--moe_impl", "sorted"]
+                         "--router_aux_loss_coef", coef, "--dtype", "float32", "--moe_impl", "sorted"]
         ep_dir, one_dir = os.path.join(_TMP, f"ep2_{coef}"), os.path.join(_TMP, f"one_{coef}")
-        launch(2, common + ["--batch_size", "4", "--ep_size", "2", "--out_dir", ep_dir])
+        assert all(r["ok"] for r in launch(2, common + ["--batch_size", "4", "--ep_size", "2", "--out_dir", ep_dir]))
         single(common + ["--batch_size", "8", "--out_dir", one_dir])
         a, b = losses(ep_dir), losses(one_dir)
         assert sorted(a) == sorted(b) == list(range(1, 21))
@@ -86,16 +84,16 @@ def test_ddp_ep_matches_single_process():
 
 def dense_state_worker(rank, world, argv):
     """Train, then return this rank's own non-expert parameters (before any gathering)."""
-    import train.trainer as trainer
-    from train.pretrain import parse_args
+    import train.loop as loop
+    from train.pretrain import parse_args, train
     captured = {}
-    original = trainer.gather_experts
+    original = loop.gather_experts
 
-    def capture_then_gather(model, optimizer, group):  # called right before every checkpoint
+    def capture_then_gather(model, optimizer, group):  # called right before every checkpoint (loop.save)
         captured["dense"] = {n: p.detach().clone() for n, p in model.named_parameters() if ".experts." not in n}
         return original(model, optimizer, group)
-    trainer.gather_experts = capture_then_gather
-    trainer.train(parse_args(argv), log=lambda *_: None)
+    loop.gather_experts = capture_then_gather
+    train(parse_args(argv), log=lambda *_: None)
     return captured["dense"]
 
 
@@ -130,7 +128,8 @@ def test_resume_across_ep_sizes():
     (4 processes) on the same global batch, giving the same next-step loss (within fp32 reassociation)."""
     src = os.path.join(_TMP, "ep_src")
     common = TINY + ["--data_path", data_file(), "--max_steps", "7", "--save_interval", "100"]
-    launch(2, common + ["--batch_size", "4", "--ep_size", "2", "--out_dir", src, "--stop_after", "6"])
+    assert all(r["ok"] for r in launch(2, common + ["--batch_size", "4", "--ep_size", "2", "--out_dir", src,
+                                                     "--stop_after", "6"]))
     import shutil
     nxt = {}
     # "auto1": one process without --batch_size derives 8 per rank, keeping the 2 x 4 global batch
@@ -141,25 +140,33 @@ def test_resume_across_ep_sizes():
         if world == 1:
             single(argv)
         else:
-            launch(world, argv)
+            assert all(r["ok"] for r in launch(world, argv)), name
         nxt[name] = losses(d)[7]
     base = nxt["ep2"]
     for name, v in nxt.items():
         assert abs(v - base) / base < 1e-4, f"next-step loss {name}={v} vs ep2={base}"
 
 
+def _one_error_line(r, *needles):
+    lines = r["error"].splitlines()
+    return (not r["ok"] and r["exit"] == 2 and len(lines) == 1 and lines[0].startswith("error: ")
+            and all(n in lines[0] for n in needles))
+
+
 def test_bad_setups_fail_fast():
+    """On every rank one `error:` line and exit code 2: --ep_size that does not divide the world size or
+    --num_experts (refused at setup, before any folder is made), flags that differ between ranks."""
     common = TINY + ["--data_path", data_file(), "--max_steps", "2", "--batch_size", "2"]
     res = launch(2, common + ["--ep_size", "4", "--out_dir", os.path.join(_TMP, "bad1")])
-    assert all(not r["ok"] and "must divide the world size 2" in r["error"] for r in res), res
+    assert all(_one_error_line(r, "must divide the world size 2") for r in res), res
+    assert not os.path.exists(os.path.join(_TMP, "bad1")), "a run refused at setup left its folder"
     res = launch(2, common + ["--ep_size", "2", "--num_experts", "3", "--out_dir", os.path.join(_TMP, "bad2")])
-    assert all(not r["ok"] and r.get("exit") == 2 and "--ep_size 2 must divide --num_experts 3" in r["error"]
-               for r in res), res
-    assert not os.path.exists(os.path.join(_TMP, "bad2")), "a run refused at parse time left its folder"
+    assert all(_one_error_line(r, "--ep_size 2 must divide --num_experts 3") for r in res), res
+    assert not os.path.exists(os.path.join(_TMP, "bad2")), "a run refused at setup left its folder"
     res = launch(2, common + ["--out_dir", os.path.join(_TMP, "bad3")],
                  per_rank=lambda r: ["--hidden_size", "64" if r == 0 else "32"])
-    assert all(not r["ok"] and "differs between rank 0 and rank 1" in r["error"] and "hidden_size" in r["error"]
-               for r in res), res
+    assert all(_one_error_line(r, "differs between rank 0 and rank 1", "hidden_size") for r in res), res
+    assert not os.path.exists(os.path.join(_TMP, "bad3")), "a run refused at setup left the folder it made"
 
 
 TESTS = [test_ddp_ep_matches_single_process, test_dense_weights_identical_across_ranks, test_resume_across_ep_sizes,

@@ -49,7 +49,7 @@ def tiny_run(use_moe=True, tie=True, k=2, seed=0):
             if isinstance(m, RMSNorm):
                 m.weight.copy_(1 + 0.3 * torch.randn_like(m.weight))
     run_dir = os.path.join(_TMP, f"run_moe{int(use_moe)}_tie{int(tie)}_k{k}")
-    save_checkpoint(os.path.join(run_dir, "ckpt.pt"), model, None, 0, None, {})
+    save_checkpoint(os.path.join(run_dir, "ckpt.pt"), model, extra={"step": 0, "args": {}})
     tok = os.path.join(run_dir, "tokenizer")
     if not os.path.exists(tok):
         save_tokenizer(__import__("transformers").AutoTokenizer.from_pretrained(_tokenizer_dir()), tok)
@@ -86,6 +86,11 @@ CASES = [(True, True, 1), (True, True, 2), (True, False, 1), (True, False, 2), (
 
 
 def test_logits_parity_fp32():
+    """Our plain model, and the same weights with the trainer's CPU fp32 engines swapped in
+    (kernels.swap.swap_engines: OneDNNLinear, the fused MoE engines), give transformers' logits."""
+    from kernels.cpu_linear import onednn_runs
+    from kernels.swap import swap_engines
+    from train.checkpoint import model_from_checkpoint
     for use_moe, tie, k in CASES:
         ours, run_dir = tiny_run(use_moe, tie, k)
         hf, _, _ = load_hf_quietly(export(run_dir))
@@ -96,10 +101,21 @@ def test_logits_parity_fp32():
         assert a.abs().max() > 1.0, "logits too small for the test to mean anything"
         diff = (a - b).abs().max().item()
         assert diff <= TOL, f"moe={use_moe} tie={tie} k={k}: max |logit diff| {diff:.2e}"
+        for impl in ("sorted", "fused") if use_moe else ("sorted",):  # the same weights, swapped engines
+            swapped = model_from_checkpoint({"config": {**ours.config.to_dict(), "moe_impl": impl},
+                                             "model": ours.state_dict()}).eval()
+            done = swap_engines(swapped, "cpu", torch.float32)
+            assert not onednn_runs("cpu", torch.float32) or done.get("OneDNNLinear"), done
+            with torch.no_grad():
+                diff = (swapped(ids).logits - b).abs().max().item()
+            assert diff <= TOL, f"moe={use_moe} tie={tie} k={k} swapped {impl} {done}: max |logit diff| {diff:.2e}"
 
 
 def test_greedy_generation_identical():
+    """Greedy ids: ours (with and without the KV cache, plain and with the trainer's CPU engines swapped in)
+    equal transformers'."""
     from transformers import GenerationConfig
+    from kernels.swap import swap_engines
     for use_moe, tie, k in CASES:
         ours, run_dir = tiny_run(use_moe, tie, k)
         hf, _, _ = load_hf_quietly(export(run_dir))
@@ -111,6 +127,9 @@ def test_greedy_generation_identical():
         assert mine.shape == (1, 38), mine.shape
         assert torch.equal(mine, mine_nocache), f"moe={use_moe} tie={tie} k={k}: our cache vs no-cache"
         assert torch.equal(mine, theirs), f"moe={use_moe} tie={tie} k={k}:\n{mine}\n{theirs}"
+        swap_engines(ours, "cpu", torch.float32)  # the trainer's CPU fp32 engines (its end-of-run sample)
+        swapped = ours.generate(prompt, max_new_tokens=32, temperature=0, use_cache=True)
+        assert torch.equal(swapped, theirs), f"moe={use_moe} tie={tie} k={k} swapped:\n{swapped}\n{theirs}"
 
 
 def test_loads_without_key_warnings():
@@ -189,10 +208,9 @@ def test_refuses_what_qwen3_cannot_represent():
 def test_main_job_checkpoint_exports_and_generates():
     """A (short) run of the main job -> export -> transformers generate prints text; generate.py works on
     both sides and gives the same greedy text."""
-    from train.pretrain import parse_args
-    from train.trainer import train
+    from train.pretrain import parse_args, train
     out_dir = os.path.join(_TMP, "pretrain")
-    train(parse_args(["--out_dir", out_dir, "--max_steps", "40", "--hidden_size", "64", "--num_layers", "2",
+    train(parse_args(["--out_dir", out_dir, "--max_steps", "40", "--hidden_size", "64", "--num_hidden_layers", "2",
                       "--moe_intermediate_size", "64", "--eval_tokens", "2048", "--no_progress",
                       "--sample_tokens", "0", "--learning_rate", "1e-2", "--warmup_steps", "5"]), log=lambda *_: None)
     hf_dir = os.path.join(_TMP, "pretrain_hf")
@@ -226,7 +244,7 @@ def test_short_context_model_exports_and_pads_like_hf():
     torch.manual_seed(3)
     ours = MiniMindForCausalLM(cfg).eval()
     run_dir = os.path.join(_TMP, "run_short_ctx")
-    save_checkpoint(os.path.join(run_dir, "ckpt.pt"), ours, None, 0, None, {})
+    save_checkpoint(os.path.join(run_dir, "ckpt.pt"), ours, extra={"step": 0, "args": {}})
     save_tokenizer(__import__("transformers").AutoTokenizer.from_pretrained(_tokenizer_dir()),
                    os.path.join(run_dir, "tokenizer"))
     hf, _, _ = load_hf_quietly(export(run_dir))

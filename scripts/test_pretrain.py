@@ -13,11 +13,10 @@ import torch
 
 from testlib import ROOT, SHARED, Skip, run  # noqa: F401
 from train.checkpoint import load_checkpoint, model_from_checkpoint
-from train.pretrain import parse_args
-from train.trainer import train
+from train.pretrain import parse_args, train
 
-TINY = ["--hidden_size", "64", "--num_layers", "2", "--num_heads", "4", "--num_kv_heads", "2",
-        "--num_experts", "4", "--top_k", "2", "--moe_intermediate_size", "64", "--seq_len", "64",
+TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4", "--num_key_value_heads", "2",
+        "--num_experts", "4", "--num_experts_per_tok", "2", "--moe_intermediate_size", "64", "--seq_len", "64",
         "--batch_size", "8", "--vocab_size", "1024", "--eval_tokens", "2048", "--warmup_steps", "5",
         "--log_interval", "5", "--no_progress", "--sample_tokens", "0"]
 _TMP = tempfile.mkdtemp(prefix="test_pretrain_")
@@ -113,8 +112,8 @@ def test_bad_inputs_fail_fast_with_clear_messages():
     cases = [(["--data_path", os.path.join(_TMP, "nope.jsonl")], "nope.jsonl: data file not found"),
              (["--data_path", empty], "empty.txt: contains no text"),
              (["--data_path", bad], "bad.jsonl:3: malformed JSON"),
-             (["--num_experts", "4", "--top_k", "5"], "--top_k 5 must be <= --num_experts 4"),
-             (["--num_heads", "3"], "--num_heads 3 must divide"),
+             (["--num_experts", "4", "--num_experts_per_tok", "5"], "--num_experts_per_tok 5 must be <= --num_experts 4"),
+             (["--num_attention_heads", "3"], "--num_attention_heads 3 must divide"),
              (["--max_steps", "0"], "--max_steps"),
              (["--resume", os.path.join(_TMP, "none.pt")], "checkpoint not found"),
              (["--device", "tpu"], "--device must be"), (["--learning_rate", "inf"], "--learning_rate"),
@@ -172,7 +171,7 @@ def test_time_budget_ends_the_schedule_and_resume_continues_it():
     that step; a run stopped early resumes with the training seconds it had used (the checkpoint carries
     them). (Timing-based: on a machine busy enough to make a step take ~0.3 s the lr/10 check is skipped.)"""
     from train.flags import UNLIMITED_STEPS
-    from train.schedule import lr_at
+    from train.loop import lr_at
     budget, lr = 3.0, 3e-3
     common = TINY + ["--data_path", text_file(), "--time_budget_s", str(budget), "--learning_rate", str(lr),
                      "--eval_interval", "100000", "--save_interval", "100000", "--log_interval", "1"]
@@ -202,8 +201,9 @@ def test_time_budget_ends_the_schedule_and_resume_continues_it():
 
 
 def test_bench_quality_smoke_run():
-    """scripts/bench_quality.py end to end on a tiny model with 1-s budgets: a row per run, read back from the
-    run's metrics, and the dense row's active parameters equal the top-2 MoE's (but for the router)."""
+    """scripts/bench/bench_quality.py end to end on a tiny model with 1-s budgets: a row per run, read back from
+    the run's metrics, and the dense row's active parameters equal the top-2 MoE's (but for the router)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "bench"))
     import bench_quality
     out_dir = os.path.join(_TMP, "bench_quality")
     tiny = ["--hidden_size", "32", "--num_hidden_layers", "2", "--seq_len", "32", "--batch_size", "4",
@@ -266,36 +266,78 @@ def test_help_shows_every_default_range_and_output_file():
 
 
 def test_parse_errors_are_one_line_naming_the_flag_as_typed():
-    """A short usage line and one error line (exit 2), naming the flag as the user typed it (an alias, not
-    the config field); --learning_rate -1 blames --learning_rate alone."""
-    for argv, msg in ((["--top_k", "8"], "--top_k 8 must be <= --num_experts 4"),
-                      (["--num_experts_per_tok", "8"], "--num_experts_per_tok 8 must be <= --num_experts 4"),
-                      (["--num_heads", "3"], "--num_heads 3 must divide --hidden_size 256"),
-                      (["--use_moe", "0", "--bias_update_rate", "0.1"], "--bias_update_rate > 0 needs --use_moe 1"),
-                      (["--top_k", "x"], "argument --top_k: invalid int value"),
+    """A short usage line and one error line (exit 2), naming the flag as the user typed it (the flag's own
+    name: the old aliases such as --top_k are unknown flags now); --learning_rate -1 blames --learning_rate
+    alone."""
+    for argv, msg in ((["--num_experts_per_tok", "x"], "argument --num_experts_per_tok: invalid int value"),
                       (["--bogus"], "unrecognized arguments: --bogus"),
-                      (["--seq_len", "4096"], "--seq_len 4096 exceeds --max_position_embeddings 2048"),
+                      (["--top_k", "8"], "unrecognized arguments: --top_k 8"),
                       (["--learning_rate", "-1"], "--learning_rate must be > 0"),
-                      (["--ep_size", "2", "--moe_impl", "masked"], "--ep_size 2 needs --moe_impl sorted or fused"),
                       (["--time_budget_s", "-5"], "--time_budget_s must be >= 0")):
         error = _one_error(parse_args, argv, msg)
         assert "MiniMindConfig" not in error and ("--warmup_steps" not in error), error
-    r = _cli("--top_k", "8")
-    assert r.returncode == 2 and r.stderr.splitlines() == ["usage: pretrain.py [flags]; see --help",
-                                                           "error: --top_k 8 must be <= --num_experts 4"], r.stderr
+
+
+def _setup_refused(argv):
+    """(exit code, stdout, stderr lines) of train/pretrain.py's run_cli in this process, which must refuse."""
+    import contextlib
+    import io
+    from train.loop import run_cli
+    from train.pretrain import STAGE
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            run_cli(STAGE, argv)
+        except SystemExit as e:
+            return e.code, out.getvalue(), err.getvalue().splitlines()
+    raise AssertionError(f"{argv}: accepted")
+
+
+def test_config_errors_are_one_line_naming_the_flag_before_any_folder():
+    """A model-config error (train/loop.setup raises a ValueError, train/flags.build_config words it in the
+    flags' names) is one `error:` line naming the flags (not MiniMindConfig's fields), exit code 2, before
+    any folder is created; through the command line too."""
+    cases = ((["--num_experts_per_tok", "8"], "--num_experts_per_tok 8 must be <= --num_experts 4"),
+             (["--num_attention_heads", "3"], "--num_attention_heads 3 must divide --hidden_size 256"),
+             (["--use_moe", "0", "--router_bias_update_rate", "0.1"], "--router_bias_update_rate > 0 needs --use_moe 1"),
+             (["--seq_len", "4096"], "--seq_len 4096 exceeds --max_position_embeddings 2048"))
+    for i, (argv, msg) in enumerate(cases):
+        out_dir = os.path.join(_TMP, f"config_error_{i}")
+        code, stdout, lines = _setup_refused(argv + ["--out_dir", out_dir, "--no_progress"])
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], (argv, code, lines)
+        assert "MiniMindConfig" not in lines[0] and "--warmup_steps" not in lines[0], lines
+        assert not stdout and not os.path.exists(out_dir), (argv, stdout, os.path.exists(out_dir))
+    # --ep_size with the masked loop: refused by build_config (in a single process the world size is
+    # checked first, which refuses --ep_size 2 on its own: also one line naming the flag)
+    from train.flags import build_config
+    try:
+        build_config(parse_args(["--ep_size", "2", "--moe_impl", "masked"]))
+    except ValueError as e:
+        assert "--ep_size 2 needs --moe_impl sorted or fused" in str(e) and "\n" not in str(e), e
+    else:
+        raise AssertionError("--ep_size 2 --moe_impl masked accepted")
+    out_dir = os.path.join(_TMP, "config_error_ep")
+    code, stdout, lines = _setup_refused(["--ep_size", "2", "--moe_impl", "masked", "--out_dir", out_dir])
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: --ep_size 2 "), (code, lines)
+    assert not os.path.exists(out_dir)
+    out_dir = os.path.join(_TMP, "config_error_cli")
+    r = _cli("--num_experts_per_tok", "8", "--out_dir", out_dir)
+    assert r.returncode == 2 and r.stderr.splitlines() == ["error: --num_experts_per_tok 8 must be <= --num_experts 4"], r.stderr
+    assert not os.path.exists(out_dir) and not os.path.exists(os.path.join(_TMP, "checkpoints"))
 
 
 def test_numeric_ranges_are_checked_at_parse_time():
     """Out-of-range, infinite and NaN values are refused by name before any work (train/pretrain.py and
     scripts/generate.py); the range ends are accepted; --temperature 0 (greedy) stays valid."""
-    for flag, value in (("--router_aux_loss_coef", "1e30"), ("--aux_loss_coef", "-0.1"), ("--z_loss_coef", "11"),
+    for flag, value in (("--router_aux_loss_coef", "1e30"), ("--router_aux_loss_coef", "-0.1"),
+                        ("--router_z_loss_coef", "11"),
                         ("--router_bias_update_rate", "2"), ("--dropout", "1"), ("--dropout", "nan"),
                         ("--capacity_factor", "0"), ("--capacity_factor", "inf"), ("--learning_rate", "nan"),
                         ("--weight_decay", "-1"), ("--grad_clip", "inf"), ("--seed", "-1"), ("--vocab_size", "100"),
-                        ("--expert_alignment", "0"), ("--warmup_steps", "-1")):
+                        ("--moe_expert_alignment", "0"), ("--warmup_steps", "-1")):
         _one_error(parse_args, [flag, value], f"{flag} must be ")
     for argv in (["--router_aux_loss_coef", "10"], ["--router_bias_update_rate", "1"], ["--dropout", "0.5"],
-                 ["--capacity_factor", "1.25"], ["--z_loss_coef", "0"]):
+                 ["--capacity_factor", "1.25"], ["--router_z_loss_coef", "0"]):
         parse_args(argv)
     import generate
     for flag, value in (("--temperature", "nan"), ("--temperature", "inf"), ("--temperature", "-1"),
@@ -330,7 +372,8 @@ TESTS = [test_tiny_run_learns_and_checkpoint_reloads, test_fused_impl_trains_lik
          test_dense_model_trains_and_resume_keeps_a_damaged_log,
          test_resume_equals_continuous_run, test_bad_inputs_fail_fast_with_clear_messages, test_resume_refuses_a_changed_data_order,
          test_corrupt_checkpoint_is_refused, test_help_shows_every_default_range_and_output_file,
-         test_parse_errors_are_one_line_naming_the_flag_as_typed, test_numeric_ranges_are_checked_at_parse_time,
+         test_parse_errors_are_one_line_naming_the_flag_as_typed,
+         test_config_errors_are_one_line_naming_the_flag_before_any_folder, test_numeric_ranges_are_checked_at_parse_time,
          test_short_validation_split_is_announced, test_time_budget_ends_the_schedule_and_resume_continues_it,
          test_bench_quality_smoke_run]
 

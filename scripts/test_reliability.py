@@ -40,11 +40,11 @@ def data_file():
     return path
 
 
-def cli(*argv, script="train/pretrain.py", wait=True):
+def cli(*argv, script="train/pretrain.py", wait=True, cwd=_TMP):
     cmd = [sys.executable, os.path.join(ROOT, script), *argv]
     if not wait:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=_TMP)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=_TMP)
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
 def one_line_error(r, *needles):
@@ -187,25 +187,36 @@ def _wait_for_training(proc, out, min_records=2):
 
 def test_stop_signals_save_and_resume_bitwise():
     """SIGTERM / SIGINT mid-run: the step finishes, a checkpoint is written (no save interval was due), the
-    run exits 0 with the resume command; resuming gives the weights of an uninterrupted run, bit for bit."""
+    run exits 0 with the resume command (`<the interpreter running> train/pretrain.py --resume --out_dir
+    DIR`, the interpreter relative when it lies under the working directory: run from the repo root here,
+    so the hint works as printed); resuming with that command gives the weights of an uninterrupted run,
+    bit for bit."""
+    import shlex
     common = [*TINY, "--data_path", data_file(), "--max_steps", "100000", "--log_interval", "1",
               "--save_interval", "100000", "--eval_interval", "100000"]
     for sig in (signal.SIGTERM, signal.SIGINT):
         out = os.path.join(_TMP, f"signal_{sig.name}")
-        proc = cli(*common, "--out_dir", out, wait=False)
+        proc = cli(*common, "--out_dir", out, wait=False, cwd=ROOT)
         _wait_for_training(proc, out)
         proc.send_signal(sig)
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr[-2000:]
-        assert f"({sig.name})" in stdout and f"--resume --out_dir {out}" in stdout, stdout[-2000:]
         k = load_checkpoint(out)["step"]
-        assert cli("--resume", "--out_dir", out, "--stop_after", "3").returncode == 0
+        python = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(ROOT + os.sep) else sys.executable
+        hint = f"stopped at step {k} ({sig.name}); continue with: {python} train/pretrain.py --resume --out_dir {out}"
+        assert hint in stdout.splitlines(), (hint, stdout[-2000:])
+        r = subprocess.run(shlex.split(hint.split("continue with: ")[1]) + ["--stop_after", "3"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
         ref = os.path.join(_TMP, f"signal_ref_{sig.name}")
-        assert cli(*common, "--out_dir", ref, "--stop_after", str(k + 3)).returncode == 0
+        r_ref = cli(*common, "--out_dir", ref, "--stop_after", str(k + 3))
+        assert r_ref.returncode == 0, r_ref.stderr[-2000:]
         a, b = load_checkpoint(out), load_checkpoint(ref)
         assert a["step"] == b["step"] == k + 3
+        # (the runs' --dtype auto choices, in case they differ: each start measures the bf16 speedup anew)
+        dtypes = [line for o in (stdout, r.stdout, r_ref.stdout) for line in o.splitlines() if "dtype auto" in line]
         for name in a["model"]:
-            assert torch.equal(a["model"][name], b["model"][name]), f"{sig.name}: {name} differs after resume"
+            assert torch.equal(a["model"][name], b["model"][name]), f"{sig.name}: {name} differs after resume (step {k}; {dtypes})"
 
 
 # --- what a new user meets: refusals before any work, switches and flags on resume, several ranks, a
@@ -220,12 +231,17 @@ def _bad_jsonl():
 
 
 def test_refused_runs_leave_no_folder():
-    """A bad config is refused at parse time (exit 2, a usage hint and one error line naming the flag) and
-    a malformed data file at the data step: neither leaves the fresh --out_dir behind; a folder that
-    existed before keeps its files."""
+    """A bad config is refused at setup before any folder is made (exit 2, one error line naming the flag,
+    nothing else), a bad flag value at parse time (exit 2, a usage hint and one error line) and a malformed
+    data file at the data step: none leaves the fresh --out_dir behind; a folder that existed before keeps
+    its files."""
     fresh = os.path.join(_TMP, "refused_config")
-    r = cli(*TINY, "--data_path", data_file(), "--top_k", "8", "--out_dir", fresh)
-    one_line_error(r, "--top_k 8 must be <= --num_experts 4")
+    r = cli(*TINY, "--data_path", data_file(), "--num_experts_per_tok", "8", "--out_dir", fresh)
+    one_line_error(r, "--num_experts_per_tok 8 must be <= --num_experts 4")
+    assert r.stderr.splitlines() == ["error: --num_experts_per_tok 8 must be <= --num_experts 4"], r.stderr
+    assert not os.path.exists(fresh), "a run refused for its config created its --out_dir"
+    r = cli(*TINY, "--data_path", data_file(), "--num_experts_per_tok", "0", "--out_dir", fresh)
+    one_line_error(r, "--num_experts_per_tok must be >= 1")
     assert len(r.stderr.splitlines()) == 2 and "see --help" in r.stderr.splitlines()[0], r.stderr
     assert not os.path.exists(fresh), "a run refused at parse time created its --out_dir"
     fresh = os.path.join(_TMP, "refused_data")
@@ -244,14 +260,16 @@ def test_resume_turns_switches_off_and_saves_the_flags_it_used():
     the following resume has nothing to warn about."""
     out = os.path.join(_TMP, "switches")
     assert cli(*TINY, "--data_path", data_file(), "--max_steps", "4", "--stop_after", "2", "--out_dir", out).returncode == 0
-    r = cli("--resume", "--out_dir", out, "--progress", "--hidden_size", "64", "--top_k", "1", "--stop_after", "1")
+    r = cli("--resume", "--out_dir", out, "--progress", "--hidden_size", "64", "--num_experts_per_tok", "1",
+            "--stop_after", "1")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "warning: --hidden_size, --top_k ignored on resume" in r.stderr, r.stderr[-2000:]
+    assert ("warning: --hidden_size, --num_experts_per_tok ignored on resume: the architecture comes from the "
+            "checkpoint") in r.stderr, r.stderr[-2000:]
     assert "3/4" in r.stdout, f"no progress bar after --progress:\n{r.stdout[-2000:]}"
     saved = load_checkpoint(out)["args"]
     assert saved["no_progress"] is False and saved["hidden_size"] == 32 and saved["num_experts_per_tok"] == 2, saved
     r = cli("--resume", "--out_dir", out)
-    assert r.returncode == 0 and "ignored on resume" not in r.stderr and "4/4" in r.stdout, r.stderr[-2000:]
+    assert r.returncode == 0 and "ignored" not in r.stderr and "4/4" in r.stdout, r.stderr[-2000:]
     from train.checkpoint import atomic_torch_save
     from train.pretrain import parse_args
     ckpt = load_checkpoint(out)
@@ -291,7 +309,8 @@ def test_two_ranks_say_how_they_split_and_stop_quietly_when_rank0_fails():
     assert r0.returncode == r1.returncode == 0, r0.stderr[-2000:] + r1.stderr[-2000:]
     said = [line for line in r0.stdout.splitlines() if line.startswith("distributed:")]
     assert said == ["distributed: world size 2 (gloo), data parallel size 2, expert parallel size 2 (2 of the 4 "
-                    "experts per rank, each expert on 1 rank(s))"], r0.stdout[-2000:]
+                    "experts per rank, each on 1 rank(s))"], \
+        r0.stdout[-2000:]
     assert "distributed:" not in r1.stdout
 
 
@@ -320,7 +339,7 @@ def test_init_from_hf_copies_the_tokenizer_only_and_outputs_get_umask_modes():
     (model.safetensors included); --init_from an exported HF folder copies only its tokenizer files into
     out_dir/tokenizer/, not the weights or configs."""
     import stat
-    from train.setup import TOKENIZER_FILES
+    from train.checkpoint import TOKENIZER_FILES
     umask = os.umask(0o022)
     try:
         out, exp, init = (os.path.join(_TMP, f"modes_{n}") for n in ("run", "export", "init"))

@@ -85,12 +85,13 @@ def test_labels_shift_and_masked_labels_do_not_matter():
         want = ids[t + 1] if mask[t + 1] and not last_of_conv else IGNORE_INDEX
         assert y[0, t] == want, (t, int(y[0, t]), want)
     assert (y[0, len(ids) - 1:] == IGNORE_INDEX).all() and (seg[0, len(ids):] == -1).all()
-    model = _model(vocab=len(tok))
-    loss = model(x, labels=y, segment_ids=seg).ce_loss
-    y_full = torch.cat([x[:, 1:], x[:, -1:]], dim=1)
-    changed = torch.where(y == IGNORE_INDEX, (y_full * 7 + 3) % len(tok), y_full)  # other targets where masked
-    again = model(x, labels=torch.where(y == IGNORE_INDEX, IGNORE_INDEX, changed), segment_ids=seg).ce_loss
-    assert torch.equal(loss, again)
+    for swap in (False, True):  # the plain model and the trainer's (chunked LM loss, kernels/swap.py)
+        model = _model(vocab=len(tok), swap=swap)
+        loss = model(x, labels=y, segment_ids=seg).ce_loss
+        y_full = torch.cat([x[:, 1:], x[:, -1:]], dim=1)
+        changed = torch.where(y == IGNORE_INDEX, (y_full * 7 + 3) % len(tok), y_full)  # other targets where masked
+        again = model(x, labels=torch.where(y == IGNORE_INDEX, IGNORE_INDEX, changed), segment_ids=seg).ce_loss
+        assert torch.equal(loss, again), swap
 
 
 def _conversations(tok, convs):
@@ -100,11 +101,17 @@ def _conversations(tok, convs):
                          np.concatenate(([0], np.cumsum(lengths))).astype(np.int64))
 
 
-def _model(vocab=300, use_moe=False):
+def _model(vocab=300, use_moe=False, swap=False):
+    """A tiny dense (or MoE) model; swap=True: with the engines the trainer swaps in on CPU fp32
+    (kernels.swap.swap_engines: the chunked LM loss, OneDNNLinear)."""
     torch.manual_seed(0)
-    return MiniMindForCausalLM(MiniMindConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2,
-                                              num_attention_heads=2, num_key_value_heads=1, use_moe=use_moe,
-                                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+    model = MiniMindForCausalLM(MiniMindConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2,
+                                               num_attention_heads=2, num_key_value_heads=1, use_moe=use_moe,
+                                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+    if swap:
+        from kernels.swap import swap_engines
+        swap_engines(model, "cpu", torch.float32)
+    return model
 
 
 def _batch(n_supervised, seed, S=128):
@@ -117,13 +124,14 @@ def _batch(n_supervised, seed, S=128):
 
 
 def _grads_after(model, micro_batches, n_global, world=1, grad_accum=None):
-    """Gradients after train/trainer.py's forward_backward on each micro-batch (a minimal Run)."""
-    from train.trainer import forward_backward
+    """Gradients after train/loop.py's forward_backward on each micro-batch (a minimal Run)."""
+    from train.loop import forward_backward
     fake = SimpleNamespace(args=SimpleNamespace(grad_accum=grad_accum or len(micro_batches)),
                            ctx=SimpleNamespace(world_size=world), device="cpu", autocast=contextlib.nullcontext,
-                           train_model=model, scaler=torch.amp.GradScaler("cpu", enabled=False))
+                           train_model=model)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
     for x, y in micro_batches:
-        forward_backward(fake, x, y, n_global=n_global)
+        forward_backward(fake, scaler, n_global, x, y)
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -135,43 +143,48 @@ def _close(a, b, rel=1e-6):
 
 def test_accumulation_is_a_token_mean():
     """Micro-batches with 11 and 101 supervised tokens, accumulated, give the gradient of one batch holding
-    both (a mean over the 112 tokens, not a mean of the two means), 1e-6 relative."""
+    both (a mean over the 112 tokens, not a mean of the two means), 1e-6 relative; the plain model and the
+    trainer's (engines swapped in)."""
     a, b = _batch(11, 0), _batch(101, 1)
     both = (torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]))
-    _close(_grads_after(_model(), [a, b], 112), _grads_after(_model(), [both], 112))
+    for swap in (False, True):
+        _close(_grads_after(_model(swap=swap), [a, b], 112), _grads_after(_model(swap=swap), [both], 112))
 
 
 def _ddp_rank(rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
     x, y = _batch(11, 0) if rank == 0 else _batch(101, 1)
-    return _grads_after(DDP(_model()), [(x, y)], 112, world=world)
+    return _grads_after(DDP(_model(swap=True)), [(x, y)], 112, world=world)
 
 
 def test_two_rank_ddp_is_the_same_token_mean():
-    """The same two micro-batches on two DDP ranks (gloo) give the one-batch gradient, 1e-6 relative."""
+    """The same two micro-batches on two DDP ranks (gloo) give the one-batch gradient, 1e-6 relative (the
+    trainer's model: engines swapped in)."""
     a, b = _batch(11, 0), _batch(101, 1)
-    want = _grads_after(_model(), [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]))], 112)
+    want = _grads_after(_model(swap=True), [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]))], 112)
     got = spawn_ranks(_ddp_rank, 2)
     for g in got:
         _close({k.removeprefix("module."): v for k, v in g.items()}, want)
 
 
 def test_packing_keeps_conversations_apart_and_resumes():
-    """A packed window gives every conversation the logits it has alone; PackedBatches resumes exactly."""
+    """A packed window gives every conversation the logits it has alone (the plain model and the one with
+    the trainer's engines swapped in); PackedBatches resumes exactly."""
     tok = tokenizer()
     conv = _conversations(tok, CONVERSATIONS * 5)
-    model = _model(len(tok)).eval()
     windows = pack(np.diff(conv.offsets), range(len(conv)), 160)
     assert all(sum(len(conv[i][0]) for i in w) <= 160 for w in windows) and sum(map(len, windows)) == len(conv)
     assert len(windows[0]) >= 2, "the test needs a window holding several conversations"
     x, y, seg = window_tensors(conv, windows[:1], 160, 0)
-    out = model(x, segment_ids=seg).logits[0]
-    pos = 0
-    for i in windows[0]:
-        ids = torch.from_numpy(conv[i][0])
-        alone = model(ids[None]).logits[0]
-        assert torch.allclose(out[pos:pos + len(ids)], alone, atol=1e-5), i
-        pos += len(ids)
+    for swap in (False, True):
+        model = _model(len(tok), swap=swap).eval()
+        out = model(x, segment_ids=seg).logits[0]
+        pos = 0
+        for i in windows[0]:
+            ids = torch.from_numpy(conv[i][0])
+            alone = model(ids[None]).logits[0]
+            assert torch.allclose(out[pos:pos + len(ids)], alone, atol=1e-5), (swap, i)
+            pos += len(ids)
     a = PackedBatches(conv, 160, 3, 0, seed=1)
     seq = [a.next() for _ in range(12)]
     b = PackedBatches(conv, 160, 3, 0, seed=1)

@@ -225,9 +225,8 @@ def parse_args(stage, argv=None):
     if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
         parser.error(f"--threads must be auto or an integer >= 1, got {args.threads!r}")
     ignored = [f"--{k}" for k in architecture_fields() if hasattr(args, k) and given(argv, k) and k != "vocab_size"]
-    if ignored and (args.resume or args.init_from):
-        print(f"warning: {', '.join(ignored)} ignored: the architecture comes from "
-              f"{args.resume or args.init_from}", file=sys.stderr)
+    if ignored and args.init_from and not args.resume:
+        print(f"warning: {', '.join(ignored)} ignored: the architecture comes from {args.init_from}", file=sys.stderr)
     args.stage = stage.name
     return args
 
@@ -243,6 +242,9 @@ def _merge_resume(parser, stage, args, argv):
     parser.set_defaults(**{k: v for k, v in saved.items() if k not in PER_INVOCATION and k != "stage"})
     args = parser.parse_args(argv)
     args.resume = path
+    changed = [f"--{k}" for k in architecture_fields() if k in saved and k != "vocab_size" and getattr(args, k) != saved[k]]
+    if changed:
+        print(f"warning: {', '.join(changed)} ignored on resume: the architecture comes from the checkpoint", file=sys.stderr)
     if args.out_dir == saved.get("out_dir") and os.path.isfile(path):
         args.out_dir = os.path.dirname(os.path.abspath(path))  # keep writing next to the checkpoint
     for k in ("seq_len", "seed") + stage.data_order_flags:  # the saved data position points into their windows

@@ -256,8 +256,11 @@ def setup(stage, args, ctx, device_type, log):
         check_same_on_all_ranks(ctx, "the training flags", {k: v for k, v in vars(args).items() if k != "device"})
         dtype = resolve_dtype(args, ctx, device_type, log)
         if ctx.distributed:
-            log(f"distributed: world size {ctx.world_size} ({dist.get_backend()}), expert parallel size "
-                f"{ctx.ep_size} ({config.num_experts // ctx.ep_size} of {config.num_experts} experts per rank)")
+            experts = (f"{config.num_experts // ctx.ep_size} of the {config.num_experts} experts per rank, each on "
+                       f"{ctx.world_size // ctx.ep_size} rank(s)" if config.use_moe and ctx.ep_size > 1 else "every rank "
+                       "holds every expert")
+            log(f"distributed: world size {ctx.world_size} ({dist.get_backend()}), data parallel size {ctx.world_size}, "
+                f"expert parallel size {ctx.ep_size} ({experts})")
         model = MiniMindForCausalLM(config)
         if init_model is not None:
             model.load_state_dict(init_model.state_dict(), strict=True)
@@ -284,15 +287,18 @@ def setup(stage, args, ctx, device_type, log):
 
 
 def resolve_dtype(args, ctx, device_type, log):
-    """--dtype: auto = bf16 on CUDA; on CPU bf16 where its GEMMs measure >= 1.5x fp32 (all ranks agree)."""
-    if args.dtype != "auto" or device_type == "cuda":
-        return DTYPES[args.dtype] if args.dtype != "auto" else torch.bfloat16
-    pays, speedup = bf16_pays()
-    flag = torch.tensor(int(pays))
-    if ctx.distributed:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    log(f"dtype auto: {'bfloat16' if flag.item() else 'float32'} (bf16 GEMMs {speedup:.1f}x as fast as fp32 here)")
-    return torch.bfloat16 if flag.item() else torch.float32
+    """--dtype: auto = bf16 on CUDA; on CPU bf16 where its GEMMs measure >= 1.5x fp32 (all ranks agree). The
+    choice is written back to args.dtype, so the checkpoint's flags carry it and a resume rounds the same."""
+    if args.dtype == "auto" and device_type == "cuda":
+        args.dtype = "bfloat16"
+    elif args.dtype == "auto":
+        pays, speedup = bf16_pays()
+        flag = torch.tensor(int(pays))
+        if ctx.distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        args.dtype = "bfloat16" if flag.item() else "float32"
+        log(f"dtype auto: {args.dtype} (bf16 GEMMs {speedup:.1f}x as fast as fp32 here; kept on --resume)")
+    return DTYPES[args.dtype]
 
 
 def make_optimizer(model, args):

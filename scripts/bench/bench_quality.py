@@ -104,7 +104,7 @@ def resolved_flags(args, row):
 
 def run_row(args, row, flags):
     """Train one row (a subprocess); returns its result dict (with "error" when the run failed)."""
-    from train.metrics import read_records
+    from train.report import read_records
     keep = os.path.join(args.out_dir, row)
     os.makedirs(keep, exist_ok=True)
     run_dir = tempfile.mkdtemp(prefix=f"bench_quality_{row}_")
