@@ -16,9 +16,10 @@ import sys
 import tempfile
 import time
 
-# --quick runs only these: the core contracts (the MoE layers against their references, the model, the
-# code's shape).
-QUICK = ["test_moe_sorted.py", "test_moe_fused.py", "test_model.py", "test_code_shape.py"]
+# --quick runs only these (~1.5 minutes on 2 cores): the core contracts (the MoE layers against their
+# references, capacity and router losses, the kernels, the model, the golden curve, the code's shape).
+QUICK = ["test_moe_sorted.py", "test_moe_fused.py", "test_capacity.py", "test_router.py", "test_kernels.py", "test_model.py",
+         "test_golden.py", "test_code_shape.py"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed, (\d+) skipped$")
