@@ -10,6 +10,7 @@ token inside a message becomes that token.
 """
 import hashlib
 import os
+import re
 
 import numpy as np
 import torch
@@ -23,6 +24,8 @@ ROLES = ("system", "user", "assistant")
 
 def check_conversation(obj, where):
     """The list of {"role", "content"} messages of one record, checked. Raises DataError naming `where`."""
+    if isinstance(obj, dict) and "conversations" in obj and "messages" in obj:
+        raise DataError(f"{where}: both \"conversations\" and \"messages\": keep one")
     messages = obj.get("conversations", obj.get("messages")) if isinstance(obj, dict) else None
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: expected an object with a non-empty \"conversations\" or \"messages\" list")
@@ -44,10 +47,48 @@ def check_conversation(obj, where):
     return out
 
 
-def tokenize_conversation(tokenizer, messages):
-    """(ids int64 [L], mask bool [L]): the rendered conversation and its assistant-token mask."""
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    return np.asarray(out["input_ids"], dtype=np.int64), np.asarray(out["assistant_masks"], dtype=bool)
+def tokenize_conversation(tokenizer, messages, add_generation_prompt=False):
+    """(ids int64 [L], mask bool [L]): the conversation rendered with the tokenizer's chat template and the mask
+    of its `{% generation %}` spans (each assistant content and its <|im_end|>).
+
+    Tokenized piece by piece: the template's text apart from each message's content. Tokenizing the rendered
+    string whole lets byte-level BPE merge a header's "\\n" with content that starts with whitespace
+    ("\\n    code"), a token the chat prompt (which ends with the header) is never followed by. Pieces keep
+    every prompt (`add_generation_prompt=True`) a prefix of the training ids. A template that rewrites the
+    content (e.g. strips it) cannot be cut there and is tokenized whole."""
+    text, spans = _render(tokenizer, messages, add_generation_prompt)
+    cuts = sorted({0, len(text)} | {i for span in spans for i in span}
+                  | _content_edges(tokenizer, messages, text, add_generation_prompt))
+    pieces = [(a, text[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
+    ids = tokenizer([p for _, p in pieces], add_special_tokens=False)["input_ids"] if pieces else []
+    mask = [any(s <= a < e for s, e in spans) for (a, _), piece in zip(pieces, ids) for _ in piece]
+    return np.asarray([t for piece in ids for t in piece], dtype=np.int64), np.asarray(mask, dtype=bool)
+
+
+def _content_edges(tokenizer, messages, text, add_generation_prompt):
+    """Where each message's content starts and ends in `text` (found by rendering private-use marks in place of
+    the contents); an empty set when the template does not copy contents verbatim."""
+    marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+    shape, _ = _render(tokenizer, [{**m, "content": k} for m, k in zip(messages, marks)], add_generation_prompt)
+    edges, at, done = set(), 0, 0  # where the previous content ends, in text and in shape
+    for m, mark in zip(messages, marks):
+        k = shape.find(mark, done)
+        start = at + k - done
+        if k < 0 or text[at:start] != shape[done:k] or text[start:start + len(m["content"])] != m["content"]:
+            return set()
+        at, done = start + len(m["content"]), k + len(mark)
+        edges |= {start, at}
+    return edges if text[at:] == shape[done:] else set()
+
+
+def _render(tokenizer, messages, add_generation_prompt):
+    """(text, [(start, end) of each {% generation %} span]) of the chat template (transformers' renderer)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+    template = tokenizer.chat_template
+    marked = re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
+    text, spans = render_jinja_template([messages], chat_template=template, return_assistant_tokens_mask=marked,
+                                        add_generation_prompt=add_generation_prompt, **tokenizer.special_tokens_map)
+    return text[0], [tuple(s) for s in spans[0]] if marked else []
 
 
 class Conversations:
@@ -81,11 +122,21 @@ class Conversations:
         return int(self.mask.sum())
 
 
-def load_conversations(path, tokenizer, max_len, cache_dir):
+def load_conversations(path, tokenizer, max_len, cache_dir, log=print):
     """Conversations of a file in file order (cached by file, tokenizer and max_len); one over max_len tokens
-    is cut to it, or left out when no assistant token remains. Raises DataError (file:line, or what to change)."""
+    is cut to it, or left out when no assistant token remains (a note says how many). Raises DataError
+    (file:line, or what to change)."""
+    conv = _load_conversations(path, tokenizer, max_len, cache_dir)
+    if conv.truncated or conv.dropped:
+        log(f"note: {conv.truncated + conv.dropped} conversations of {path} are longer than --seq_len {max_len} "
+            f"tokens: {conv.truncated} cut to it (their end is not trained on), {conv.dropped} left out (no "
+            f"assistant token within it)")
+    return conv
+
+
+def _load_conversations(path, tokenizer, max_len, cache_dir):
     sha1 = file_sha1(path) if os.path.isfile(path) else ""
-    cache = os.path.join(cache_dir, f"sft-tokens-v2-{sha1[:16]}-{_tokenizer_hash(tokenizer)}-{max_len}.npz")
+    cache = os.path.join(cache_dir, f"sft-tokens-v3-{sha1[:16]}-{_tokenizer_hash(tokenizer)}-{max_len}.npz")
     if sha1 and os.path.exists(cache):
         z = np.load(cache)
         return Conversations(z["ids"], z["mask"], z["offsets"], int(z["truncated"]), int(z["dropped"]), sha1)

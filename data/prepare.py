@@ -43,7 +43,7 @@ def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=
         source, val_source = open_source(data_path, text_field), None
     if next(iter(source.documents()), None) is None:
         raise DataError(f"{source.description}: contains no text")
-    memo = _load_memo(cache_dir)  # file hashes by path, size and mtime: a warm start reads no corpus
+    memo = _load_memo(cache_dir)  # file hashes by path, size, mtime, inode, ctime: a warm start reads no corpus
     fingerprint = source.fingerprint(memo)
     if val_source is not None:
         fingerprint = hashlib.sha1((fingerprint + val_source.fingerprint(memo)).encode()).hexdigest()[:16]

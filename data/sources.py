@@ -49,7 +49,7 @@ class DocumentSource:
 
     def fingerprint(self, memo=None):
         """Content hash (16 hex) of the input and how it is read. A hub dataset is keyed by name, hf:DIR by its
-        files. `memo`: a dict {path|size|mtime: sha1} kept across calls, so a warm start re-reads nothing."""
+        files. `memo`: a dict {path|size|mtime|inode|ctime: sha1} kept across calls, so a warm start re-reads nothing."""
         h = hashlib.sha1(f"text_field={self.text_field}".encode())
         files = self._local_files()
         if self.hub is not None:
@@ -66,10 +66,13 @@ def open_source(data_path, text_field="text"):
     if data_path.startswith("hf:"):
         return DocumentSource(f"datasets.load_dataset({data_path[3:]!r})", text_field, hub=data_path[3:])
     if os.path.isdir(data_path):
-        names = set(os.listdir(data_path))
-        if "dataset_dict.json" in names or {"state.json", "dataset_info.json"} <= names:  # a save_to_disk folder
+        if _is_saved_dataset(data_path):
             return DocumentSource(f"{data_path} (datasets.save_to_disk folder)", text_field, dataset_dir=data_path)
         files = [f for f in _all_files(data_path) if os.path.splitext(f)[1].lower() in FILE_KINDS]
+        nested = next((d for d in sorted({os.path.dirname(f) for f in files}) if _is_saved_dataset(d)), None)
+        if nested is not None:
+            raise DataError(f"{nested}: a datasets.save_to_disk folder inside the data folder {data_path}: pass it "
+                            f"as --data_path on its own, or move it out")
         if not files:
             raise DataError(f"{data_path}: directory holds no {', '.join(FILE_KINDS)} file")
         return DocumentSource(f"{data_path} ({len(files)} files)", text_field, files=tuple(files))
@@ -84,6 +87,11 @@ def open_source(data_path, text_field="text"):
             _check_kind(f)
         return DocumentSource(f"{data_path} ({len(files)} files)", text_field, files=tuple(files))
     raise DataError(f"{data_path}: data file not found")
+
+
+def _is_saved_dataset(folder):
+    names = set(os.listdir(folder))
+    return "dataset_dict.json" in names or {"state.json", "dataset_info.json"} <= names
 
 
 def _check_kind(path):
@@ -102,9 +110,10 @@ def _all_files(folder):
 
 
 def file_sha1(path, memo=None):
-    """sha1 of a file's bytes (hex); with `memo` (dict) keyed by path, size and mtime, computed once."""
+    """sha1 of a file's bytes (hex); with `memo` (dict) keyed by path, size, mtime, inode and ctime (a file
+    replaced or rewritten within one mtime tick changes its inode or ctime), computed once."""
     st, memo = os.stat(path), {} if memo is None else memo
-    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
+    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}"
     if key not in memo:
         h = hashlib.sha1()
         with open(path, "rb") as f:
@@ -122,8 +131,15 @@ def _decoded_lines(path):
                 line = (raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw).decode("utf-8")
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-            for part in line.replace("\r\n", "\n").replace("\r", "\n").splitlines(True) if "\r" in line else [line]:
-                yield lineno, part
+            if "\r" not in line:
+                yield lineno, line
+                continue
+            # only "\n" ends a line: str.splitlines would also split at U+2028, U+0085, \f... inside JSON strings
+            *parts, last = line.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+            for part in parts:
+                yield lineno, part + "\n"
+            if last:
+                yield lineno, last
 
 
 def _text_of(obj, field, where):

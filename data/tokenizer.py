@@ -3,6 +3,7 @@ Special tokens (fixed ids): 0 `<|endoftext|>` (document separator, pad, pretrain
 2 `<|im_end|>` (chat turns, ChatML as in MiniMind / Qwen)."""
 import json
 import os
+import re
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -43,9 +44,25 @@ def stop_token_ids(tokenizer):
     return [i for i in dict.fromkeys(ids) if isinstance(i, int) and i != tokenizer.unk_token_id]
 
 
+# BPE training time grows with the square of a word's length (a 2 MB whitespace-free line would stall it for
+# hours), so the training texts are cut where a run of non-space characters gets this long; encoding stays linear.
+LONGEST_WORD = 256
+_LONG_RUN = re.compile(r"\S{%d}" % LONGEST_WORD)
+
+
+def bounded_words(texts, longest=LONGEST_WORD):
+    """Each text, or where it holds a run of `longest` non-space characters, its consecutive `longest`-character
+    pieces as separate texts (no word the trainer sees is longer)."""
+    for text in texts:
+        if _LONG_RUN.search(text) is None:
+            yield text
+        else:
+            yield from (text[i:i + longest] for i in range(0, len(text), longest))
+
+
 def train_tokenizer(texts, vocab_size=6400):
-    """A `PreTrainedTokenizerFast` byte-level BPE trained on an iterable of str. Raises ValueError if vocab_size
-    cannot hold the 256 bytes plus the special tokens."""
+    """A `PreTrainedTokenizerFast` byte-level BPE trained on an iterable of str (words cut to LONGEST_WORD
+    characters). Raises ValueError if vocab_size cannot hold the 256 bytes plus the special tokens."""
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size={vocab_size} must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens)")
     tok = Tokenizer(models.BPE())
@@ -53,7 +70,7 @@ def train_tokenizer(texts, vocab_size=6400):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer)
+    tok.train_from_iterator(bounded_words(texts), trainer=trainer)
     for i, s in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(s) == i, f"special token {s} got id {tok.token_to_id(s)}, expected {i}"
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",

@@ -46,20 +46,32 @@ def to_hf_config(config: MiniMindConfig):
                           mlp_only_layers=[], architectures=["Qwen3MoeForCausalLM"])
 
 
+# Import is an allow-list: a field is mapped, has no effect on the function (_NEUTRAL) or must hold the one value
+# MiniMind computes (_FIXED); anything else (a new activation, a bias) is refused, never silently dropped.
+_NEUTRAL = {"transformers_version", "architectures", "model_type", "_name_or_path", "dtype", "torch_dtype",
+            "output_hidden_states", "output_attentions", "return_dict", "use_cache", "output_router_logits",
+            "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
+            "sliding_window", "max_window_layers"}  # (the last two act only with use_sliding_window)
+_FIXED = {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False, "mlp_only_layers": [],
+          "decoder_sparse_step": 1, "rope_scaling": None, "pretraining_tp": 1, "layer_types": ["full_attention"]}
+_MAPPED = set(_SAME) | set(_MOE_ONLY) | {"num_local_experts", "rope_parameters", "rope_theta", "attention_dropout"}
+
+
 def from_hf_config(hf_config) -> MiniMindConfig:
-    """MiniMindConfig from a Qwen3 / Qwen3-MoE config. Raises ExportError for what MiniMind cannot express."""
+    """MiniMindConfig from a Qwen3 / Qwen3-MoE config. Raises ExportError naming every field MiniMind cannot
+    express (the allow-list above)."""
     mt = hf_config.model_type
     if mt not in ("qwen3", "qwen3_moe"):
         raise ExportError(f"cannot import model_type {mt!r}: only qwen3 and qwen3_moe are supported")
-    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if rope.get("rope_type", "default") != "default":
-        raise ExportError(f"cannot import rope_type {rope.get('rope_type')!r}: MiniMind uses plain RoPE")
-    if getattr(hf_config, "attention_bias", False):
-        raise ExportError("cannot import attention_bias=True: MiniMind projections have no bias")
-    if getattr(hf_config, "use_sliding_window", False):
-        raise ExportError("cannot import use_sliding_window=True: MiniMind attends to the full context")
-    if mt == "qwen3_moe" and (getattr(hf_config, "mlp_only_layers", None) or hf_config.decoder_sparse_step != 1):
-        raise ExportError("cannot import mixed dense/MoE layers (mlp_only_layers / decoder_sparse_step)")
+    fields, rope = hf_config.to_dict(), dict(getattr(hf_config, "rope_parameters", None) or {})
+    if "layer_types" in fields:  # one entry per layer
+        fields["layer_types"] = sorted(set(fields["layer_types"] or ["full_attention"]))
+    bad = [f"{k}={v!r} (MiniMind computes {_FIXED[k]!r})" for k, v in fields.items() if k in _FIXED and v != _FIXED[k]]
+    bad += [f"{k}={v!r} (no MiniMind equivalent)" for k, v in fields.items() if k not in _FIXED.keys() | _NEUTRAL | _MAPPED]
+    if rope.get("rope_type", "default") != "default" or set(rope) - {"rope_type", "rope_theta"}:
+        bad.append(f"rope_parameters={rope!r} (MiniMind uses plain RoPE)")
+    if bad:
+        raise ExportError(f"cannot import {hf_config.model_type}: " + "; ".join(bad))
     kw = {f: getattr(hf_config, f) for f in _SAME}
     kw.update(rope_theta=float(rope.get("rope_theta", 10000.0)), dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
               use_moe=mt == "qwen3_moe")
@@ -70,12 +82,8 @@ def from_hf_config(hf_config) -> MiniMindConfig:
 
 def to_hf_state_dict(state_dict, config: MiniMindConfig):
     """Our state_dict -> HF keys (per-expert layout). Tied lm_head is omitted (HF re-ties it)."""
-    out = {}
-    for k, v in state_dict.items():
-        if k == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        out[k] = v  # our parameter names are already the HF names
-    return out
+    # (our parameter names are already the HF names)
+    return {k: v for k, v in state_dict.items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
 
 
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -93,8 +101,7 @@ def from_hf_state_dict(hf_state, config: MiniMindConfig):
         for e in range(v.shape[0]):
             if kind == "gate_up_proj":  # [E, 2F, D]: gate rows first, then up rows
                 gate, up = v[e].chunk(2, dim=0)
-                out[f"{prefix}.{e}.gate_proj.weight"] = gate.clone()
-                out[f"{prefix}.{e}.up_proj.weight"] = up.clone()
+                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate.clone(), up.clone()
             else:  # [E, D, F]
                 out[f"{prefix}.{e}.down_proj.weight"] = v[e].clone()
     if config.tie_word_embeddings:

@@ -16,9 +16,10 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import torch  # noqa: E402
 
+from data.chat import tokenize_conversation  # noqa: E402
 from data.tokenizer import stop_token_ids  # noqa: E402
 from generate import RANGES, load_model  # noqa: E402
-from train.flags import Parser, check_ranges, show_ranges  # noqa: E402
+from train.flags import Parser, check_ranges, run_tool, show_ranges, utf8_text  # noqa: E402
 
 
 class Chat:
@@ -38,8 +39,8 @@ class Chat:
 
     def ask(self, text):
         self.messages.append({"role": "user", "content": text})
-        ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, return_dict=True,
-                                                 return_tensors="pt")["input_ids"].to(self.device)
+        prompt, _ = tokenize_conversation(self.tokenizer, self.messages, add_generation_prompt=True)
+        ids = torch.from_numpy(prompt)[None].to(self.device)  # the ids SFT trained on (data/chat.py)
         if ids.shape[1] >= self._max_positions():
             self.messages.pop()
             return None
@@ -71,8 +72,8 @@ def main(argv=None):
     p = Parser(description=__doc__)
     p.add_argument("--ckpt", default="checkpoints/sft", help="checkpoint file, run directory or exported HF folder")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (None: tokenizer/ next to the checkpoint)")
-    p.add_argument("--prompt", default=None, help="ask this one question, print the answer and exit")
-    p.add_argument("--system", default=None, help="a system turn at the start of every conversation")
+    p.add_argument("--prompt", default=None, type=utf8_text, help="ask this one question, print the answer and exit")
+    p.add_argument("--system", default=None, type=utf8_text, help="a system turn at the start of every conversation")
     p.add_argument("--max_new_tokens", type=int, default=200, help="longest answer, in tokens")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (small models repeat themselves greedily)")
     p.add_argument("--top_k", type=int, default=40, help="keep the k most likely tokens (0 = off)")
@@ -93,9 +94,11 @@ def main(argv=None):
     if args.prompt is not None:
         if not args.prompt.strip():
             p.error("--prompt is empty")
-        if _turn(chat, args.prompt) is None:
-            p.error(f"the prompt does not fit in the model's {chat._max_positions()} positions")
+        with torch.no_grad():
+            if chat.ask(args.prompt) is None:
+                p.error(f"--prompt does not fit in the model's context ({chat._max_positions()} positions)")
         return
+    sys.stdin.reconfigure(errors="surrogateescape")  # bytes that are not UTF-8 become U+FFFD below, whatever the locale
     interactive = sys.stdin.isatty()
     if interactive:
         print("chat: /reset starts over, /quit or Ctrl-D ends", file=sys.stderr)
@@ -119,8 +122,12 @@ def _turn(chat, text):
     return answer
 
 
-if __name__ == "__main__":
+def _main():
     try:
         main()
-    except (EOFError, KeyboardInterrupt):
+    except EOFError:  # Ctrl-D at the prompt
         print()
+
+
+if __name__ == "__main__":
+    run_tool(_main)

@@ -22,6 +22,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import torch  # noqa: E402
 
+from data.chat import tokenize_conversation  # noqa: E402
 from data.sft_corpus import default_sft_set  # noqa: E402
 from data.tokenizer import load_tokenizer, stop_token_ids  # noqa: E402
 from train.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
@@ -77,9 +78,8 @@ def main():
     (base, base_tok), (sft, sft_tok) = load(args.base), load(args.sft)
     rows = []
     for q, truth in questions(args.n):
-        chat_ids = sft_tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                               return_dict=True)["input_ids"]
-        a_sft = answer(sft, sft_tok, list(chat_ids), args.max_new_tokens)
+        chat_ids, _ = tokenize_conversation(sft_tok, [{"role": "user", "content": q}], add_generation_prompt=True)
+        a_sft = answer(sft, sft_tok, chat_ids.tolist(), args.max_new_tokens)
         a_base = answer(base, base_tok, base_tok(q + "\n", add_special_tokens=False)["input_ids"], args.max_new_tokens)
         rows.append((q, truth, a_base, a_sft, f1(a_base, truth), f1(a_sft, truth)))
     mean = lambda i: sum(r[i] for r in rows) / len(rows)  # noqa: E731

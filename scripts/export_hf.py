@@ -9,7 +9,6 @@ generation_config.json. Before the folder is put in place, it is loaded back wit
 (max abs diff <= 1e-4 in float32; bf16/fp16 exports are compared against our model rounded the same
 way); a mismatch aborts the export. Checkpoints with features the target cannot represent are refused.
 """
-import argparse
 import os
 import sys
 
@@ -19,7 +18,9 @@ import torch  # noqa: E402
 
 from model.hf_adapter import ExportError, to_hf_config, to_hf_state_dict  # noqa: E402
 from data.atomic import atomic_dir  # noqa: E402
+from data.tokenizer import load_tokenizer  # noqa: E402
 from train.checkpoint import load_checkpoint, model_from_checkpoint, safetensors_metadata  # noqa: E402
+from train.flags import Parser, run_tool  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP32_TOL = 1e-4  # fp32 reassociation in attention/softmax between two implementations stays far below this
@@ -44,11 +45,11 @@ def export(ckpt_path, out_dir, dtype="float32", tokenizer_dir=None, verify=True,
     """Write the HF folder at out_dir. An existing out_dir must be empty or an earlier export (replaced
     atomically only with force=True); anything else is refused, never deleted. Returns the max logit diff."""
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     if os.path.exists(out_dir):
-        names = set(os.listdir(out_dir))
-        if not os.path.isdir(out_dir) or (names and "model.safetensors" not in names) or "ckpt.pt" in names:
+        names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else {"(a file)"}
+        if (names and "model.safetensors" not in names) or "ckpt.pt" in names:
             raise ExportError(f"{out_dir}: exists and is not an earlier export; choose an empty or new --out")
         if names and not force:
             raise ExportError(f"{out_dir}: an export is already there; pass --force to replace it")
@@ -62,7 +63,7 @@ def export(ckpt_path, out_dir, dtype="float32", tokenizer_dir=None, verify=True,
     tokenizer_dir = tokenizer_dir or os.path.join(run_dir, "tokenizer")
     if not os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")):
         raise FileNotFoundError(f"{tokenizer_dir}: tokenizer not found; pass --tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
 
     with atomic_dir(out_dir) as tmp:  # verified before it replaces anything
         hf_config.save_pretrained(tmp)
@@ -83,7 +84,7 @@ def export(ckpt_path, out_dir, dtype="float32", tokenizer_dir=None, verify=True,
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__)
     p.add_argument("--ckpt", required=True, help="checkpoint file or run directory")
     p.add_argument("--out", required=True, help="output folder (new or empty; an earlier export with --force)")
     p.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="dtype of the saved weights")
@@ -99,4 +100,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

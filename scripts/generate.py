@@ -13,41 +13,40 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from transformers import TextStreamer  # noqa: E402
 
 from data.dataset import DataError  # noqa: E402
 from data.tokenizer import load_tokenizer, stop_token_ids  # noqa: E402
 from model.hf_adapter import is_hf_folder  # noqa: E402
 from train.checkpoint import load_checkpoint, load_hf_checked, model_from_checkpoint  # noqa: E402
-from train.flags import Parser, Range, check_ranges, show_ranges  # noqa: E402
+from train.flags import Parser, Range, check_ranges, run_tool, show_ranges, utf8_text  # noqa: E402
 
 RANGES = {"max_new_tokens": Range(1), "num_samples": Range(1), "temperature": Range(0), "top_k": Range(0),
           "top_p": Range(0, 1, lo_open=True)}
 
 
-def generate_hf(args, tokenizer, device):
+def generate_hf(args, model, ids, streamer):
     """Sample with transformers' own generate from an exported folder; returns the ids [num_samples, T]."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-    model = AutoModelForCausalLM.from_pretrained(args.ckpt).to(device).eval()
-    ids = torch.tensor([tokenizer(args.prompt, add_special_tokens=False)["input_ids"]] * args.num_samples, device=device)
+    from transformers import GenerationConfig
     gen = GenerationConfig.from_pretrained(args.ckpt)
     greedy = args.temperature <= 0
     gen.update(max_new_tokens=args.max_new_tokens, do_sample=not greedy, use_cache=not args.no_cache,
                top_k=None if greedy else (args.top_k or None), top_p=None if greedy else args.top_p,
                temperature=None if greedy else args.temperature)
     torch.manual_seed(args.seed)
-    return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+    return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen, streamer=streamer)
 
 
 def main(argv=None):
     p = Parser(description=__doc__)
     p.add_argument("--ckpt", default="checkpoints/pretrain", help="checkpoint file or run directory")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (None: tokenizer/ next to the checkpoint)")
-    p.add_argument("--prompt", default="The", help="text to continue")
+    p.add_argument("--prompt", default="The", type=utf8_text, help="text to continue")
     p.add_argument("--max_new_tokens", type=int, default=100, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top_k", type=int, default=40, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top_p", type=float, default=0.95, help="nucleus sampling mass (1.0 = off)")
-    p.add_argument("--num_samples", type=int, default=1, help="independent samples")
+    p.add_argument("--num_samples", type=int, default=1, help="independent samples (one is printed as it comes)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--no_cache", action="store_true", help="recompute the prefix each step (no KV cache)")
@@ -61,19 +60,30 @@ def main(argv=None):
     if not args.prompt:
         p.error("--prompt is empty")
     model, tokenizer = load_model(p, args, device)
-    if model is None:
-        return print_samples(tokenizer, generate_hf(args, tokenizer, device), args.num_samples)
+    hf = None
+    if model is None:  # an exported folder
+        from transformers import AutoModelForCausalLM
+        hf = AutoModelForCausalLM.from_pretrained(args.ckpt).to(device).eval()
     ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     if not ids:
         p.error("--prompt is empty after tokenization")
+    context = (model or hf).config.max_position_embeddings
+    if len(ids) >= context:
+        p.error(f"--prompt is {len(ids)} tokens; the model's context holds {context} (prompt and continuation)")
     x = torch.tensor([ids] * args.num_samples, device=device)
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
-    with autocast:
-        out = model.generate(x, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                             top_p=args.top_p, eos_token_id=stop_token_ids(tokenizer),
-                             use_cache=not args.no_cache, generator=g)
-    print_samples(tokenizer, out, args.num_samples)
+    # one sample streams to stdout (so Ctrl-C keeps what was printed); several are printed at the end
+    streamer = TextStreamer(tokenizer, skip_special_tokens=True) if args.num_samples == 1 else None
+    if hf is not None:
+        out = generate_hf(args, hf, x, streamer)
+    else:
+        g = torch.Generator(device=device).manual_seed(args.seed)
+        cuda = device.startswith("cuda")
+        with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=cuda):
+            out = model.generate(x, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                 top_k=args.top_k, top_p=args.top_p, eos_token_id=stop_token_ids(tokenizer),
+                                 use_cache=not args.no_cache, generator=g, streamer=streamer)
+    if streamer is None:
+        print_samples(tokenizer, out)
 
 
 def load_model(p, args, device):
@@ -103,12 +113,11 @@ def load_model(p, args, device):
     return model_from_checkpoint(ckpt, device).eval(), tokenizer
 
 
-def print_samples(tokenizer, out, num_samples):
+def print_samples(tokenizer, out):
     for i, row in enumerate(out.tolist()):
-        if num_samples > 1:
-            print(f"--- sample {i}")
+        print(f"--- sample {i}")
         print(tokenizer.decode(row, skip_special_tokens=True))
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

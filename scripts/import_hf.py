@@ -14,7 +14,6 @@ scripts/export_hf.py carries a SHA-256 of its tensors in its metadata, and a fli
 folder made elsewhere has no such entry and its tensors are loaded unchecked. Any problem: one line
 naming the file, exit code 2.
 """
-import argparse
 import os
 import sys
 
@@ -23,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model.hf_adapter import ExportError  # noqa: E402
 from data.atomic import atomic_dir, atomic_write_text  # noqa: E402
 from train.checkpoint import CKPT_NAME, load_hf_checked, save_checkpoint  # noqa: E402
+from train.flags import Parser, run_tool  # noqa: E402
 
 
 def import_hf(hf_dir, out_dir, log=print):
@@ -49,7 +49,7 @@ def import_hf(hf_dir, out_dir, log=print):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__)
     p.add_argument("--hf", required=True, help="HF folder (config.json + *.safetensors)")
     p.add_argument("--out", required=True, help="run directory to write (must not exist, or be empty)")
     args = p.parse_args(argv)
@@ -61,4 +61,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

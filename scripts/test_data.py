@@ -322,6 +322,30 @@ def test_odd_inputs_an_adversary_tried():
         assert texts(bom) == ["first", "second"]
         mac = _write(os.path.join(d, "mac.txt"), "one\rline\r\rtwo\r")
         assert texts(mac) == ["one\nline", "two\n"]
+        odd = ["a\u2028b", "c\u0085d\u2029e", "f\x0cg\x1ch\x0bi"]  # raw, as json.dumps(ensure_ascii=False) writes
+        for ends in ("\r\n", "\r", "\n"):
+            crlf = os.path.join(d, "odd.jsonl")
+            with open(crlf, "w", newline=ends) as f:
+                f.writelines(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in odd)
+            assert texts(crlf) == odd, ends
+            txt = _write(os.path.join(d, "odd.txt"), "\n\n".join(odd).replace("\n", ends))
+            assert texts(txt) == odd, ends
+        from data.sources import file_sha1
+        memo, same = {}, _write(os.path.join(d, "same.txt"), "aaaa")
+        first, st = file_sha1(same, memo), os.stat(same)
+        _write(same, "bbbb")  # same size, and the same mtime put back: the memo must still see the change
+        os.utime(same, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert file_sha1(same, memo) != first, "a rewritten file kept its remembered hash"
+        nested = os.path.join(d, "nested")
+        os.makedirs(nested)
+        _jsonl(os.path.join(nested, "a.jsonl"), ["doc"])
+        datasets.Dataset.from_dict({"text": ["x"]}).save_to_disk(os.path.join(nested, "saved"))
+        try:
+            open_source(nested)
+        except DataError as e:
+            assert "saved: a datasets.save_to_disk folder inside" in str(e), e
+        else:
+            raise AssertionError("a save_to_disk folder inside a data folder was read as JSON files")
         os.makedirs(os.path.join(d, "tree", "a"))
         _jsonl(os.path.join(d, "tree", "b.jsonl"), ["from b"])
         _jsonl(os.path.join(d, "tree", "a", "z.jsonl"), ["from a/z"])
@@ -347,6 +371,24 @@ def test_odd_inputs_an_adversary_tried():
                 assert name in str(e), e
             else:
                 raise AssertionError(f"{bad} accepted")
+
+
+def test_long_whitespace_free_document_prepares():
+    """A 2 MB line without a space (base64-like letters): BPE training on it was quadratic in the word's length
+    (hours); the trainer now sees words of at most LONGEST_WORD characters, and the document still tokenizes
+    (linearly) and decodes back exactly. (A stall guard: a minute, where it used to be over 15.)"""
+    import time
+    from data.tokenizer import LONGEST_WORD, bounded_words
+    import re
+    long = "".join(chr(97 + (i * 7919) % 26) for i in range(2 << 20))
+    assert all(len(w) <= LONGEST_WORD for t in bounded_words(["a b", long]) for w in re.findall(r"\S+", t))
+    with tempfile.TemporaryDirectory() as d:
+        path = _jsonl(os.path.join(d, "long.jsonl"), _corpus_docs(40) + [long] + _corpus_docs(40, seed=1))
+        t0 = time.time()
+        data = quiet_prepare(path, os.path.join(d, "cache"))
+        assert time.time() - t0 < 60, f"preparing a 2 MB whitespace-free document took {time.time() - t0:.0f} s"
+        ids = data["tokenizer"](long, add_special_tokens=False)["input_ids"]
+        assert data["tokenizer"].decode(ids) == long
 
 
 def _damaged_parquet(d):
@@ -395,7 +437,7 @@ TESTS = [test_default_corpus_is_deterministic_real_prose, test_tokenizer_roundtr
          test_formats_give_the_same_documents, test_malformed_line_near_the_end_leaves_nothing_in_the_cache,
          test_damaged_cache_is_rebuilt_with_a_message, test_two_processes_prepare_one_corpus_at_once,
          test_tokenizer_trained_on_a_bounded_sample, test_memmap_windows_equal_in_memory_windows,
-         test_tiktoken_gives_the_tokenizers_ids, test_odd_inputs_an_adversary_tried,
+         test_tiktoken_gives_the_tokenizers_ids, test_odd_inputs_an_adversary_tried, test_long_whitespace_free_document_prepares,
          test_killed_preparation_leaves_no_orphan_and_no_partial_cache]
 
 if __name__ == "__main__":

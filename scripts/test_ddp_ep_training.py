@@ -63,23 +63,45 @@ def losses(run_dir):
 
 
 def test_ddp_ep_matches_single_process():
-    """20 steps on 2 ranks (DDP x EP=2, 4 seqs each) vs one process (8 seqs): same data, losses agree.
+    """20 steps on 2 ranks (DDP x EP=2, 4 seqs each) vs one process (8 seqs): same data, losses agree, on the
+    sorted and the fused path.
 
     Without the aux loss the only difference is reassociated fp32 sums (per-rank partial GEMMs for the
     router/dense grads, DDP's average): tight bound. With it, each rank's aux loss is a nonlinear function
     of its own routing statistics, not the global batch's (as in MiniMind and most DDP MoE code), which
     changes the gradients slightly every step and compounds over 20 steps: looser bound."""
-    for coef, bound in (("0", 1e-5), ("0.01", 5e-3)):
+    for impl, coef, bound in (("sorted", "0", 1e-6), ("fused", "0", 1e-6), ("sorted", "0.01", 5e-3)):
         common = TINY + ["--data_path", data_file(), "--max_steps", "20", "--save_interval", "20",
-                         "--router_aux_loss_coef", coef, "--dtype", "float32", "--moe_impl", "sorted"]
-        ep_dir, one_dir = os.path.join(_TMP, f"ep2_{coef}"), os.path.join(_TMP, f"one_{coef}")
+                         "--router_aux_loss_coef", coef, "--dtype", "float32", "--moe_impl", impl]
+        ep_dir, one_dir = os.path.join(_TMP, f"ep2_{impl}_{coef}"), os.path.join(_TMP, f"one_{impl}_{coef}")
         assert all(r["ok"] for r in launch(2, common + ["--batch_size", "4", "--ep_size", "2", "--out_dir", ep_dir]))
         single(common + ["--batch_size", "8", "--out_dir", one_dir])
         a, b = losses(ep_dir), losses(one_dir)
         assert sorted(a) == sorted(b) == list(range(1, 21))
         worst = max(abs(a[s] - b[s]) / b[s] for s in a)
-        print(f"        aux coef {coef}: max relative loss difference over 20 steps: {worst:.1e}")
-        assert worst < bound, f"aux coef {coef}: loss curves differ by up to {worst:.2e} relative (> {bound})"
+        print(f"        {impl}, aux coef {coef}: max relative loss difference over 20 steps: {worst:.1e}")
+        assert worst < bound, f"{impl}, aux coef {coef}: loss curves differ by up to {worst:.2e} relative (> {bound})"
+
+
+def test_fused_ep_runs_where_a_rank_gets_no_token():
+    """Fused + EP runs that aborted in gloo ("Received data size doesn't match") once a rank's experts got no
+    token: batch 1 x 8 at a high LR without aux loss, 4 x 32 with --grad_accum 2, and a one-process (fused)
+    checkpoint resumed with --ep_size 2. Every rank runs the same collectives whatever it receives."""
+    base = TINY + ["--data_path", data_file(), "--ep_size", "2", "--moe_impl", "fused", "--save_interval", "1000"]
+    for name, extra in (("starved", ["--batch_size", "1", "--seq_len", "8", "--router_aux_loss_coef", "0",
+                                     "--learning_rate", "3e-2", "--max_steps", "20"]),
+                        ("accum", ["--batch_size", "4", "--grad_accum", "2", "--max_steps", "30"])):
+        out = os.path.join(_TMP, f"fused_{name}")
+        results = launch(2, base + extra + ["--out_dir", out])
+        assert all(r["ok"] for r in results), (name, results)
+        assert max(losses(out)) == int(extra[extra.index("--max_steps") + 1]), name
+    one = os.path.join(_TMP, "fused_one")
+    single(TINY + ["--data_path", data_file(), "--batch_size", "8", "--max_steps", "12", "--stop_after", "6",
+                   "--out_dir", one])
+    results = launch(2, ["--resume", "--out_dir", one, "--ep_size", "2", "--batch_size", "4", "--no_progress"])
+    assert all(r["ok"] for r in results), results
+    from train.checkpoint import load_checkpoint
+    assert max(losses(one)) == 12 and load_checkpoint(one)["args"]["moe_impl"] == "fused"
 
 
 def dense_state_worker(rank, world, argv):
@@ -169,7 +191,8 @@ def test_bad_setups_fail_fast():
     assert not os.path.exists(os.path.join(_TMP, "bad3")), "a run refused at setup left the folder it made"
 
 
-TESTS = [test_ddp_ep_matches_single_process, test_dense_weights_identical_across_ranks, test_resume_across_ep_sizes,
+TESTS = [test_ddp_ep_matches_single_process, test_fused_ep_runs_where_a_rank_gets_no_token,
+         test_dense_weights_identical_across_ranks, test_resume_across_ep_sizes,
          test_bad_setups_fail_fast, test_time_budget_ranks_stop_together]
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ exact round trip, refusal of unrepresentable features, and the main job's checkp
     python scripts/test_export.py
 """
 import io
+import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -189,7 +191,9 @@ def test_refuses_what_qwen3_cannot_represent():
     from transformers import Qwen3MoeConfig
     for kw, word in [(dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0,
                                             "original_max_position_embeddings": 128}), "rope_type"),
-                     (dict(attention_bias=True), "attention_bias"), (dict(mlp_only_layers=[0]), "mlp_only_layers")]:
+                     (dict(attention_bias=True), "attention_bias"), (dict(mlp_only_layers=[0]), "mlp_only_layers"),
+                     (dict(hidden_act="gelu"), "hidden_act='gelu'"), (dict(qk_norm_scale=2.0), "qk_norm_scale=2.0"),
+                     (dict(num_hidden_layers=1, layer_types=["sliding_attention"]), "layer_types")]:
         try:
             from_hf_config(Qwen3MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **kw))
         except ExportError as e:
@@ -203,6 +207,22 @@ def test_refuses_what_qwen3_cannot_represent():
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export_hf.py"), "--ckpt", run_dir, "--out", run_dir],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "not an earlier export" in r.stderr and sorted(os.listdir(run_dir)) == before, r.stderr
+    afile = os.path.join(_TMP, "a_file")
+    open(afile, "w").write("keep me")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export_hf.py"), "--ckpt", run_dir, "--out", afile],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "not an earlier export" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert open(afile).read() == "keep me"
+    # an exported folder with a changed config field is refused by import_hf.py, not imported as another model
+    hf_dir = export(run_dir)
+    odd = os.path.join(_TMP, "gelu_export")
+    shutil.copytree(hf_dir, odd, dirs_exist_ok=True)
+    cfg = json.load(open(os.path.join(odd, "config.json")))
+    json.dump({**cfg, "hidden_act": "gelu"}, open(os.path.join(odd, "config.json"), "w"))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "import_hf.py"), "--hf", odd, "--out",
+                        os.path.join(_TMP, "gelu_run")], capture_output=True, text=True)
+    assert r.returncode == 2 and "hidden_act='gelu'" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    assert not os.path.exists(os.path.join(_TMP, "gelu_run"))
 
 
 def test_main_job_checkpoint_exports_and_generates():

@@ -130,6 +130,18 @@ def test_resume_refuses_a_changed_data_order():
     train(parse_args(TINY + ["--data_path", text_file(), "--max_steps", "2", "--out_dir", run_dir]), log=quiet)
     r = _cli("--resume", run_dir, "--seq_len", "32", "--no_progress")
     assert r.returncode != 0 and "--seq_len cannot change on resume" in r.stderr, r.stderr[-1500:]
+    # the same documents reordered in place: the same token count, another content fingerprint
+    docs = [p for p in open(text_file(), encoding="utf-8").read()[:200_000].split("\n\n") if p.strip()]
+    data = os.path.join(_TMP, "order.jsonl")
+    with open(data, "w") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    run_dir = os.path.join(_TMP, "reordered")
+    train(parse_args(TINY + ["--data_path", data, "--max_steps", "3", "--stop_after", "2", "--out_dir", run_dir]),
+          log=quiet)
+    with open(data, "w") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in [docs[1], docs[0]] + docs[2:])  # both in training
+    r = _cli("--resume", run_dir, "--no_progress")
+    assert r.returncode == 2 and "data_fingerprint" in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
 
 
 def test_corrupt_checkpoint_is_refused():

@@ -68,8 +68,46 @@ def test_mask_is_exactly_assistant_content_and_end_of_turn():
             assert tok.decode(ids[:a].tolist()).endswith("<|im_start|>assistant\n")
         for k, (a, _) in enumerate(runs):  # chat's prompt for answer k is exactly the tokens before it
             upto = [m for m in messages][:[i for i, m in enumerate(messages) if m["role"] == "assistant"][k]]
-            prompt = tok.apply_chat_template(upto, add_generation_prompt=True, return_dict=True)["input_ids"]
-            assert list(prompt) == ids[:a].tolist()
+            prompt, _ = tokenize_conversation(tok, upto, add_generation_prompt=True)
+            assert prompt.tolist() == ids[:a].tolist()
+
+
+def _runs(mask):
+    """[(start, end)] of the runs of True in a bool array."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], mask.astype(np.int8), [0]))))
+    return list(zip(edges[::2], edges[1::2]))
+
+
+def test_answers_starting_with_whitespace_keep_their_mask():
+    """Answers (and questions) starting with spaces, tabs or newlines, on the default tokenizer and on one trained
+    on code: the masked tokens decode to exactly each answer + <|im_end|>, and chat's prompt is a prefix of the
+    training ids. (Rendering the conversation whole and tokenizing it merged the header's "\\n" into the answer's
+    leading whitespace on the default tokenizer: checked below.)"""
+    import glob
+    from data.prepare import prepare_data
+    default = prepare_data(log=lambda *_: None)["tokenizer"]
+    code = [open(f).read() for f in sorted(glob.glob(os.path.join(os.path.dirname(json.__file__), "*.py")))]
+    code_tok = train_tokenizer(code * 3, vocab_size=1024)
+    code_tok.chat_template = default.chat_template
+    answers = ["    indented code", "\tdef f():\n\t\treturn 1", "\n\nleading newlines", "\n    x = 1", "  two", " one",
+               "\r\nCRLF first", "plain"]
+    merged = 0
+    for name, tok in (("default", default), ("code", code_tok)):
+        for a in answers:
+            messages = [{"role": "user", "content": "  q"}, {"role": "assistant", "content": a},
+                        {"role": "user", "content": "\n\tmore"}, {"role": "assistant", "content": a + " again"}]
+            ids, mask = tokenize_conversation(tok, messages)
+            runs = _runs(mask)
+            got = [tok.decode(ids[s:e].tolist()) for s, e in runs]
+            assert got == [a + "<|im_end|>", a + " again<|im_end|>"], (name, a, got)
+            for (s, _), upto in zip(runs, (messages[:1], messages[:3])):
+                prompt, _ = tokenize_conversation(tok, upto, add_generation_prompt=True)
+                assert prompt.tolist() == ids[:s].tolist(), (name, a)
+            if name == "default":
+                whole = tok.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+                merged += tok.decode([t for t, m in zip(whole["input_ids"], whole["assistant_masks"]) if m]) != \
+                    "".join(got)
+    assert merged >= 3, f"whole-string tokenization merged only {merged} cases: the test lost its teeth"
 
 
 def test_labels_shift_and_masked_labels_do_not_matter():
@@ -206,6 +244,7 @@ def test_bad_conversations_name_file_and_line():
         '{"conversations": [{"role": "assistant", "content": "a"}]}': "message 1 is a assistant turn",
         '{"conversations": [{"role": "user", "content": "a"}, {"role": "system", "content": "s"}]}': "system turn",
         '{"conversations": [{"role": "user", "content": "a"}': "malformed JSON",
+        '{"conversations": [], "messages": []}': 'both "conversations" and "messages"',
     }
     good = json.dumps({"conversations": CONVERSATIONS[0]})
     for line, msg in cases.items():
@@ -218,6 +257,13 @@ def test_bad_conversations_name_file_and_line():
         else:
             raise AssertionError(f"accepted: {line}")
     assert check_conversation({"messages": [SYSTEM] + CONVERSATIONS[0]}, "x")[0] == SYSTEM
+    # CRLF line ends and raw U+2028 / U+0085 inside a string (json.dumps(ensure_ascii=False)): one valid line each
+    odd = [{"role": "user", "content": "a\u2028b"}, {"role": "assistant", "content": "c\u0085d\u2029e\x0cf"}]
+    path = os.path.join(_TMP, "crlf.jsonl")
+    with open(path, "w", newline="\r\n") as f:
+        f.write(json.dumps({"messages": odd}, ensure_ascii=False) + "\n" + good + "\n")
+    conv = load_conversations(path, tokenizer(), 128, os.path.join(_TMP, "cache"))
+    assert len(conv) == 2 and tokenizer().decode(conv[0][0][conv[0][1]].tolist()) == odd[1]["content"] + "<|im_end|>"
 
 
 def test_long_conversations_are_cut_to_the_window():
@@ -226,8 +272,30 @@ def test_long_conversations_are_cut_to_the_window():
     with open(path, "w") as f:
         for conv in (CONVERSATIONS[0], long):
             f.write(json.dumps({"conversations": conv}) + "\n")
-    conv = load_conversations(path, tokenizer(), 64, os.path.join(_TMP, "cache"))
+    notes = []
+    conv = load_conversations(path, tokenizer(), 64, os.path.join(_TMP, "cache"), log=notes.append)
     assert (conv.truncated, len(conv), max(np.diff(conv.offsets))) == (1, 2, 64), (conv.truncated, np.diff(conv.offsets))
+    assert len(notes) == 1 and "1 cut to it" in notes[0] and "long.jsonl" in notes[0], notes
+
+
+def test_held_out_split_keeps_copies_in_training_and_says_what_it_cut():
+    """--data_path without --val_path: a held-out conversation that also appears in training stays in training
+    (so the held-out loss is on unseen text), and the note on cut conversations prints (it was lost when the
+    split rebuilt the set)."""
+    from train.sft import held_out_split
+    path = os.path.join(_TMP, "split.jsonl")
+    convs = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}] for i in range(40)]
+    convs[19] = convs[3]  # a copy at a held-out position (every 20th: 19, 39)
+    convs[39] = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello! " * 80}]
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"conversations": c}) + "\n" for c in convs)
+    notes = []
+    train, val = held_out_split(load_conversations(path, tokenizer(), 64, os.path.join(_TMP, "cache"),
+                                                   log=notes.append), path, notes.append)
+    assert (len(train), len(val)) == (39, 1), (len(train), len(val))
+    assert any("1 cut to it" in n for n in notes) and any("kept in training only" in n for n in notes), notes
+    train_ids = {train[i][0].tobytes() for i in range(len(train))}
+    assert all(val[i][0].tobytes() not in train_ids for i in range(len(val)))
 
 
 def cli(*argv, script="train/sft.py"):
@@ -284,6 +352,38 @@ def test_sft_stage_trains_resumes_bitwise_and_chats():
     assert r.returncode == 0 and len([l for l in r.stdout.splitlines() if l.strip()]) >= 1, r.stderr[-2000:]
 
 
+def test_user_tools_end_bad_input_in_one_line():
+    """generate.py / chat.py: a --prompt that is not UTF-8, a prompt longer than the context, export_hf.py --out a
+    regular file: one "error:" line, exit 2; chat.py reading bytes that are not UTF-8 under a strict UTF-8 stdin
+    answers (U+FFFD); Ctrl-C while generate.py streams keeps what it printed and exits 130, no traceback."""
+    import signal
+    import time
+    pre = pretrained()
+    tools = {name: [sys.executable, os.path.join(ROOT, "scripts", name)] for name in ("generate.py", "chat.py")}
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    for name, extra in (("generate.py", []), ("chat.py", [])):
+        for prompt, needle in ((b"caf\xe9 \xff", b"--prompt: not valid UTF-8"), (b"the " * 3000, b"context")):
+            r = subprocess.run(tools[name] + [b"--ckpt", pre.encode(), b"--prompt", prompt] + extra,
+                               capture_output=True, timeout=300, env=env)
+            err = r.stderr.decode("utf-8", "replace").strip().splitlines()
+            assert r.returncode == 2 and needle.decode() in err[-1] and not any("Traceback" in e for e in err), \
+                (name, prompt[:20], r.returncode, err[-5:])
+    r = subprocess.run(tools["chat.py"] + ["--ckpt", pre, "--max_new_tokens", "3"], input=b"\xff\xfe bytes\n/quit\n",
+                       capture_output=True, timeout=300, env=env)
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr[-2000:]
+    proc = subprocess.Popen(tools["generate.py"] + ["--ckpt", pre, "--prompt", "the", "--max_new_tokens", "100000",
+                                                    "--no_cache"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.read(3)  # the streamed prompt: generation is under way
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and b"Traceback" not in err and (first + out).startswith(b"the"), (proc.returncode, err)
+    afile = os.path.join(_TMP, "not_a_folder")
+    open(afile, "w").write("x")
+    r = cli("--ckpt", pre, "--out", afile, script="scripts/export_hf.py")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in r.stderr
+
+
 def test_exported_sft_model_chats_through_the_hf_pipeline():
     """export_hf.py on an SFT checkpoint: the folder's tokenizer has the chat template, generation_config
     stops at <|im_end|>, and transformers.pipeline answers a list of messages (a model made to end its turn
@@ -315,11 +415,13 @@ def test_exported_sft_model_chats_through_the_hf_pipeline():
     assert out.shape[1] == ids.shape[1] + 1 and out[0, -1] == im_end, out
 
 
-TESTS = [test_mask_is_exactly_assistant_content_and_end_of_turn, test_labels_shift_and_masked_labels_do_not_matter,
+TESTS = [test_mask_is_exactly_assistant_content_and_end_of_turn, test_answers_starting_with_whitespace_keep_their_mask,
+         test_labels_shift_and_masked_labels_do_not_matter,
          test_accumulation_is_a_token_mean, test_two_rank_ddp_is_the_same_token_mean,
          test_packing_keeps_conversations_apart_and_resumes, test_bad_conversations_name_file_and_line,
-         test_long_conversations_are_cut_to_the_window, test_sft_stage_trains_resumes_bitwise_and_chats,
-         test_exported_sft_model_chats_through_the_hf_pipeline]
+         test_long_conversations_are_cut_to_the_window, test_held_out_split_keeps_copies_in_training_and_says_what_it_cut,
+         test_sft_stage_trains_resumes_bitwise_and_chats,
+         test_user_tools_end_bad_input_in_one_line, test_exported_sft_model_chats_through_the_hf_pipeline]
 
 if __name__ == "__main__":
     run(TESTS)

@@ -77,6 +77,26 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def utf8_text(value):
+    """argparse type of a free-text flag (--prompt): refuses bytes that are not UTF-8 (argv carries them as
+    lone surrogates, which no tokenizer takes)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("not valid UTF-8 text") from None
+    return value
+
+
+def run_tool(main):
+    """A user tool's entry point: Ctrl-C ends it with exit code 130 and no traceback (what it printed stays)."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        sys.stderr.write("\n(interrupted)\n")
+        sys.exit(130)
+
+
 class Switch(argparse.Action):
     """An on/off flag: the first spelling sets True, the second False (switches a resume inherits need
     their off form: `--compile` / `--no_compile`)."""

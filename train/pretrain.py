@@ -44,7 +44,14 @@ def load_data(args, tokenizer_dir, global_batch_size, log):
         tokenizer=data["tokenizer"], tokenizer_dir=data["tokenizer_dir"],
         train_batches=WindowBatches(data["train"], args.seq_len, global_batch_size, seed=args.seed, name="training data"),
         val_batches=[(w[:, :-1], w[:, 1:]) for w in windows.split(args.batch_size)],
-        identity={"train_tokens": len(data["train"])}, unigram_entropy=data["index"]["val_unigram_entropy"])
+        identity={"train_tokens": len(data["train"]), "data_fingerprint": data_fingerprint(data["index"])},
+        unigram_entropy=data["index"]["val_unigram_entropy"])
+
+
+def data_fingerprint(index):
+    """The token cache's content hashes (source files in order, split rule; tokenizer): a resume on other data or
+    the same documents reordered is refused, one in moved folders is not."""
+    return f"{index['source_fingerprint']}-{index['tokenizer_sha1'][:12]}"
 
 
 STAGE = loop.Stage(name="pretrain", description=__doc__, default_out_dir="checkpoints/pretrain",

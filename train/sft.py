@@ -54,13 +54,24 @@ def chat_tokenizer(tokenizer_dir, log):
     return load_tokenizer(folder), folder
 
 
-def held_out_split(conv, path, every=20):
-    """--data_path without --val_path: (train, val) with every `every`-th conversation of the file held out."""
+def held_out_split(conv, path, log, every=20):
+    """--data_path without --val_path: (train, val) with every `every`-th conversation of the file held out, except
+    copies of a training conversation, which stay in training (a held-out score on seen text means nothing)."""
     n = len(conv)
     if n < every:
         raise DataError(f"{path}: {n} conversations are too few to hold every {every}th out for evaluation; "
                         f"pass --val_path")
-    return conv.select([i for i in range(n) if i % every != every - 1]), conv.select(range(every - 1, n, every))
+    key = lambda i: conv[i][0].tobytes()  # noqa: E731
+    train = [i for i in range(n) if i % every != every - 1]
+    seen = {key(i) for i in train}
+    held = [i for i in range(every - 1, n, every) if key(i) not in seen]
+    if len(held) < n // every:
+        log(f"note: {n // every - len(held)} of the {n // every} held-out conversations of {path} also appear "
+            f"among its training conversations: kept in training only")
+        train = sorted(set(range(n)) - set(held))
+    if not held:
+        raise DataError(f"{path}: every held-out conversation is a copy of a training one; pass --val_path")
+    return conv.select(train), conv.select(held)
 
 
 def load_data(args, tokenizer_dir, global_batch_size, log):
@@ -69,16 +80,11 @@ def load_data(args, tokenizer_dir, global_batch_size, log):
         raise DataError("no tokenizer: fine-tuning starts from trained weights (--init_from) or takes --tokenizer")
     tokenizer, tokenizer_dir = chat_tokenizer(tokenizer_dir, log)
     paths = default_sft_set() if args.data_path is None else {"train": args.data_path, "val": args.val_path}
-    train = load_conversations(paths["train"], tokenizer, args.seq_len, CACHE_DIR)
+    train = load_conversations(paths["train"], tokenizer, args.seq_len, CACHE_DIR, log)
     if args.data_path is not None and args.val_path is None:
-        train, val = held_out_split(train, args.data_path)
+        train, val = held_out_split(train, args.data_path, log)
     else:
-        val = load_conversations(args.val_path or paths["val"], tokenizer, args.seq_len, CACHE_DIR)
-    for name, conv in (("training", train), ("held-out", val)):
-        if conv.truncated or conv.dropped:
-            log(f"note: {conv.truncated + conv.dropped} {name} conversations are longer than --seq_len {args.seq_len} "
-                f"tokens: {conv.truncated} cut to it (their end is not trained on), {conv.dropped} left out (no "
-                f"assistant token within it)")
+        val = load_conversations(args.val_path or paths["val"], tokenizer, args.seq_len, CACHE_DIR, log)
     log(f"data: {args.data_path or 'embedded stdlib Q&A set'}: {len(train):,} train / {len(val):,} held-out "
         f"conversations, {train.supervised_tokens:,} / {val.supervised_tokens:,} assistant tokens")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
