@@ -5,7 +5,7 @@ one method, keeping every parameter, buffer and state_dict key, and returns what
 trainer logs it). A model built outside the trainer is plain PyTorch; checkpoints and exports hold the
 same tensors either way. Each swap and when it applies (decided by measured rules, not by the CPU's name):
 
-    nn.Linear (bias-free, outside the MoE)      -> OneDNNLinear     CPU fp32 (oneDNN beats MKL's sgemm)
+    nn.Linear (bias-free, not router/experts)   -> OneDNNLinear     CPU fp32 (oneDNN beats MKL's sgemm)
     Attention.attend (SDPA)                     -> explicit scores  CPU under bf16 autocast
     MiniMindForCausalLM.lm_loss                 -> chunked CE       CPU (no fp32 [N, V] logits)
     RowMapDispatcher.permute / combine_rows     -> kernels.permute  always (Triton where it runs, else
@@ -87,7 +87,8 @@ def swap_engines(model, device, dtype):
     `model` in place (see the module doc). Returns {swapped class name: modules}."""
     cpu = torch.device(device).type == "cpu"
     done = {}
-    moe_linears = {id(m) for moe in model.modules() if isinstance(moe, MOEFeedForward) for m in moe.modules()}
+    moe_linears = {id(m) for moe in model.modules() if isinstance(moe, MOEFeedForward)  # (shared experts: dense)
+                   for m in (moe.gate, *moe.experts.modules())}
     for m in list(model.modules()):
         if type(m) is nn.Linear and m.bias is None and id(m) not in moe_linears and cpu and dtype == torch.float32 \
                 and onednn_runs("cpu", torch.float32):

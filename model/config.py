@@ -39,6 +39,9 @@ class MiniMindConfig(PreTrainedConfig):
     num_experts: int = 4                    # E
     num_experts_per_tok: int = 2            # top-k, 1 <= k <= E
     moe_intermediate_size: int | None = 384  # SwiGLU width of one expert; None: intermediate_size
+    # shared experts (DeepSeekMoE, Qwen2-MoE): a dense SwiGLU every token takes beside its routed experts
+    n_shared_experts: int = 0
+    shared_expert_intermediate_size: int | None = None  # its width; None: n_shared_experts * moe_intermediate_size
     norm_topk_prob: bool = True             # renormalise the k chosen router probabilities to sum to 1
     router_aux_loss_coef: float = _training(0.01)  # balance-loss weight (0 = off)
     capacity_factor: float | None = None    # None: dropless; else an expert takes <= ceil(cf * T * K / E) pairs
@@ -85,7 +88,14 @@ class MiniMindConfig(PreTrainedConfig):
             self.intermediate_size = math.ceil(self.hidden_size * math.pi / 64) * 64
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
-        for name in ("intermediate_size", "moe_intermediate_size", "moe_expert_alignment"):
+        self._check(self.n_shared_experts >= 0, f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        self._check(self.n_shared_experts == 0 or self.use_moe, "n_shared_experts > 0 needs use_moe=True")
+        self._check(self.shared_expert_intermediate_size is None or self.n_shared_experts > 0,
+                    "shared_expert_intermediate_size needs n_shared_experts > 0")
+        if self.n_shared_experts and self.shared_expert_intermediate_size is None:
+            self.shared_expert_intermediate_size = self.n_shared_experts * self.moe_intermediate_size
+        for name in ("intermediate_size", "moe_intermediate_size", "moe_expert_alignment") + \
+                (("shared_expert_intermediate_size",) if self.n_shared_experts else ()):
             self._check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         self._check(self.num_experts_per_tok <= self.num_experts, f"num_experts_per_tok={self.num_experts_per_tok} "
                     f"must be <= num_experts={self.num_experts}")

@@ -58,7 +58,9 @@ class MOEFeedForward(nn.Module):
     forward(x [B, S, D], token_mask [B, S] bool or None) -> y [B, S, D] of x's dtype. token_mask False
     marks padding: it goes to no expert (output 0) and counts in no router statistic. After a
     training-mode call `aux_loss` is this layer's balance loss plus z-loss (zero in eval) and `stats` an
-    MoEStats. Parameters: `gate.weight` [E, D], `experts.{e}.{gate,up,down}_proj.weight`, and the fp32
+    MoEStats. Parameters: `gate.weight` [E, D], `experts.{e}.{gate,up,down}_proj.weight`, with
+    n_shared_experts > 0 `shared_experts.{gate,up,down}_proj.weight` (one dense SwiGLU of width
+    shared_expert_intermediate_size added for every token, ungated: DeepSeekMoE), and the fp32
     buffer `expert_bias` [E] only with router_bias_update_rate > 0. In training every expert runs, maybe
     on no rows, so idle experts get a zero gradient (DDP with find_unused_parameters=False needs it).
     The router's choices per expert (real tokens, before capacity) add up until `pop_load()`.
@@ -70,6 +72,8 @@ class MOEFeedForward(nn.Module):
         E = config.num_experts
         self.gate = nn.Linear(config.hidden_size, E, bias=False)
         self.experts = nn.ModuleList(FeedForward(config.hidden_size, config.moe_intermediate_size) for _ in range(E))
+        self.shared_experts = FeedForward(config.hidden_size, config.shared_expert_intermediate_size) \
+            if config.n_shared_experts else None
         if config.router_bias_update_rate > 0:
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
         else:
@@ -88,11 +92,13 @@ class MOEFeedForward(nn.Module):
         if self.config.moe_impl == "masked":
             y_TD = masked_expert_loop(self.experts, x_TD, topk_idx_TK, topk_weight_TK, self.training)
             self.stats = MoEStats(tokens_per_expert(topk_idx_TK, self.config.num_experts), None, balance_loss, z_loss)
-            return y_TD.view(B, S, D)
-        d = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout)
-        y_TD = self.dispatcher.combine(self.run_experts(d), d)
-        padded = torch.as_tensor(d.tokens_per_expert) if d.padded else None
-        self.stats = MoEStats(d.routed_E, padded, balance_loss, z_loss)
+        else:
+            d = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout)
+            y_TD = self.dispatcher.combine(self.run_experts(d), d)
+            padded = torch.as_tensor(d.tokens_per_expert) if d.padded else None
+            self.stats = MoEStats(d.routed_E, padded, balance_loss, z_loss)
+        if self.shared_experts is not None:  # every token, padding too (its output is never trained on)
+            y_TD = y_TD + self.shared_experts(x_TD).to(y_TD.dtype)
         return y_TD.view(B, S, D)
 
     def run_experts(self, d):

@@ -262,20 +262,54 @@ def weights_source(args):
     init_model, source_dir = None, None
     if args.resume:
         source_dir = os.path.dirname(os.path.abspath(args.resume))
-    elif args.init_from:  # trained weights (ours or an exported HF folder), fresh optimizer and step
-        if is_hf_folder(args.init_from):
-            init_model, source_dir = load_hf_checked(args.init_from), args.init_from
+    elif args.init_from or args.upcycle_from:  # trained weights (ours or an exported HF folder), fresh optimizer
+        path = args.init_from or args.upcycle_from
+        if args.init_from and args.upcycle_from:
+            raise ValueError("--init_from and --upcycle_from: pass one")
+        if is_hf_folder(path):
+            init_model, source_dir = load_hf_checked(path), path
         else:
-            init_model = model_from_checkpoint(load_checkpoint(args.init_from))
-            source_dir = args.init_from if os.path.isdir(args.init_from) else os.path.dirname(os.path.abspath(args.init_from))
+            init_model = model_from_checkpoint(load_checkpoint(path))
+            source_dir = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     if args.tokenizer is not None or source_dir is None:
         return init_model, args.tokenizer
     for cand in (os.path.join(source_dir, "tokenizer"), source_dir):
         if os.path.exists(os.path.join(cand, "tokenizer.json")):
             return init_model, cand
     if init_model is not None:  # a fresh tokenizer would not match the trained embeddings
-        raise ValueError(f"{args.init_from}: no tokenizer next to the weights; pass --tokenizer DIR")
+        raise ValueError(f"{args.init_from or args.upcycle_from}: no tokenizer next to the weights; pass --tokenizer DIR")
     return init_model, None
+
+
+@torch.no_grad()
+def upcycle(model, dense, seed=0):
+    """--upcycle_from, sparse upcycling (Komatsuzaki et al. 2022), fine-grained: `model` (an MoE with the dense
+    model's trunk) gets its embeddings, attention, norms and head; each dense FFN's F_dense hidden units are cut
+    into G = F_dense / F slices, expert e = slice e % G of copy e // G with its down projection times G, and
+    router row e = a random row of copy e // G, so the G slices of a copy tie and top-k (k a multiple of G)
+    takes whole copies, different ones for different tokens. A chosen copy j of per-slice weight w_j adds
+    w_j * G * FFN(x), and with norm_topk_prob the G * w_j sum to 1: the MoE computes the dense model (up to
+    rounding). Without norm_topk_prob, or k not a multiple of G, as close as its weights allow. A shared
+    expert starts with a zero down projection. Raises ValueError (naming the flags) when the sizes do not tile."""
+    missing = model.load_state_dict({k: v for k, v in dense.state_dict().items() if ".mlp." not in k}, strict=False)
+    assert all(".mlp." in k for k in missing.missing_keys) and not missing.unexpected_keys, missing
+    g, c = torch.Generator().manual_seed(seed), model.config
+    F_dense, F = dense.config.intermediate_size, c.moe_intermediate_size
+    G = F_dense // F
+    if F_dense % F or c.num_experts % G:
+        raise ValueError(f"--moe_intermediate_size {F} must divide the dense intermediate_size {F_dense}, and "
+                         f"--num_experts {c.num_experts} be a multiple of the {max(G, 1)} slices")
+    for layer, dense_layer in zip(model.model.layers, dense.model.layers):
+        moe, ffn = layer.mlp, dense_layer.mlp
+        for e, expert in enumerate(moe.experts):
+            rows = slice((e % G) * F, (e % G + 1) * F)
+            expert.gate_proj.weight.copy_(ffn.gate_proj.weight[rows])
+            expert.up_proj.weight.copy_(ffn.up_proj.weight[rows])
+            expert.down_proj.weight.copy_(ffn.down_proj.weight[:, rows] * G)
+        copies = torch.randn(c.num_experts // G, c.hidden_size, generator=g) * c.initializer_range
+        moe.gate.weight.copy_(copies.repeat_interleave(G, dim=0))
+        if moe.shared_experts is not None:
+            moe.shared_experts.down_proj.weight.zero_()
 
 
 def count_val_bytes(data):

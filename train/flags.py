@@ -51,11 +51,11 @@ AT_LEAST_1, AT_LEAST_0, POSITIVE = Range(1), Range(0), Range(0, lo_open=True)
 RANGES = {
     **dict.fromkeys(("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                      "intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                     "max_position_embeddings", "moe_expert_alignment", "max_steps", "batch_size", "seq_len",
-                     "grad_accum", "eval_interval", "eval_tokens", "save_interval", "log_interval", "ep_size"),
-                    AT_LEAST_1),
-    **dict.fromkeys(("warmup_steps", "weight_decay", "grad_clip", "stop_after", "sample_tokens", "time_budget_s"),
-                    AT_LEAST_0),
+                     "shared_expert_intermediate_size", "max_position_embeddings", "moe_expert_alignment",
+                     "max_steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_tokens",
+                     "save_interval", "log_interval", "ep_size"), AT_LEAST_1),
+    **dict.fromkeys(("n_shared_experts", "warmup_steps", "weight_decay", "grad_clip", "stop_after", "sample_tokens",
+                     "time_budget_s"), AT_LEAST_0),
     "learning_rate": POSITIVE, "capacity_factor": POSITIVE, "dropout": Range(0, 1, hi_open=True),
     "router_aux_loss_coef": Range(0, 10), "router_z_loss_coef": Range(0, 10), "router_bias_update_rate": Range(0, 1),
     "seed": Range(0, 2**32 - 1),
@@ -147,6 +147,9 @@ def add_model_flags(p):
     _field(g, "num_experts", "experts per MoE layer")
     _field(g, "num_experts_per_tok", "experts per token (top-k)")
     _field(g, "moe_intermediate_size", "SwiGLU width of one expert")
+    _field(g, "n_shared_experts", "shared experts: a dense SwiGLU every token takes beside the routed ones")
+    _field(g, "shared_expert_intermediate_size", "shared experts' width (None: n_shared_experts x "
+           "moe_intermediate_size)", type=int)
     _field(g, "capacity_factor", "expert capacity = ceil(factor * tokens * top_k / experts); None: dropless",
            type=float)
     _field(g, "moe_drop_policy", "which pairs an over-full expert keeps", choices=("probs", "position"))
@@ -197,6 +200,8 @@ def add_train_flags(p, default_out_dir):
     g.add_argument("--overwrite", action="store_true", help="start a new run in an --out_dir that holds one")
     g.add_argument("--init_from", default=None, help="start from these weights (a run dir / checkpoint, or an HF "
                    "folder from export_hf.py); architecture and tokenizer from there, optimizer and step fresh")
+    g.add_argument("--upcycle_from", default=None, help="start an MoE from a dense run's weights (sparse upcycling): "
+                   "trunk and tokenizer from there, each FFN cut into the experts the MoE flags describe")
     g.add_argument("--ep_size", type=int, default=1, help="expert-parallel group size (divides the world size and "
                    "num_experts); launch with torchrun --nproc_per_node N")
     g.add_argument("--stop_after", type=int, default=0, help="stop after this many steps of this invocation, "
@@ -238,7 +243,7 @@ def parse_args(stage, argv=None):
         args = _merge_resume(parser, stage, args, argv)
     elif args.time_budget_s and not given(argv, "max_steps"):
         args.max_steps = UNLIMITED_STEPS  # the budget ends the run (a resume keeps the checkpoint's value)
-    trains_tokenizer = getattr(args, "tokenizer", None) is None and not args.resume and not args.init_from
+    trains_tokenizer = getattr(args, "tokenizer", None) is None and not (args.resume or args.init_from or args.upcycle_from)
     check_ranges(parser, args, {k: r for k, r in RANGES.items() if k != "vocab_size" or trains_tokenizer})
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
         parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
@@ -298,6 +303,22 @@ def flag_names(message):
     if message.startswith("MiniMindConfig.head_dim"):  # derived: say which flags it comes from
         message += " (head_dim = --hidden_size / --num_attention_heads)"
     return message
+
+
+# What an upcycled model keeps of the dense one (--upcycle_from); its MoE fields come from the flags
+TRUNK_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "intermediate_size", "max_position_embeddings", "rope_theta", "rms_norm_eps", "dropout",
+                "tie_word_embeddings", "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def upcycled_base(args, dense):
+    """The config dict of the MoE that --upcycle_from makes of the dense config dict `dense`. Raises ValueError."""
+    if dense.get("use_moe"):
+        raise ValueError(f"{args.upcycle_from}: an MoE model already; --upcycle_from takes a dense one (--use_moe 0)")
+    defaults = MiniMindConfig.__dataclass_fields__
+    moe = {k: bool(v) if isinstance(defaults[k].default, bool) else v for k, v in vars(args).items()
+           if k in CONFIG_FIELDS and k not in TRUNK_FIELDS}
+    return {**dense, **moe, "use_moe": True}
 
 
 def build_config(args, base=None, vocab_size=None):

@@ -32,7 +32,7 @@ from kernels.swap import bf16_pays, describe as describe_engines, swap_engines
 from model.model_minimind import MiniMindForCausalLM
 from train import flags
 from train.checkpoint import (CKPT_NAME, abandon_run_dir, claim_run_dir, copy_tokenizer, count_val_bytes,
-                              load_checkpoint, save_checkpoint, weights_source)
+                              load_checkpoint, save_checkpoint, upcycle, weights_source)
 from train.parallel import (PeerFailed, check_same_on_all_ranks, clip_grad_norm_ep, ep_dispatchers, expert_param_names,
                             gather_experts, init_distributed, install as install_ep, main_rank_first, moe_layers,
                             reduce_expert_grads, shutdown, uninstall as uninstall_ep)
@@ -239,6 +239,8 @@ def setup(stage, args, ctx, device_type, log):
     ckpt = load_checkpoint(args.resume) if args.resume else None  # the one read of the checkpoint
     init_model, tokenizer_dir = weights_source(args)
     base = ckpt["config"] if ckpt else (init_model.config.to_dict() if init_model is not None else None)
+    if args.upcycle_from and not ckpt:
+        base = flags.upcycled_base(args, base)
     config = flags.build_config(args, base)  # checked before any folder is made or data read
     fresh = not os.path.isdir(args.out_dir)
     lock = main_rank_first(ctx, lambda: claim_run_dir(args.out_dir, bool(args.resume), args.overwrite, ctx.is_main))
@@ -262,7 +264,10 @@ def setup(stage, args, ctx, device_type, log):
             log(f"distributed: world size {ctx.world_size} ({dist.get_backend()}), data parallel size {ctx.world_size}, "
                 f"expert parallel size {ctx.ep_size} ({experts})")
         model = MiniMindForCausalLM(config)
-        if init_model is not None:
+        if init_model is not None and args.upcycle_from:
+            upcycle(model, init_model, args.seed)
+            log(f"upcycled the dense model {args.upcycle_from} into {config.num_experts} experts per layer")
+        elif init_model is not None:
             model.load_state_dict(init_model.state_dict(), strict=True)
             log(f"initialised weights from {args.init_from}")
         model = model.to(device)
