@@ -131,7 +131,8 @@ def test_resume_refuses_a_changed_data_order():
     r = _cli("--resume", run_dir, "--seq_len", "32", "--no_progress")
     assert r.returncode != 0 and "--seq_len cannot change on resume" in r.stderr, r.stderr[-1500:]
     # the same documents reordered in place: the same token count, another content fingerprint
-    docs = [p for p in open(text_file(), encoding="utf-8").read()[:200_000].split("\n\n") if p.strip()]
+    from data.sources import open_source
+    docs = [t for t, _ in open_source(text_file()).documents()][:300]
     data = os.path.join(_TMP, "order.jsonl")
     with open(data, "w") as f:
         f.writelines(json.dumps({"text": d}) + "\n" for d in docs)

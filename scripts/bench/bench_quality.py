@@ -2,7 +2,8 @@
 on this machine? Layer benchmarks (bench_moe.py, bench_train.py) measure speed; this measures what the
 speed buys.
 
-    python scripts/bench/bench_quality.py                                  # 5 rows x 240 s: ~22 min on 2 CPU cores
+    python scripts/bench/bench_quality.py                  # dense, fused, fine, shared, upcycled x 240 s: ~25 min, 2 cores
+    python scripts/bench/bench_quality.py --steps 1300     # the same rows at the main job's step count
     python scripts/bench/bench_quality.py --rows dense,sorted --budget_s 20                    # a smoke run
     python scripts/bench/bench_quality.py --data_path my.jsonl --budget_s 600 --extra "--warmup_steps 100"
 
@@ -16,17 +17,22 @@ loss (nats per token) and bits per byte (comparable across tokenizers) from the 
 tokens/s = tokens trained / training seconds. The load average is read just before and after each run
 (a busy machine slows a run far more than its share of the cores: compare rows only at similar load).
 
-Rows (--rows picks and orders them; F = --moe_intermediate_size, default 384):
-  dense   dense SwiGLU FFN of width 2F: the active FFN parameters of the top-2 MoE rows
-  masked  E=4, top-2, experts of width F, --moe_impl masked (MiniMind's per-expert loop: the baseline)
-  sorted  E=4, top-2, F, --moe_impl sorted
-  fused   E=4, top-2, F, --moe_impl fused
-  fine    E=16, top-4, experts of width F/2, --moe_impl fused (finer experts, the same 2F active width)
+Rows (--rows picks and orders them; F = --moe_intermediate_size, default 384; every MoE row has the dense
+row's 2F active FFN width):
+  dense     dense SwiGLU FFN of width 2F
+  masked    E=4, top-2, experts of width F, --moe_impl masked (MiniMind's per-expert loop: the baseline)
+  sorted    E=4, top-2, F, --moe_impl sorted
+  fused     E=4, top-2, F, --moe_impl fused
+  fine      E=16, top-4, experts of width F/2, fused (finer experts)
+  shared    E=16, top-3, F/2, plus one shared expert of width F/2, fused (DeepSeekMoE)
+  upcycled  the dense row for half the budget, then E=4 top-2 F made of it (--upcycle_from) for the
+            other half: its steps and seconds count both phases
+--steps N compares at equal steps instead of equal time (each row N optimizer steps).
 
 Defaults: D=256, 4 layers, batch 16 x 128 tokens (the main job's), the trainer's LR and warmup, 240 s per row; evaluation on
 the trainer's 16384 validation tokens at step 0 and at the end only. Each run adds ~10-20 s of setup and
 evaluation around its budget (the first run on a fresh machine also builds the data cache, ~1 min), so the
-default five rows take about 22 minutes on 2 CPU cores.
+default five rows take about 25 minutes on 2 CPU cores.
 
 Prints the command line of every run (rerun one with it), then the table and the val-bpb differences
 (dense vs the best MoE row; masked vs the best of ours); writes results.json and results.md, and per row
@@ -45,27 +51,31 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (this file: scripts/bench/)
 sys.path.insert(0, ROOT)
 
-ROWS = ("dense", "masked", "sorted", "fused", "fine")
-OUR_MOE_ROWS = ("sorted", "fused", "fine")
+ROWS = ("dense", "masked", "sorted", "fused", "fine", "shared", "upcycled")
+OUR_MOE_ROWS = ("sorted", "fused", "fine", "shared", "upcycled")
+DEFAULT_ROWS = ("dense", "fused", "fine", "shared", "upcycled")
+UPCYCLE_AT = 0.5  # the upcycled row: this share of its budget (or steps) trains the dense model
 
 
 def row_flags(row, f):
     """The model flags of a row; f is the width of one expert of the top-2 rows."""
     if row == "dense":
         return ["--use_moe", "0", "--intermediate_size", str(2 * f)]
-    e, k, width, impl = (16, 4, f // 2, "fused") if row == "fine" else (4, 2, f, row)
-    return ["--use_moe", "1", "--num_experts", str(e), "--num_experts_per_tok", str(k),
-            "--moe_intermediate_size", str(width), "--moe_impl", impl]
+    e, k, width, impl = {"fine": (16, 4, f // 2, "fused"), "shared": (16, 3, f // 2, "fused"),
+                         "upcycled": (4, 2, f, "fused")}.get(row, (4, 2, f, row))
+    return ["--use_moe", "1", "--num_experts", str(e), "--num_experts_per_tok", str(k), "--moe_intermediate_size",
+            str(width), "--moe_impl", impl] + (["--n_shared_experts", "1"] if row == "shared" else [])
 
 
-def command(args, row, out_dir):
-    """argv of one row's training run."""
+def command(args, row, out_dir, share=1.0, extra=()):
+    """argv of one row's training run (`share` of the budget, or of the steps with --steps)."""
+    length = ["--max_steps", str(round(args.steps * share))] if args.steps else ["--time_budget_s", f"{args.budget_s * share:g}"]
     argv = [sys.executable, os.path.join(ROOT, "train", "pretrain.py"), "--out_dir", out_dir,
-            "--time_budget_s", f"{args.budget_s:g}", "--hidden_size", str(args.hidden_size),
+            *length, "--hidden_size", str(args.hidden_size),
             "--num_hidden_layers", str(args.num_hidden_layers), "--batch_size", str(args.batch_size),
             "--seq_len", str(args.seq_len), "--seed", str(args.seed), "--eval_tokens", str(args.eval_tokens),
             "--eval_interval", "1000000000", "--save_interval", "1000000000", "--no_progress", "--sample_tokens", "0",
-            *row_flags(row, args.moe_intermediate_size)]
+            *row_flags(row, args.moe_intermediate_size), *extra]
     for flag in ("data_path", "tokenizer", "vocab_size", "learning_rate"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag}", str(getattr(args, flag))]
@@ -108,12 +118,21 @@ def run_row(args, row, flags):
     keep = os.path.join(args.out_dir, row)
     os.makedirs(keep, exist_ok=True)
     run_dir = tempfile.mkdtemp(prefix=f"bench_quality_{row}_")
-    argv = command(args, row, run_dir)
-    print(f"\n[{row}] {shlex.join(argv)}", flush=True)
-    result = {"row": row, "shape": shape(flags), "command": shlex.join(argv), "load_before": os.getloadavg()[0]}
+    argvs = [command(args, row, run_dir)]
+    if row == "upcycled":  # a dense phase, then the MoE made of it: the two share the row's budget
+        dense_dir = run_dir + "_dense"
+        argvs = [command(args, "dense", dense_dir, UPCYCLE_AT),
+                 command(args, row, run_dir, 1 - UPCYCLE_AT, ["--upcycle_from", dense_dir])]
+    for argv in argvs:
+        print(f"\n[{row}] {shlex.join(argv)}", flush=True)
+    result = {"row": row, "shape": shape(flags), "command": " && ".join(map(shlex.join, argvs)),
+              "load_before": os.getloadavg()[0]}
     t0 = time.time()
     with open(os.path.join(keep, "log.txt"), "w", encoding="utf-8") as log:
-        proc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        for argv in argvs:
+            proc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            if proc.returncode != 0:
+                break
     result.update(wall_s=time.time() - t0, load_after=os.getloadavg()[0])
     try:
         if proc.returncode != 0:
@@ -121,6 +140,10 @@ def run_row(args, row, flags):
             return {**result, "error": f"exit code {proc.returncode}: " + " | ".join(tail)}
         shutil.copy(os.path.join(run_dir, "metrics.jsonl"), keep)
         records = read_records(os.path.join(run_dir, "metrics.jsonl"))
+        if row == "upcycled":  # count the dense phase's steps and seconds too
+            dense = [r for r in read_records(os.path.join(dense_dir, "metrics.jsonl")) if "train_loss" in r][-1]
+            records = [{**r, "step": r["step"] + dense["step"], "train_time_s": r["train_time_s"] + dense["train_time_s"]}
+                       if "train_loss" in r else r for r in records]
         last_train = [r for r in records if "train_loss" in r][-1]
         last_val = [r for r in records if "val_loss" in r][-1]
         tokens = last_train["step"] * flags.batch_size * flags.seq_len * flags.grad_accum
@@ -131,6 +154,7 @@ def run_row(args, row, flags):
     finally:
         if not args.keep_runs:
             shutil.rmtree(run_dir, ignore_errors=True)
+            shutil.rmtree(run_dir + "_dense", ignore_errors=True)
 
 
 def table(results):
@@ -172,8 +196,9 @@ def comparisons(results):
 
 def parse_cli(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows, of {', '.join(ROWS)}")
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated rows, of {', '.join(ROWS)}")
     p.add_argument("--budget_s", type=float, default=240.0, help="training seconds per row (--time_budget_s)")
+    p.add_argument("--steps", type=int, default=0, help="equal steps instead: this many optimizer steps per row")
     p.add_argument("--hidden_size", type=int, default=256)
     p.add_argument("--num_hidden_layers", type=int, default=4)
     p.add_argument("--moe_intermediate_size", type=int, default=384,
