@@ -37,7 +37,7 @@ def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=
     os.makedirs(cache_dir, exist_ok=True)
     if data_path is None:  # the default corpus comes split in two files; a user corpus is one source
         paths = default_corpus(cache_dir)
-        source = DocumentSource("embedded corpus (Python stdlib docstrings + pydoc topics)", files=(paths["train"],))
+        source = DocumentSource("embedded corpus (docstrings of the stdlib and of the installed torch, transformers, sympy, pandas, numpy)", files=(paths["train"],))
         val_source = DocumentSource("embedded corpus, validation", files=(paths["val"],))
     else:
         source, val_source = open_source(data_path, text_field), None

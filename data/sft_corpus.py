@@ -14,7 +14,7 @@ import random
 import re
 import sysconfig
 
-from data.corpus import CACHE_DIR, build_splits, parse_module, pydoc_topics, stdlib_modules
+from data.corpus import CACHE_DIR, build_splits, parse_module, py_files, pydoc_topics
 
 BUILDER_VERSION = 1
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "idlelib",
@@ -65,7 +65,7 @@ def iter_conversations(seed=0):
     """Yield (held-out key, conversation) in a fixed order; conversation = list of {"role", "content"}."""
     stdlib = sysconfig.get_paths()["stdlib"]
     rng = random.Random(seed)
-    for path in stdlib_modules(_SKIP_DIRS):
+    for path in py_files(sysconfig.get_paths()["stdlib"], _SKIP_DIRS):
         entries = module_entries(stdlib, path)
         i = 0
         while i < len(entries):

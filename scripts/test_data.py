@@ -39,11 +39,25 @@ def test_default_corpus_is_deterministic_real_prose():
                 assert fa.read() == fb.read(), f"{split} differs between two builds"
         docs = {s: [json.loads(l)["text"] for l in open(pa[s], encoding="utf-8")] for s in pa}
     size = sum(len(d) for s in docs for d in docs[s])
-    assert 1_000_000 < size < 5_000_000, f"corpus is {size} chars"
+    assert 15_000_000 < size < 40_000_000, f"corpus is {size} chars"  # stdlib + DOC_PACKAGES docstrings
     assert 0.03 < len(docs["val"]) / (len(docs["train"]) + len(docs["val"])) < 0.08
     text = " ".join(docs["train"])
-    for word in ("Return the", "function", "argument", "string"):
+    for word in ("Return the", "function", "argument", "string", "tensor", "DataFrame", "tokenizer"):
         assert word in text, f"{word!r} not in corpus"
+    # every docstring once: no held-out paragraph is a training one (the held-out split is unseen text)
+    train_paras = {p for d in docs["train"] for p in d.split("\n\n")}
+    val_paras = [p for d in docs["val"] for p in d.split("\n\n") if len(p) > 200]
+    assert sum(p in train_paras for p in val_paras) < 0.02 * len(val_paras), "held-out text repeats training text"
+    import data.corpus as corpus
+    assert [n for n, _, _ in corpus.package_dirs()] == list(corpus.DOC_PACKAGES), corpus.package_dirs()
+    original = corpus.package_dirs  # another version of a package is another corpus (another cache folder)
+    with tempfile.TemporaryDirectory() as c:
+        folder = os.path.dirname(corpus.build_splits(c, "x", 1, iter(()))["train"])
+        corpus.package_dirs = lambda: [(n, v + ".other", f) for n, v, f in original()]
+        try:
+            assert os.path.dirname(corpus.build_splits(c, "x", 1, iter(()))["train"]) != folder
+        finally:
+            corpus.package_dirs = original
 
 
 def test_tokenizer_roundtrip_and_autotokenizer():
