@@ -67,7 +67,7 @@ def main(argv=None):
     ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     if not ids:
         p.error("--prompt is empty after tokenization")
-    context = (model or hf).config.max_position_embeddings
+    context = (model if model is not None else hf).config.max_position_embeddings
     if len(ids) >= context:
         p.error(f"--prompt is {len(ids)} tokens; the model's context holds {context} (prompt and continuation)")
     x = torch.tensor([ids] * args.num_samples, device=device)

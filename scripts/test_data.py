@@ -32,8 +32,8 @@ def _write(path, text, mode="w"):
 
 
 def test_default_corpus_is_deterministic_real_prose():
-    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
-        pa, pb = default_corpus(a), default_corpus(b)
+    with tempfile.TemporaryDirectory() as b:  # (the run's shared cache against a fresh build)
+        pa, pb = default_corpus(), default_corpus(b)
         for split in ("train", "val"):
             with open(pa[split], "rb") as fa, open(pb[split], "rb") as fb:
                 assert fa.read() == fb.read(), f"{split} differs between two builds"
@@ -312,7 +312,9 @@ def test_tiktoken_gives_the_tokenizers_ids():
     odd = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 300))) for _ in range(400)]
     with tempfile.TemporaryDirectory() as d:
         path = _jsonl(os.path.join(d, "c.jsonl"), _corpus_docs(600) + odd)
-        for data_path in (path, None):
+        with open(default_corpus()["train"], encoding="utf-8") as f:  # 400 documents of the embedded corpus
+            embedded = _write(os.path.join(d, "embedded.jsonl"), "".join(next(f) for _ in range(400)))
+        for data_path in (path, embedded):
             a = quiet_prepare(data_path, os.path.join(d, "a"), engine="tokenizers")
             b = quiet_prepare(data_path, os.path.join(d, "b"), engine="auto")
             assert a["index"]["encoder"] == "tokenizers" and b["index"]["encoder"] == "tiktoken", b["index"]["encoder"]
