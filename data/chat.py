@@ -81,11 +81,16 @@ def _content_edges(tokenizer, messages, text, add_generation_prompt):
     return edges if text[at:] == shape[done:] else set()
 
 
+def has_generation_block(template):
+    """Whether a chat template marks the assistant tokens with `{% generation %}` (the SFT loss mask)."""
+    return re.search(r"\{%-?\s*generation\s*-?%\}", str(template or "")) is not None
+
+
 def _render(tokenizer, messages, add_generation_prompt):
     """(text, [(start, end) of each {% generation %} span]) of the chat template (transformers' renderer)."""
     from transformers.utils.chat_template_utils import render_jinja_template
     template = tokenizer.chat_template
-    marked = re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
+    marked = has_generation_block(template)
     text, spans = render_jinja_template([messages], chat_template=template, return_assistant_tokens_mask=marked,
                                         add_generation_prompt=add_generation_prompt, **tokenizer.special_tokens_map)
     return text[0], [tuple(s) for s in spans[0]] if marked else []

@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from data.chat import PackedBatches, load_conversations, pack, window_tensors  # noqa: E402
+from data.chat import PackedBatches, has_generation_block, load_conversations, pack, window_tensors  # noqa: E402
 from data.corpus import CACHE_DIR  # noqa: E402
 from data.sft_corpus import default_sft_set  # noqa: E402
 from data.sources import DataError  # noqa: E402
@@ -40,7 +40,7 @@ def chat_tokenizer(tokenizer_dir, log):
     """(tokenizer, folder it loads from): with our ChatML template (and {% generation %} mask) when its own lacks
     one, saved under CACHE_DIR so the run folder gets the template too. Raises DataError without <|im_end|>."""
     tok = load_tokenizer(tokenizer_dir)
-    if "{% generation %}" in str(tok.chat_template or ""):
+    if has_generation_block(tok.chat_template):
         return tok, tokenizer_dir
     if tok.convert_tokens_to_ids("<|im_end|>") in (None, tok.unk_token_id):
         raise DataError(f"{tokenizer_dir}: the tokenizer has no <|im_end|> token and no chat template with a "
