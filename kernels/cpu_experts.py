@@ -1,6 +1,6 @@
 """The fused MoE path's experts on CPU: one chain per expert, on the expert-sorted rows of the dispatch.
 
-    for each expert e (ascending):   x_e = rows[segment of e]                    (copied into a bucket)
+    for each expert e (ascending):   x_e = rows[segment of e]                    (a view, see _bucket)
                                      gu_e = x_e @ W_gate_up[e]^T                 (oneDNN)
                                      h_e = silu(gate) * up * w_e                 (SwiGLU, routing weight)
                                      out[segment of e] = h_e @ W_down[e]^T       (oneDNN)
@@ -8,9 +8,9 @@
 On GPUs the fused path runs two grouped GEMMs over the whole buffer (kernels/grouped_gemm.py). On a CPU
 kernel launches cost nothing and memory traffic is what hurts: each expert's rows go through the whole
 chain while they sit in cache, and each expert's weight gradients are the GEMMs' own outputs, handed to
-autograd as they are (no stacked buffers). Each chain runs on its rows rounded up to a bucket of zero rows
-(`_bucket`), so oneDNN sees a bounded set of shapes. The segment bounds are read from CPU memory (no
-device, nothing to wait for): the layer stays free of device syncs.
+autograd as they are (no stacked buffers). Each chain runs on its rows rounded up to a bucket (`_bucket`),
+so oneDNN sees a bounded set of shapes. The segment bounds are read from CPU memory (no device, nothing to
+wait for): the layer stays free of device syncs.
 """
 import torch
 from torch.autograd.function import once_differentiable
@@ -30,11 +30,17 @@ def _bucket(n):
     return -(-n // g) * g
 
 
-def _padded(rows_nD, m):
-    """rows in the first n rows of a fresh [m, D] buffer, zeros below."""
-    out = rows_nD.new_empty(m, rows_nD.shape[1])
-    out[:rows_nD.shape[0]].copy_(rows_nD)
-    out[rows_nD.shape[0]:].zero_()
+def _bucket_rows(t_P_, start, n, m):
+    """Rows start..start+m of t: a view where t has them (rows past n are the next experts', masked out by
+    the caller), else the n rows and zeros in a fresh buffer (the last experts)."""
+    return t_P_[start:start + m] if start + m <= t_P_.shape[0] else \
+        torch.cat([t_P_[start:start + n], t_P_.new_zeros(m - n, *t_P_.shape[1:])])
+
+
+def _zero_past(t, end):
+    """A fresh tensor like t, uninitialised up to row end, zero after it (rows of no expert: pairs past capacity)."""
+    out = t.new_empty(t.shape)
+    out[end:].zero_()
     return out
 
 
@@ -47,65 +53,66 @@ def _weight_grad(g_mN, x_mK):
 
 
 class _ExpertChains(torch.autograd.Function):
+    """Each chain runs on m = _bucket(n) rows, a view where the buffer has them: rows past n are the next
+    expert's, cut off, and zeroed in h and grad_gate_up, so they add nothing to the weight gradients."""
+
     @staticmethod
     def forward(ctx, rows_PD, scale_P, segments, *weights):
         # segments: host list of (first row, rows) per expert; weights: gate_0, up_0, down_0, gate_1, ... in
-        # their own dtype (fp32 master weights under autocast), cast here to the rows' dtype
-        out_PD = rows_PD.new_zeros(rows_PD.shape)
+        # their own dtype (fp32 master weights under autocast), cast here to the rows' dtype, all at once
+        E, dtype = len(segments), rows_PD.dtype
+        w_gu = torch.cat([w for e in range(E) for w in weights[3 * e:3 * e + 2]]).to(dtype).view(E, -1, rows_PD.shape[1])
+        w_down = torch.stack(weights[2::3]).to(dtype)  # [E, D, F]
+        out_PD = _zero_past(rows_PD, sum(n for _, n in segments))
         keep = any(ctx.needs_input_grad)  # under no_grad / inference nothing is kept past its chain
         saved = []
         for e, (start, n) in enumerate(segments):
             if n == 0:
                 continue
-            gate, up, down = weights[3 * e: 3 * e + 3]
-            w_gu, w_down = torch.cat([gate, up]).to(rows_PD.dtype), down.to(rows_PD.dtype)
-            m = _bucket(n)
-            scale_m = scale_P.new_zeros(m)
-            scale_m[:n] = scale_P[start:start + n]
-            x_mD = _padded(rows_PD[start:start + n], m)
-            gu_m2F = onednn_linear(x_mD, w_gu)
+            x_mD, scale_m = (_bucket_rows(t, start, n, _bucket(n)) for t in (rows_PD, scale_P))
+            gu_m2F = onednn_linear(x_mD, w_gu[e])
             h_mF, silu_mF = scaled_swiglu_forward(gu_m2F, scale_m)
-            out_PD[start:start + n] = onednn_linear(h_mF, w_down)[:n]
+            h_mF[n:].zero_()
+            out_PD[start:start + n] = onednn_linear(h_mF, w_down[e])[:n]
             if keep:
-                saved += [x_mD, w_gu, w_down, gu_m2F, silu_mF, h_mF, scale_m]
-        ctx.segments = segments
-        ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
-        ctx.save_for_backward(scale_P, *saved)
+                saved += [x_mD, gu_m2F, silu_mF, h_mF, scale_m]
+        ctx.segments, ctx.weight_meta = segments, [(w.shape, w.dtype) for w in weights]
+        ctx.save_for_backward(scale_P, w_gu, w_down, *saved)
         return out_PD
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_PD):
-        scale_P, *saved = ctx.saved_tensors
-        need_x, need_scale = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_x_PD = torch.zeros_like(grad_PD) if need_x else None
-        grad_scale_P = torch.zeros_like(scale_P) if need_scale else None
+        scale_P, w_gu, w_down, *saved = ctx.saved_tensors
+        (need_x, need_scale), F_ = ctx.needs_input_grad[:2], ctx.weight_meta[0][0][0]
+        grad_PD = grad_PD.to(w_gu.dtype).contiguous()
+        end = sum(n for _, n in ctx.segments)
+        grad_x_PD = _zero_past(grad_PD, end) if need_x else None
+        grad_scale_P = _zero_past(scale_P, end) if need_scale else None
         grad_w = [None] * len(ctx.weight_meta)
-        chunk = 0
+        chunks = iter(saved)
         for e, (start, n) in enumerate(ctx.segments):
             need = ctx.needs_input_grad[3 + 3 * e: 6 + 3 * e]
             if n == 0:  # an idle expert still gets a (zero) gradient: DDP expects every parameter's
-                for i in range(3):
-                    shape, dtype = ctx.weight_meta[3 * e + i]
-                    grad_w[3 * e + i] = torch.zeros(shape, dtype=dtype) if need[i] else None
+                grad_w[3 * e:3 * e + 3] = [torch.zeros(shape, dtype=dtype) if need[i] else None
+                                           for i, (shape, dtype) in enumerate(ctx.weight_meta[3 * e:3 * e + 3])]
                 continue
-            x_mD, w_gu, w_down, gu_m2F, silu_mF, h_mF, scale_m = saved[7 * chunk: 7 * chunk + 7]
-            chunk += 1
-            gy_mD = _padded(grad_PD[start:start + n].to(x_mD.dtype), x_mD.shape[0])
+            x_mD, gu_m2F, silu_mF, h_mF, scale_m = (next(chunks) for _ in range(5))
+            gy_mD = _bucket_rows(grad_PD, start, n, x_mD.shape[0])
             if need[2]:
                 grad_w[3 * e + 2] = _weight_grad(gy_mD, h_mF).to(ctx.weight_meta[3 * e + 2][1])  # [D, F]
             if not (need[0] or need[1] or need_x or need_scale):
                 continue
-            gh_mF = onednn_linear(gy_mD, w_down.t())
+            gh_mF = onednn_linear(gy_mD, w_down[e].t())
             ggu_m2F, gs_m = scaled_swiglu_backward(gh_mF, gu_m2F, silu_mF, scale_m, need_scale)
+            ggu_m2F[n:].zero_()
             if need_scale:
                 grad_scale_P[start:start + n] = gs_m[:n]
             if need[0] or need[1]:
                 grad_gu = _weight_grad(ggu_m2F, x_mD).to(ctx.weight_meta[3 * e][1])  # [2F, D]
-                F_ = ctx.weight_meta[3 * e][0][0]
                 grad_w[3 * e], grad_w[3 * e + 1] = (grad_gu[:F_] if need[0] else None), (grad_gu[F_:] if need[1] else None)
             if need_x:
-                grad_x_PD[start:start + n] = onednn_linear(ggu_m2F, w_gu.t())[:n]
+                grad_x_PD[start:start + n] = onednn_linear(ggu_m2F, w_gu[e].t())[:n]
         return (grad_x_PD, grad_scale_P, None, *grad_w)
 
 

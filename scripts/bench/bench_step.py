@@ -78,12 +78,13 @@ def apply_swaps(model, swaps):
     return model
 
 
-def build(args, use_moe=None):
+def build(args, use_moe=None, num_experts=4, top_k=2, expert_width=384):
     torch.manual_seed(0)
     cfg = MiniMindConfig(vocab_size=6400, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
                          num_attention_heads=4, num_key_value_heads=2,
-                         use_moe=bool(args.use_moe if use_moe is None else use_moe), num_experts=4,
-                         num_experts_per_tok=2, moe_intermediate_size=384, intermediate_size=768, moe_impl=args.impl)
+                         use_moe=bool(args.use_moe if use_moe is None else use_moe), num_experts=num_experts,
+                         num_experts_per_tok=top_k, moe_intermediate_size=expert_width, intermediate_size=768,
+                         moe_impl=args.impl)
     return MiniMindForCausalLM(cfg).train()
 
 
@@ -159,49 +160,78 @@ def busy(args):
                   f"= {rate / max(idle.values()):.0%} of the best idle figure")
 
 
+SPLIT_ROWS = {  # name: (num_experts, top-k, expert width); equal active FFN width 768
+    "dense F=768": (0, 0, 768), "E=4 k=2 F=384": (4, 2, 384), "E=16 k=4 F=192": (16, 4, 192),
+    "E=64 k=8 F=96": (64, 8, 96)}
+
+
+def _identity_experts(d):  # the layer with experts that cost nothing: what routing + dispatch + combine cost
+    return d.rows_PD * d.row_weight_P.unsqueeze(-1).to(d.rows_PD.dtype)
+
+
 def split(args):
     bf16 = S.bf16_pays()[0]  # as --dtype auto decides
     dtype = torch.bfloat16 if bf16 else torch.float32
-    B, S, D = args.batch_size, args.seq_len, args.hidden_size
-    print(f"ms per step (fwd+bwd), batch {B} x {S}, D={D}, {args.num_layers} layers, "
-          f"{'bf16 autocast' if bf16 else 'fp32'}, {torch.get_num_threads()} threads")
-    rows = {}
-    for use_moe in (0, 1):
-        model = build(args, use_moe)
+    B, T, D = args.batch_size, args.seq_len, args.hidden_size
+    print(f"ms per step (forward + backward of all {args.num_layers} layers), batch {B} x {T}, D={D}, "
+          f"{'bf16 autocast' if bf16 else 'fp32'}, {torch.get_num_threads()} threads, {args.rounds} rounds "
+          f"alternating x {args.steps} steps; attention and LM head are the same modules in every row")
+    h, labels = torch.randn(B, T, D), torch.randint(0, 6400, (B, T))
+    parts = {}  # (row, part) -> run()
+    for name, (E, K, F_) in SPLIT_ROWS.items():
+        model = build(args, E > 0, E or 4, K or 2, F_)
         S.swap_engines(model, "cpu", dtype)  # the trainer's engines
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as train/loop.py's
-        h = torch.randn(B, S, D)
-        labels = torch.randint(0, 6400, (B, S))
-        cos, sin = model.model.rope(0, S, "cpu")
-        blocks = model.model.layers
+        cos, sin = model.model.rope(0, T, "cpu")
 
-        def part(fn):
+        def fwd_bwd(fn, blocks=model.model.layers):  # fn(block, x) summed over the layers
             def run():
                 x = h.clone().requires_grad_()
                 with torch.autocast("cpu", dtype=dtype, enabled=bf16):
-                    out = fn(x)
+                    out = sum(fn(b, x) for b in blocks)
                 out.float().sum().backward()
-            run()
-            total = 0.0
-            for _ in range(args.steps):
-                t = time.perf_counter()
-                run()
-                total += time.perf_counter() - t
-            return total / args.steps * 1e3
+            return run
 
-        t_attn = sum(part(lambda x, b=b: b.self_attn(b.input_layernorm(x), cos, sin)[0]) for b in blocks)
-        t_ffn = sum(part(lambda x, b=b: b.mlp(b.post_attention_layernorm(x))) for b in blocks)
-        t_head = part(lambda x: linear_cross_entropy(model.model.norm(x).view(-1, D), model.lm_head.weight,
-                                                     labels.view(-1)))  # the chunked loss (kernels/swap.py)
+        def no_experts(b, x):
+            b.mlp.run_experts = _identity_experts  # (an instance attribute: shadows the class's)
+            try:
+                return b.mlp(b.post_attention_layernorm(x))
+            finally:
+                del b.mlp.run_experts
+        if not E:
+            parts[name, "attention"] = fwd_bwd(lambda b, x: b.self_attn(b.input_layernorm(x), cos, sin)[0])
+            parts[name, "LM head"] = fwd_bwd(lambda b, x: linear_cross_entropy(  # the chunked loss, once
+                model.model.norm(x).view(-1, D), model.lm_head.weight, labels.view(-1)), blocks=[None])
+        else:
+            parts[name, "route"] = fwd_bwd(lambda b, x: b.mlp.route(b.post_attention_layernorm(x).view(-1, D))[1].sum()
+                                           + b.mlp.aux_loss)
+            parts[name, "no experts"] = fwd_bwd(no_experts)
+        parts[name, "FFN / MoE"] = fwd_bwd(lambda b, x: b.mlp(b.post_attention_layernorm(x)))
         opt.step()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            opt.step()
-        t_opt = (time.perf_counter() - t0) / args.steps * 1e3
-        rows["dense F=768" if not use_moe else f"MoE E=4 k=2 F=384 {args.impl}"] = (t_attn, t_ffn, t_head, t_opt)
-    print(f"  {'model':26s} {'attention':>9s} {'FFN/MoE':>9s} {'LM head':>9s} {'AdamW':>9s} {'sum':>9s}")
-    for name, t in rows.items():
-        print(f"  {name:26s} " + " ".join(f"{x:9.1f}" for x in t) + f" {sum(t):9.1f}")
+        parts[name, "AdamW"] = opt.step
+    for run in parts.values():
+        run()  # warm-up: oneDNN builds its kernels on first use
+    total = dict.fromkeys(parts, 0.0)
+    for _ in range(args.rounds):
+        for key, run in parts.items():
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                run()
+            total[key] += time.perf_counter() - t
+    ms = {k: v / (args.rounds * args.steps) * 1e3 for k, v in total.items()}
+    cols = ("route", "dispatch", "experts", "FFN / MoE", "AdamW", "step", "x dense")
+    dense = next(iter(SPLIT_ROWS))
+    print(f"  attention {ms[dense, 'attention']:.1f}, LM head {ms[dense, 'LM head']:.1f}\n  {'model':16s}"
+          + "".join(f"{c:>10s}" for c in cols))
+    for name, (E, K, F_) in SPLIT_ROWS.items():
+        row = {c: ms.get((name, c)) for c in cols}
+        if E:
+            row["dispatch"] = ms[name, "no experts"] - ms[name, "route"]  # permute, row map, combine
+            row["experts"] = ms[name, "FFN / MoE"] - ms[name, "no experts"]
+        row["step"] = ms[dense, "attention"] + ms[dense, "LM head"] + row["FFN / MoE"] + row["AdamW"]
+        row["x dense"] = row["step"] / (ms[dense, "attention"] + ms[dense, "LM head"] + ms[dense, "FFN / MoE"]
+                                        + ms[dense, "AdamW"])
+        print(f"  {name:16s}" + "".join(f"{row[c]:10.2f}" if row[c] is not None else f"{'':10s}" for c in cols))
 
 
 def main_job_rate(tree, args):
