@@ -201,7 +201,8 @@ def test_time_budget_ends_the_schedule_and_resume_continues_it():
             s = train(args, log=quiet)
         steps = [r for r in s["records"] if "train_loss" in r]  # every step (--log_interval 1)
         times = [r["train_time_s"] for r in steps]
-        assert times == sorted(times) and times[-2] < budget <= times[-1], times[-3:]
+        # (records round to 1 ms: a step ended just under the budget may read as the budget itself)
+        assert times == sorted(times) and times[-2] <= budget <= times[-1], times[-3:]
         assert abs(s["train_time_s"] - times[-1]) < 1e-3 and s["stopped_by"] is None, (s["train_time_s"], times[-1])
         for before, r in zip(steps[4:], steps[5:]):  # (after the 5 warmup steps) the LR of the time used before
             want = lr_at(r["step"] - 1, 0, lr, 5, progress=before["train_time_s"] / budget)
