@@ -63,7 +63,8 @@ class _ExpertChains(torch.autograd.Function):
         E, dtype = len(segments), rows_PD.dtype
         w_gu = torch.cat([w for e in range(E) for w in weights[3 * e:3 * e + 2]]).to(dtype).view(E, -1, rows_PD.shape[1])
         w_down = torch.stack(weights[2::3]).to(dtype)  # [E, D, F]
-        out_PD = _zero_past(rows_PD, sum(n for _, n in segments))
+        ctx.end = sum(n for _, n in segments)  # rows past it belong to no expert
+        out_PD = _zero_past(rows_PD, ctx.end)
         keep = any(ctx.needs_input_grad)  # under no_grad / inference nothing is kept past its chain
         saved = []
         for e, (start, n) in enumerate(segments):
@@ -86,9 +87,8 @@ class _ExpertChains(torch.autograd.Function):
         scale_P, w_gu, w_down, *saved = ctx.saved_tensors
         (need_x, need_scale), F_ = ctx.needs_input_grad[:2], ctx.weight_meta[0][0][0]
         grad_PD = grad_PD.to(w_gu.dtype).contiguous()
-        end = sum(n for _, n in ctx.segments)
-        grad_x_PD = _zero_past(grad_PD, end) if need_x else None
-        grad_scale_P = _zero_past(scale_P, end) if need_scale else None
+        grad_x_PD = _zero_past(grad_PD, ctx.end) if need_x else None
+        grad_scale_P = _zero_past(scale_P, ctx.end) if need_scale else None
         grad_w = [None] * len(ctx.weight_meta)
         chunks = iter(saved)
         for e, (start, n) in enumerate(ctx.segments):

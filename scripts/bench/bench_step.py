@@ -169,6 +169,14 @@ def _identity_experts(d):  # the layer with experts that cost nothing: what rout
     return d.rows_PD * d.row_weight_P.unsqueeze(-1).to(d.rows_PD.dtype)
 
 
+def _no_experts(b, x):  # block b's MoE sublayer with _identity_experts
+    b.mlp.run_experts = _identity_experts  # (an instance attribute: shadows the class's)
+    try:
+        return b.mlp(b.post_attention_layernorm(x))
+    finally:
+        del b.mlp.run_experts
+
+
 def split(args):
     bf16 = S.bf16_pays()[0]  # as --dtype auto decides
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -192,12 +200,6 @@ def split(args):
                 out.float().sum().backward()
             return run
 
-        def no_experts(b, x):
-            b.mlp.run_experts = _identity_experts  # (an instance attribute: shadows the class's)
-            try:
-                return b.mlp(b.post_attention_layernorm(x))
-            finally:
-                del b.mlp.run_experts
         if not E:
             parts[name, "attention"] = fwd_bwd(lambda b, x: b.self_attn(b.input_layernorm(x), cos, sin)[0])
             parts[name, "LM head"] = fwd_bwd(lambda b, x: linear_cross_entropy(  # the chunked loss, once
@@ -205,7 +207,7 @@ def split(args):
         else:
             parts[name, "route"] = fwd_bwd(lambda b, x: b.mlp.route(b.post_attention_layernorm(x).view(-1, D))[1].sum()
                                            + b.mlp.aux_loss)
-            parts[name, "no experts"] = fwd_bwd(no_experts)
+            parts[name, "no experts"] = fwd_bwd(_no_experts)
         parts[name, "FFN / MoE"] = fwd_bwd(lambda b, x: b.mlp(b.post_attention_layernorm(x)))
         opt.step()
         parts[name, "AdamW"] = opt.step
