@@ -74,7 +74,8 @@ def gather_rows(x_TD, src_P, backend="auto", out_dtype=None, has_holes=True):
     if choose(backend, x_TD, "gather_rows") == "reference":
         if x_TD.shape[0] == 0:  # no source rows: every output row is padding
             return x_TD.new_zeros(src_P.shape[0], x_TD.shape[1], dtype=out_dtype)
-        out = x_TD.index_select(0, src_P.clamp(min=0) if has_holes else src_P).to(out_dtype)
+        # cast the T source rows, not the P >= T gathered ones; F.embedding is torch's fastest row gather on CPU
+        out = F.embedding(src_P.clamp(min=0) if has_holes else src_P, x_TD.to(out_dtype))
         return out.masked_fill_((src_P < 0).unsqueeze(-1), 0) if has_holes else out
     x_TD = x_TD.contiguous()
     P, D = src_P.shape[0], x_TD.shape[1]
@@ -87,13 +88,13 @@ def gather_rows(x_TD, src_P, backend="auto", out_dtype=None, has_holes=True):
 
 def combine_rows(h_PD, row_TK, backend="auto", out_dtype=None, has_holes=True):
     """out[t] = sum of h[row[t, j]] over j = 0..K-1 with row >= 0, in fp32, j ascending, cast to out_dtype (None =
-    h's): h_PD [P, D], row_TK int64 [T, K] in [-1, P) -> [T, D]. On CPU, an fp32 result without holes comes
+    h's): h_PD [P, D], row_TK int64 [T, K] in [-1, P) -> [T, D]. On CPU, an fp32 / bf16 result without holes comes
     from embedding_bag over the fp32 rows (it adds each bag in index order: bitwise the reference)."""
     out_dtype = out_dtype or h_PD.dtype
     if choose(backend, h_PD, "combine_rows") == "reference":
-        if (not has_holes and h_PD.device.type == "cpu" and out_dtype == torch.float32
+        if (not has_holes and h_PD.device.type == "cpu" and out_dtype in (torch.float32, torch.bfloat16)
                 and h_PD.dtype in (torch.float32, torch.bfloat16) and h_PD.shape[0] > 0):
-            return F.embedding_bag(row_TK, h_PD.float(), mode="sum")
+            return F.embedding_bag(row_TK, h_PD.float(), mode="sum").to(out_dtype)
         T, K = row_TK.shape
         v_TKD = h_PD.index_select(0, row_TK.reshape(-1).clamp(min=0)).view(T, K, h_PD.shape[1])
         v_TKD = v_TKD.to(torch.promote_types(h_PD.dtype, torch.float32))  # (fp64 stays fp64, for gradcheck)

@@ -317,9 +317,9 @@ def test_grouped_mm_cpu_backends_over_cases():
 
 
 def test_embedding_bag_combine_is_the_reference():
-    """The CPU fast path inside the reference combine (torch's embedding_bag: fp32 rows, no holes, fp32
-    out) equals the general masked path and a plain fp32 loop bit for bit, and is taken exactly there
-    (not with holes, an empty buffer, other dtypes or another out_dtype)."""
+    """The CPU fast path inside the reference combine (torch's embedding_bag over fp32 rows, no holes;
+    fp32 / bf16 in and out) equals the general masked path and a plain fp32 loop bit for bit, and is taken
+    exactly there (not with holes, an empty buffer or other dtypes)."""
     import kernels.permute as permute_module
     calls = []
     real = permute_module.F.embedding_bag
@@ -337,11 +337,12 @@ def test_embedding_bag_combine_is_the_reference():
                     continue
                 rm = build_row_map(routing(T, K, E, drop=drop, idle=idle), E, pad_to, align, may_drop)
                 for dtype, out_dtype in ((torch.float32, None), (torch.float64, None), (torch.float32, torch.float64),
-                                         (torch.float32, torch.bfloat16)):
+                                         (torch.float32, torch.bfloat16), (torch.bfloat16, None)):
                     h = torch.randn(num_rows(rm), 37, dtype=dtype)
                     calls.clear()
                     got = combine_rows(h, rm.row_of_pair_TK, "reference", out_dtype, rm.has_holes)
-                    fast = not rm.has_holes and num_rows(rm) > 0 and dtype == torch.float32 and out_dtype is None
+                    fast = not rm.has_holes and num_rows(rm) > 0 and {dtype, out_dtype or dtype} <= {torch.float32,
+                                                                                       torch.bfloat16}
                     assert bool(calls) == fast, (T, K, E, may_drop, dtype, out_dtype, calls)
                     general = combine_rows(h, rm.row_of_pair_TK, "reference", out_dtype, has_holes=True)
                     assert bits_equal(got, general), (T, K, E, may_drop, dtype, out_dtype)

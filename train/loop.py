@@ -38,7 +38,7 @@ from train.parallel import (PeerFailed, check_same_on_all_ranks, clip_grad_norm_
                             reduce_expert_grads, shutdown, uninstall as uninstall_ep)
 from train.report import (LoadTelemetry, MetricsLog, Progress, describe_model, load_summary, open_wandb, plot_expert_load,
                           plot_loss_curve)
-from train.threads import ThreadTuner
+from train.threads import ThreadTuner, keep_freed_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -344,9 +344,11 @@ def wrap(model, args, ctx, device_type):
 
 
 def thread_tuner(run):
-    """--threads: a fixed count, or (auto, one CPU process) a ThreadTuner; None when nothing is tuned."""
+    """--threads: a fixed count, or (auto, one CPU process) a ThreadTuner; None when nothing is tuned. On CPU
+    also keeps freed memory for reuse (train/threads.py: keep_freed_memory)."""
     if run.device != "cpu":
         return None
+    keep_freed_memory()
     if run.args.threads != "auto":
         torch.set_num_threads(int(run.args.threads))
         return None

@@ -7,9 +7,26 @@ start, then every `probe_every` steps, it runs `window` steps at half or double 
 is >= 7% faster; a losing probe doubles the wait (up to `max_probe_every`), a 30% change of step time brings
 the next probe forward. Step results do not depend on the count (scripts/test_cpu_speed.py checks it bitwise).
 """
+import ctypes
+import ctypes.util
 import statistics
 
 import torch
+
+
+def keep_freed_memory():
+    """Keep freed memory for reuse instead of returning it to the OS (glibc's mmap and trim thresholds
+    raised to 1 GiB / 2 GiB). By default glibc unmaps every freed block over 32 MiB and page-faults it in
+    again on the next allocation: a training step allocates the same activation buffers every time, and the
+    MoE layer's [T*K, D] buffers are the largest, so that kernel time lands on MoE steps most. jemalloc and
+    tcmalloc (PyTorch's CPU tuning guide) behave like this by default. Returns False where glibc's mallopt
+    is unavailable (another libc: nothing changes)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    except (OSError, AttributeError, TypeError):
+        return False
 
 
 def halving(n):

@@ -49,6 +49,7 @@ from kernels import swap as S  # noqa: E402
 from kernels.cpu_experts import cpu_experts_run  # noqa: E402
 from kernels.cpu_linear import _OneDNNLinear, onednn_runs  # noqa: E402  (the oneDNN linear, forward + backward)
 from kernels.swap import swap_engines  # noqa: E402
+from train.threads import keep_freed_memory  # noqa: E402
 from model.model_minimind import FeedForward, MiniMindConfig, MOEFeedForward  # noqa: E402
 
 SHAPES = [  # name, hidden D, experts E, top-k, expert width F
@@ -104,22 +105,6 @@ def hf_block(moe, implementation):
             block.experts.gate_up_proj[e].copy_(torch.cat([ex.gate_proj.weight, ex.up_proj.weight], 0))
             block.experts.down_proj[e].copy_(ex.down_proj.weight)
     return block
-
-
-def keep_freed_memory():
-    """glibc returns every freed block over 32 MiB to the OS and page-faults it in again on the next
-    allocation; MoE layers allocate several [N*k, D] buffers per step, so on CPU that kernel time would
-    swamp the comparison. Raising the mmap/trim thresholds (what jemalloc/tcmalloc, the allocators
-    PyTorch's CPU tuning guide recommends, do by default) keeps freed memory for reuse. Applies to every
-    implementation alike. Returns False where glibc's mallopt is unavailable."""
-    import ctypes
-    import ctypes.util
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
-    except (OSError, AttributeError):
-        return False
 
 
 def sync(device):

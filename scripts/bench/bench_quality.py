@@ -51,8 +51,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (this file: scripts/bench/)
 sys.path.insert(0, ROOT)
 
-ROWS = ("dense", "masked", "sorted", "fused", "fine", "shared", "upcycled")
-OUR_MOE_ROWS = ("sorted", "fused", "fine", "shared", "upcycled")
+ROWS = ("dense", "masked", "sorted", "fused", "wide", "fine", "shared", "upcycled")
+OUR_MOE_ROWS = ("sorted", "fused", "wide", "fine", "shared", "upcycled")
 DEFAULT_ROWS = ("dense", "fused", "fine", "shared", "upcycled")
 UPCYCLE_AT = 0.5  # the upcycled row: this share of its budget (or steps) trains the dense model
 
@@ -61,7 +61,7 @@ def row_flags(row, f):
     """The model flags of a row; f is the width of one expert of the top-2 rows."""
     if row == "dense":
         return ["--use_moe", "0", "--intermediate_size", str(2 * f)]
-    e, k, width, impl = {"fine": (16, 4, f // 2, "fused"), "shared": (16, 3, f // 2, "fused"),
+    e, k, width, impl = {"wide": (16, 2, f, "fused"), "fine": (16, 4, f // 2, "fused"), "shared": (16, 3, f // 2, "fused"),
                          "upcycled": (4, 2, f, "fused")}.get(row, (4, 2, f, row))
     return ["--use_moe", "1", "--num_experts", str(e), "--num_experts_per_tok", str(k), "--moe_intermediate_size",
             str(width), "--moe_impl", impl] + (["--n_shared_experts", "1"] if row == "shared" else [])

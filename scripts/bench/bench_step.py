@@ -48,6 +48,7 @@ from kernels.cpu_linear import OneDNNLinear  # noqa: E402
 from kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from model.model_minimind import Attention, MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from model.moe import MOEFeedForward  # noqa: E402
+from train.threads import keep_freed_memory  # noqa: E402
 
 # name: (autocast bf16, the swaps of kernels/swap.py applied, fused AdamW); the last is what the trainer runs
 VARIANTS = {
@@ -198,6 +199,7 @@ def split(args):
                 with torch.autocast("cpu", dtype=dtype, enabled=bf16):
                     out = sum(fn(b, x) for b in blocks)
                 out.float().sum().backward()
+                model.zero_grad(set_to_none=True)  # as the trainer: each step's gradients are fresh tensors
             return run
 
         if not E:
@@ -209,8 +211,13 @@ def split(args):
                                            + b.mlp.aux_loss)
             parts[name, "no experts"] = fwd_bwd(_no_experts)
         parts[name, "FFN / MoE"] = fwd_bwd(lambda b, x: b.mlp(b.post_attention_layernorm(x)))
-        opt.step()
-        parts[name, "AdamW"] = opt.step
+        grads = [torch.randn_like(p) * 1e-3 for p in model.parameters()]
+
+        def adamw(params=list(model.parameters()), grads=grads, opt=opt):  # as a step: fresh gradients in place
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
+        parts[name, "AdamW"] = adamw
     for run in parts.values():
         run()  # warm-up: oneDNN builds its kernels on first use
     total = dict.fromkeys(parts, 0.0)
@@ -262,6 +269,7 @@ def old_tree(args):
 
 
 def main():
+    keep_freed_memory()  # as the trainer does on CPU
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--impl", default="fused", choices=("sorted", "fused"))
     p.add_argument("--use_moe", type=int, default=1, choices=(0, 1))
