@@ -1,19 +1,14 @@
 """The fused MoE path's experts on CPU: one GEMM per expert and projection, everything else once per layer.
 
-    x_R       = the rows, each expert's segment padded with zero rows to a bucket size   (one copy)
-    gu_R      = x_R[segment e] @ W_gate_up[e]^T, for each e, written in place           (E GEMMs)
-    h_R       = silu(gate) * up * w, over the whole buffer                              (w: routing weight)
-    out_R     = h_R[segment e] @ W_down[e]^T, for each e, written in place              (E GEMMs)
-    out       = out_R at the rows' places                                               (one gather)
+    x_R = the rows, each expert's segment padded with zero rows to a bucket size;  gu_R = x_R[seg e] @ W_gu[e]^T
+    h_R = silu(gate) * up * w (routing weight), over the whole buffer;             out_R = h_R[seg e] @ W_down[e]^T
 
-On GPUs the fused path runs two grouped GEMMs over the whole buffer (kernels/grouped_gemm.py); torch's CPU
-grouped GEMM is slower than this loop. A GEMM's oneDNN kernel is built once per shape, and building one
-costs several times the GEMM, so every segment is padded to a bucket (`_bucket`: a bounded set of
-shapes). Padding rows are zero with routing weight 0: their h is 0 and so is everything they add to a
-gradient, which makes every weight gradient one GEMM over its padded segment. The SwiGLU, its backward
-and the casts run once per layer over the whole buffer, in the rows' dtype (the routing weight is cast
-to it too): per-expert elementwise ops, and mixed-dtype ones, cost far more than their arithmetic on a
-CPU. The segment bounds are read from CPU memory (no device, nothing to wait for).
+A GEMM's oneDNN kernel is built once per shape at several times the GEMM's cost, hence the buckets (a
+bounded set of shapes). Padding rows are zero with weight 0, so they add nothing to any gradient and each
+weight gradient is one GEMM over its segment. The SwiGLU, its backward and the casts run once per layer
+over the whole buffer in the rows' dtype: per-expert and mixed-dtype elementwise ops cost far more than
+their arithmetic on a CPU. torch's CPU grouped_mm is slower than this loop; on GPUs the fused path runs
+grouped GEMMs (kernels/grouped_gemm.py). Segment bounds are read from CPU memory: no device sync.
 """
 import torch
 from torch.autograd.function import once_differentiable
@@ -24,9 +19,8 @@ from kernels.grouped_gemm import scaled_swiglu_backward, scaled_swiglu_forward
 
 
 def _bucket(n):
-    """Rows an n-row segment is padded to: n rounded up to 1/16 of its power of two (at most 6.25% zero
-    padding; _bucket(_bucket(n)) == _bucket(n)). Exact row counts, new every step, would keep building
-    oneDNN kernels and grow its cache without bound."""
+    """n rows padded to a multiple of 1/16 of n's power of two (<= 6.25% padding; idempotent). Exact counts,
+    new every step, would keep building oneDNN kernels and grow its cache without bound."""
     if n <= 16:
         return n
     g = 1 << max(3, n.bit_length() - 5)
@@ -34,36 +28,29 @@ def _bucket(n):
 
 
 def _mm(a, b, out):
-    """out = a @ b, in place. bf16: torch.mm (oneDNN; reads transposed operands in place); fp32: oneDNN's
-    linear, copied in (torch.mm is MKL there, slower on some CPUs)."""
+    """out = a @ b in place: bf16 by torch.mm (oneDNN), fp32 by oneDNN's linear (torch.mm is MKL there)."""
     if a.dtype == torch.bfloat16:
         return torch.mm(a, b, out=out)
     return out.copy_(onednn_linear(a, b.t()))
 
 
 def _to_padded(t_P_, dst_N, R):
-    """[R, ...]: zeros, and row dst[i] = t[i] for the len(dst) routed rows (dst None: t's first R rows)."""
-    if dst_N is None:
-        return t_P_[:R]
+    """[R, ...]: zeros, and row dst[i] = t[i] for the len(dst) routed rows."""
     return t_P_.new_zeros(R, *t_P_.shape[1:]).index_copy_(0, dst_N, t_P_[:dst_N.shape[0]])
 
 
 def _from_padded(t_R_, dst_N, P):
     """[P, ...]: row i = t[dst[i]] for the routed rows, zero after them (rows of no expert)."""
-    n = t_R_.shape[0] if dst_N is None else dst_N.shape[0]
     out = t_R_.new_empty(P, *t_R_.shape[1:])
-    out[n:].zero_()
-    if dst_N is None:
-        out[:n] = t_R_
-    else:
-        torch.index_select(t_R_, 0, dst_N, out=out[:n])
+    out[dst_N.shape[0]:].zero_()
+    torch.index_select(t_R_, 0, dst_N, out=out[:dst_N.shape[0]])
     return out
 
 
 class _ExpertGEMMs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows_PD, scale_P, layout, *weights):
-        # layout: (host list of (padded start, padded rows) per non-idle expert, padded rows R, dst_N or None);
+        # layout: (host list of (expert, padded start, padded rows) per non-idle expert, padded rows R, dst_N);
         # weights: gate_0, up_0, down_0, gate_1, ... in their own dtype (fp32 master weights under autocast),
         # cast here to the rows' dtype, all at once
         segs, R, dst_N = layout
@@ -115,14 +102,14 @@ def cpu_experts_run(device, dtype) -> bool:
     return onednn_runs(device, dtype) and not torch.compiler.is_compiling()
 
 
-def expert_chains(experts, rows_PD, tokens_per_expert_E, row_weight_P):
+def expert_gemms(experts, rows_PD, tokens_per_expert_E, row_weight_P):
     """Each expert's SwiGLU on its rows of the expert-sorted buffer, the routing weight applied before the
     down projection (see module doc). experts: E SwiGLU FeedForward modules; rows_PD [P, D] CPU in the
     compute dtype; tokens_per_expert_E int64 [E] CPU rows per expert (padding included; real rows first);
     row_weight_P [P]. Returns [P, D] in rows' dtype, zero rows outside the segments. Differentiable in
     rows, row weights and the expert weights. Raises ValueError when the device or dtype do not fit."""
     if not cpu_experts_run(rows_PD.device, rows_PD.dtype):
-        raise ValueError(f"expert_chains: needs CPU fp32 (or native-bf16) rows and oneDNN, got {rows_PD.dtype} "
+        raise ValueError(f"expert_gemms: needs CPU fp32 (or native-bf16) rows and oneDNN, got {rows_PD.dtype} "
                          f"on {rows_PD.device}")
     counts = cpu_values(tokens_per_expert_E)
     padded = [_bucket(n) for n in counts]
@@ -131,9 +118,7 @@ def expert_chains(experts, rows_PD, tokens_per_expert_E, row_weight_P):
         if m:
             segs.append((e, start, m))
         start += m
-    R, end, dst_N = start, sum(counts), None
-    if padded != counts:  # the padded row of each routed row
-        shift_E = torch.tensor(padded).cumsum(0) - torch.tensor(counts).cumsum(0) - torch.tensor(padded) + torch.tensor(counts)
-        dst_N = torch.arange(end) + torch.repeat_interleave(shift_E, torch.tensor(counts), output_size=end)
+    n_E, m_E, end = torch.tensor(counts), torch.tensor(padded), sum(counts)  # dst_N: each routed row's padded row
+    dst_N = torch.arange(end) + torch.repeat_interleave(m_E.cumsum(0) - m_E - n_E.cumsum(0) + n_E, n_E, output_size=end)
     weights = [w for ex in experts for w in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)]
-    return _ExpertGEMMs.apply(rows_PD, row_weight_P, (segs, R, dst_N), *weights)
+    return _ExpertGEMMs.apply(rows_PD, row_weight_P, (segs, start, dst_N), *weights)

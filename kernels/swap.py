@@ -10,7 +10,7 @@ same tensors either way. Each swap and when it applies (decided by measured rule
     MiniMindForCausalLM.lm_loss                 -> chunked CE       CPU (no fp32 [N, V] logits)
     RowMapDispatcher.permute / combine_rows     -> kernels.permute  always (Triton where it runs, else
                                                                    torch with gather backward passes)
-    MOEFeedForward.run_experts (fused path)     -> expert chains    CPU with oneDNN (fp32 / native bf16)
+    MOEFeedForward.run_experts (fused path)     -> expert GEMMs    CPU with oneDNN (fp32 / native bf16)
                                                 -> grouped GEMM     elsewhere (torch's grouped_mm / Triton)
 The sorted path keeps nn.Linear experts: its contract is bitwise equality with the masked loop.
 Tolerances of each swap against the plain model: scripts/test_kernels.py and scripts/test_model.py.
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kernels.attention import explicit_attention
-from kernels.cpu_experts import cpu_experts_run, expert_chains
+from kernels.cpu_experts import cpu_experts_run, expert_gemms
 from kernels.cpu_linear import OneDNNLinear, bf16_gemm_speedup, onednn_runs
 from kernels.grouped_gemm import grouped_swiglu
 from kernels.linear_cross_entropy import linear_cross_entropy
@@ -51,7 +51,7 @@ class KernelRowMapDispatcher(RowMapDispatcher):
 
 
 class FusedExpertsMoE(MOEFeedForward):
-    """run_experts of the fused path without a host read: the expert chains on CPU, else grouped GEMMs."""
+    """run_experts of the fused path without a host read: the expert GEMMs on CPU, else grouped GEMMs."""
 
     def run_experts(self, d):
         if d.row_weight_P is None:  # (rows of the sorted dispatcher: the plain loop)
@@ -60,7 +60,7 @@ class FusedExpertsMoE(MOEFeedForward):
         rows_PD = d.rows_PD
         with torch.autocast(rows_PD.device.type, enabled=False):  # the engines cast the weights themselves
             if cpu_experts_run(rows_PD.device, rows_PD.dtype):
-                return expert_chains(experts, rows_PD, d.tokens_per_expert, d.row_weight_P)
+                return expert_gemms(experts, rows_PD, d.tokens_per_expert, d.row_weight_P)
             w_gate_up_E2FD = torch.stack([torch.cat([ex.gate_proj.weight, ex.up_proj.weight]) for ex in experts])
             w_down_EDF = torch.stack([ex.down_proj.weight for ex in experts])
             offsets_E = torch.cumsum(d.tokens_per_expert, 0).to(torch.int32)

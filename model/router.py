@@ -17,18 +17,21 @@ def _masked_mean(values_T_, token_mask_T):
     return torch.where(m, values_T_, 0).sum(0) / token_mask_T.sum().clamp(min=1)
 
 
+def slot_load(topk_idx_TK: torch.Tensor, num_experts: int, token_mask_T=None):
+    """load_KE fp32 [K, E]: the fraction of real tokens whose k-th slot picked expert e; bitwise the mean of
+    a one-hot [T, K, E], without building it. topk_idx_TK int64 [T, K] in [0, E)."""
+    (T, K), E = topk_idx_TK.shape, num_experts
+    counts = tokens_per_expert(topk_idx_TK + torch.arange(K, device=topk_idx_TK.device) * E, K * E, token_mask_T)
+    return counts.view(K, E).float() / (T if token_mask_T is None else token_mask_T.sum().clamp(min=1))
+
+
 def minimind_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, coef: float,
                       token_mask_T=None):
     """MiniMind's balance loss (jingyaogong/minimind; the Switch loss per slot): coef * E * sum_{k,e}
     load[k, e] * mean_t scores[t, e], load[k, e] the fraction of tokens whose k-th slot picked e (coef * K
-    when balanced). `scatter_`, not `F.one_hot` (whose CPU input check reads the host twice); without a
-    mask bitwise MiniMind's (the acceptance test pins it). scores_TE [T, E]; topk_idx_TK int64 [T, K]."""
-    one_hot_TKE = scores_TE.new_zeros(*topk_idx_TK.shape, num_experts, dtype=torch.float32)
-    one_hot_TKE.scatter_(-1, topk_idx_TK.unsqueeze(-1), 1.0)
-    if token_mask_T is None:
-        return (one_hot_TKE.mean(0) * scores_TE.mean(0)).sum() * num_experts * coef
-    load_KE = _masked_mean(one_hot_TKE, token_mask_T)
-    return (load_KE * _masked_mean(scores_TE, token_mask_T)).sum() * num_experts * coef
+    when balanced). Bitwise MiniMind's without a mask (the acceptance test pins it). scores_TE [T, E]."""
+    return (slot_load(topk_idx_TK, num_experts, token_mask_T) * _masked_mean(scores_TE, token_mask_T)).sum() \
+        * num_experts * coef
 
 
 def switch_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, coef: float,
@@ -37,9 +40,7 @@ def switch_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, num_expe
     / (T * K) and P_e = mean_t scores[t, e]: exactly coef when balanced, for every K (Fedus et al. 2021,
     eq. 4-6; the T*K is Megatron-LM's). Args as `minimind_aux_loss`; returns an fp32 scalar."""
     K = topk_idx_TK.shape[1]
-    one_hot_TKE = scores_TE.new_zeros(*topk_idx_TK.shape, num_experts, dtype=torch.float32)
-    one_hot_TKE.scatter_(-1, topk_idx_TK.unsqueeze(-1), 1.0)
-    f_E = _masked_mean(one_hot_TKE.sum(1), token_mask_T) / K
+    f_E = slot_load(topk_idx_TK, num_experts, token_mask_T).sum(0) / K
     P_E = _masked_mean(scores_TE.float(), token_mask_T)
     return coef * num_experts * (f_E * P_E).sum()
 

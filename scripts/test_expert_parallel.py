@@ -5,7 +5,7 @@
 The EP dispatcher (train/parallel.py: AllToAllDispatcher, `install`) wraps the layer's own dispatcher, so
 every expert engine runs under EP (ENGINES): "sorted" (moe_impl="sorted"), and moe_impl="fused" as the
 plain model ("plain": RowMapDispatcher + MOEFeedForward.run_experts) and after kernels.swap.swap_engines
-(what the trainer runs: "chains", the CPU oneDNN expert chains, and "grouped", the grouped-GEMM engine,
+(what the trainer runs: "cpu", the CPU oneDNN expert GEMMs, and "grouped", the grouped-GEMM engine,
 forced on CPU by making kernels.swap.cpu_experts_run return False). The trainer swaps first, then installs
 EP; so do these tests.
 """
@@ -19,7 +19,7 @@ from model.dispatch import SortedDispatcher
 from model.model_minimind import MiniMindConfig, MOEFeedForward
 
 D = 32
-ENGINES = ("sorted", "plain", "chains", "grouped")
+ENGINES = ("sorted", "plain", "cpu", "grouped")
 
 
 def build(e, k, seed=0, moe_impl="sorted", **kw):
@@ -32,7 +32,7 @@ def build(e, k, seed=0, moe_impl="sorted", **kw):
 def make(e, k, engine, seed=0, **kw):
     """The layer that runs `engine` (ENGINES), same weights for every engine."""
     mod = build(e, k, seed, "sorted" if engine == "sorted" else "fused", **kw)
-    if engine in ("chains", "grouped"):
+    if engine in ("cpu", "grouped"):
         from kernels.swap import swap_engines
         done = swap_engines(mod, "cpu", torch.float32)
         assert done == {"FusedExpertsMoE": 1, "KernelRowMapDispatcher": 1}, done
@@ -44,12 +44,12 @@ def engine_choice(engine):
     """Run the swapped layers with `engine`'s expert engine, and check on leaving that it (and no other
     engine) ran; "sorted" and "plain" must run neither."""
     import kernels.swap as swap_module
-    if engine == "chains":
+    if engine == "cpu":
         from kernels.cpu_experts import cpu_experts_run
         if not cpu_experts_run("cpu", torch.float32):
-            raise Skip("the CPU expert chains do not run here (no oneDNN)")
-    calls = {"expert_chains": 0, "grouped_swiglu": 0}
-    saved = {n: getattr(swap_module, n) for n in ("expert_chains", "grouped_swiglu", "cpu_experts_run")}
+            raise Skip("the CPU expert GEMMs do not run here (no oneDNN)")
+    calls = {"expert_gemms": 0, "grouped_swiglu": 0}
+    saved = {n: getattr(swap_module, n) for n in ("expert_gemms", "grouped_swiglu", "cpu_experts_run")}
 
     def counting(n):
         def f(*args, **kwargs):
@@ -57,7 +57,7 @@ def engine_choice(engine):
             return saved[n](*args, **kwargs)
         return f
 
-    swap_module.expert_chains, swap_module.grouped_swiglu = counting("expert_chains"), counting("grouped_swiglu")
+    swap_module.expert_gemms, swap_module.grouped_swiglu = counting("expert_gemms"), counting("grouped_swiglu")
     if engine == "grouped":
         swap_module.cpu_experts_run = lambda device, dtype: False
     try:
@@ -65,7 +65,7 @@ def engine_choice(engine):
     finally:
         for n, f in saved.items():
             setattr(swap_module, n, f)
-    want = {"chains": "expert_chains", "grouped": "grouped_swiglu"}.get(engine)
+    want = {"cpu": "expert_gemms", "grouped": "grouped_swiglu"}.get(engine)
     assert all(calls[n] == 0 for n in calls if n != want), f"{engine}: {calls}"
     assert want is None or calls[want] > 0, f"{engine}: {want} never ran ({calls})"
 
@@ -302,7 +302,7 @@ def test_capacity_under_ep():
 
 FUSED_CASES = [("even", 8, 2), ("uneven", 4, 2), ("one_empty_rank", 4, 2), ("idle_expert", 8, 2),
                ("all_to_one", 4, 1), ("idle_rank", 4, 2), ("even", 8, 4)]
-FUSED_ENGINES = ("plain", "chains", "grouped")
+FUSED_ENGINES = ("plain", "cpu", "grouped")
 # Ranks whose experts get no routed pair (idle_rank: every pair goes to experts 0 and 1) or a rank without
 # tokens (one_empty_rank), without and with capacity dropping, padding to capacity and alignment (the
 # idle ranks then run their experts on padding rows only). idle_rank gives every rank the same batch

@@ -5,7 +5,7 @@ this runs in CI without a GPU; on a CUDA machine the same checks also run on the
 
 permute / combine: bitwise (both are gathers plus the same fp32 add sequence); so is the CPU
 embedding_bag combine inside the reference (a fused gather-and-sum that adds each bag's rows in index order).
-grouped GEMM (Triton, torch, reference) and the CPU expert chains: fp32 within 1e-5 relative to the largest
+grouped GEMM (Triton, torch, reference) and the CPU expert GEMMs: fp32 within 1e-5 relative to the largest
 |value|: each accumulates dot products in another order than the reference's matmul (reassociation only;
 inputs are exact); bf16 within 2e-2 relative (8 mantissa bits, rounded at different points).
 chunked LM-head cross-entropy: against F.cross_entropy in fp64, loss and gradients within 1e-5 relative
@@ -20,7 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from testlib import Skip, run  # noqa: E402,F401
 from kernels.backend import choose, cpu_values, interpreting, triton_importable, triton_runs_on  # noqa: E402
-from kernels.cpu_experts import cpu_experts_run, expert_chains  # noqa: E402
+from kernels.cpu_experts import cpu_experts_run, expert_gemms  # noqa: E402
 from kernels.cpu_linear import OneDNNLinear, bf16_gemm_speedup, linear, onednn_linear_fits, onednn_runs  # noqa: E402
 from kernels import linear_cross_entropy as lce  # noqa: E402
 from kernels.grouped_gemm import (ScaledSwiGLU, grouped_mm, grouped_swiglu, resolve_backend,  # noqa: E402
@@ -359,7 +359,7 @@ def test_embedding_bag_combine_is_the_reference():
 
 def test_scaled_swiglu_gradients():
     """SwiGLU with a per-row scale (the routing weight applied before the down projection): gradcheck
-    in fp64, and equal to silu(gate) * up times the scale; the forward/backward helpers the CPU chains
+    in fp64, and equal to silu(gate) * up times the scale; the forward/backward helpers the CPU expert GEMMs
     use give the same values and gradients (with and without the scale's gradient)."""
     from kernels.grouped_gemm import scaled_swiglu_backward, scaled_swiglu_forward
     gu = torch.randn(9, 8, dtype=torch.float64, requires_grad=True)
@@ -395,7 +395,7 @@ def expert_rows(T, K, E, drop, idle, pad_to, align, D, seed=0):
     return rows, rm.padded_E, weight
 
 
-def expert_chains_reference(experts, rows_PD, tokens_per_expert_E, row_weight_P):
+def expert_gemms_reference(experts, rows_PD, tokens_per_expert_E, row_weight_P):
     """Per expert, on its segment: down(silu(gate(x)) * up(x) * w), in fp64 (autograd); rows outside every
     segment give zero rows."""
     out = torch.zeros(rows_PD.shape, dtype=torch.float64)
@@ -410,8 +410,8 @@ def expert_chains_reference(experts, rows_PD, tokens_per_expert_E, row_weight_P)
     return out
 
 
-def test_cpu_experts_chains():
-    """kernels.cpu_experts.expert_chains (the swapped fused layer's CPU expert compute, on the
+def test_cpu_expert_gemms():
+    """kernels.cpu_experts.expert_gemms (the swapped fused layer's CPU expert compute, on the
     expert-sorted rows of the dispatch) against a per-expert autograd reference: output, grad of the rows,
     of the row weights and of every expert weight; over the row-map cases (idle experts get zero weight
     grads, padding rows and rows past the segments give zero output), fp32 and bf16; two runs bitwise
@@ -427,9 +427,9 @@ def test_cpu_experts_chains():
         rows, weight = rows0.clone().requires_grad_(), weight0.clone().requires_grad_()
         g = torch.randn(rows.shape)
         params = [rows, weight, *experts.parameters()]
-        y = expert_chains(experts, rows, counts, weight)
+        y = expert_gemms(experts, rows, counts, weight)
         got = torch.autograd.grad(y, params, g, allow_unused=True)
-        ref = expert_chains_reference(experts, rows, counts, weight)
+        ref = expert_gemms_reference(experts, rows, counts, weight)
         want = torch.autograd.grad(ref, params, g.double(), allow_unused=True)
         what = f"T={T} K={K} E={E} drop={drop} idle={idle} pad={pad_to} align={align}"
         assert y.shape == rows.shape and y.dtype == rows.dtype, what
@@ -439,7 +439,7 @@ def test_cpu_experts_chains():
         for i, (a, b) in enumerate(zip(got, want)):
             assert a is not None, f"{what}: gradient {i} missing (idle experts need zero grads)"
             close(a, torch.zeros_like(a) if b is None else b, f"{what} grad {i}")
-        again = torch.autograd.grad(expert_chains(experts, rows, counts, weight), params, g, allow_unused=True)
+        again = torch.autograd.grad(expert_gemms(experts, rows, counts, weight), params, g, allow_unused=True)
         assert all(bits_equal(a, b) for a, b in zip(got, again)), what + " rerun"
         plain = SimpleNamespace(experts=experts, training=True)  # MOEFeedForward.run_experts on the same rows
         d = SimpleNamespace(rows_PD=rows, tokens_per_expert=counts, row_weight_P=weight, first_expert=0)
@@ -448,21 +448,21 @@ def test_cpu_experts_chains():
     if cpu_experts_run("cpu", torch.bfloat16):
         experts = torch.nn.ModuleList(FeedForward(16, 32) for _ in range(4)).bfloat16()
         rows, counts, weight = expert_rows(40, 2, 4, 0.0, (), None, 1, 16)
-        got = expert_chains(experts, rows.bfloat16(), counts, weight).double()
-        want = expert_chains_reference(experts, rows.bfloat16(), counts, weight)
+        got = expert_gemms(experts, rows.bfloat16(), counts, weight).double()
+        want = expert_gemms_reference(experts, rows.bfloat16(), counts, weight)
         assert (got - want).abs().max() <= 2e-2 * want.abs().max(), "bf16"
         master = torch.nn.ModuleList(FeedForward(16, 32) for _ in range(4))  # fp32 weights, bf16 rows (autocast)
-        got = expert_chains(master, rows.bfloat16(), counts, weight)
+        got = expert_gemms(master, rows.bfloat16(), counts, weight)
         assert got.dtype == torch.bfloat16
-        want = expert_chains_reference(master, rows.bfloat16(), counts, weight)
+        want = expert_gemms_reference(master, rows.bfloat16(), counts, weight)
         assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max(), "bf16 rows, fp32 weights"
     try:
-        expert_chains(torch.nn.ModuleList([FeedForward(4, 4)]), torch.randn(2, 4, dtype=torch.float64),
+        expert_gemms(torch.nn.ModuleList([FeedForward(4, 4)]), torch.randn(2, 4, dtype=torch.float64),
                       torch.tensor([2]), torch.ones(2, dtype=torch.float64))
     except ValueError as e:
-        assert "expert_chains" in str(e)
+        assert "expert_gemms" in str(e)
     else:
-        raise AssertionError("fp64 accepted by expert_chains")
+        raise AssertionError("fp64 accepted by expert_gemms")
 
 
 def test_cpu_experts_autograd_modes():
@@ -476,24 +476,24 @@ def test_cpu_experts_autograd_modes():
     experts = torch.nn.ModuleList(FeedForward(8, 12) for _ in range(3))
     rows0, counts, weight0 = expert_rows(50, 2, 3, 0.0, (), None, 1, 8)
     x, scale = rows0.requires_grad_(), weight0.requires_grad_()
-    y = expert_chains(experts, x, counts, scale)
+    y = expert_gemms(experts, x, counts, scale)
     g1 = torch.autograd.grad(y.sum(), (x, scale), retain_graph=True)
     g2 = torch.autograd.grad(y.sum(), (x, scale))
     assert all(bits_equal(a, b) for a, b in zip(g1, g2)), "second backward with retain_graph"
     for p in experts.parameters():
         p.requires_grad_(False)
-    gx, = torch.autograd.grad(expert_chains(experts, x, counts, scale).sum(), x)
+    gx, = torch.autograd.grad(expert_gemms(experts, x, counts, scale).sum(), x)
     assert bits_equal(gx, g1[0]) and all(p.grad is None for p in experts.parameters())
     with torch.no_grad():
-        assert not expert_chains(experts, x, counts, scale).requires_grad
-    y = expert_chains(experts, x, counts, scale)
+        assert not expert_gemms(experts, x, counts, scale).requires_grad
+    y = expert_gemms(experts, x, counts, scale)
     gx, = torch.autograd.grad(y.sum(), x, create_graph=True)
     try:
         gx.sum().backward()
     except RuntimeError as e:
         assert "once_differentiable" in str(e) or "double backward" in str(e) or "does not require grad" in str(e), e
     else:
-        raise AssertionError("double backward through expert_chains did not raise")
+        raise AssertionError("double backward through expert_gemms did not raise")
 
 
 def test_cpu_values_refuses_device_tensors():
@@ -554,7 +554,7 @@ def test_backend_choice_errors():
         assert "do not fit" in str(e)
     else:
         raise AssertionError("mismatched shapes accepted")
-    for bad in ("onednn", "cuda"):  # (the oneDNN grouped backend is gone: the CPU chains replaced it)
+    for bad in ("onednn", "cuda"):  # (the oneDNN grouped backend is gone: the CPU expert GEMMs replaced it)
         try:
             grouped_mm(torch.randn(3, 4), torch.randn(1, 4, 4), torch.tensor([3], dtype=torch.int32), backend=bad)
         except ValueError as e:
@@ -688,7 +688,7 @@ TESTS = [test_linear_cross_entropy_matches_reference, test_onednn_linear_matches
          test_row_map_layout, test_gather_rows_bitwise, test_combine_rows_bitwise, test_hole_free_fast_path_is_the_same,
          test_permute_combine_autograd, test_grouped_mm_triton_forward_backward, test_grouped_mm_torch_backend_on_cpu,
          test_grouped_mm_cpu_backends_over_cases, test_embedding_bag_combine_is_the_reference, test_scaled_swiglu_gradients,
-         test_cpu_experts_chains, test_cpu_experts_autograd_modes, test_cpu_values_refuses_device_tensors,
+         test_cpu_expert_gemms, test_cpu_experts_autograd_modes, test_cpu_values_refuses_device_tensors,
          test_grouped_swiglu_matches_per_expert_ffn, test_backend_choice_errors, test_kernels_compile_for_hopper]
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ The fused layer is MOEFeedForward with a RowMapDispatcher (model/dispatch.py). I
 and every equivalence test runs all three (ENGINES):
   "plain"    the plain model: MOEFeedForward.run_experts, one nn.Linear chain per expert (reads the
              counts to the host, so it is not the zero-sync path);
-  "chains"   after kernels.swap.swap_engines: FusedExpertsMoE with the CPU oneDNN expert chains
+  "cpu"   after kernels.swap.swap_engines: FusedExpertsMoE with the CPU oneDNN expert GEMMs
              (kernels/cpu_experts.py, what run_experts picks on CPU where kernels.cpu_experts.cpu_experts_run
              holds) and the KernelRowMapDispatcher (kernels/permute.py autograd);
   "grouped"  the same swapped layer with the grouped-GEMM engine (kernels/grouped_gemm.py: grouped_swiglu,
@@ -35,7 +35,7 @@ from model.dispatch import RowLayout, RowMapDispatcher, SortedDispatcher
 from model.model_minimind import MiniMindConfig, MOEFeedForward
 
 D = 32
-ENGINES = ("plain", "chains", "grouped")
+ENGINES = ("plain", "cpu", "grouped")
 SWAPS = {"FusedExpertsMoE": 1, "KernelRowMapDispatcher": 1}
 
 
@@ -53,8 +53,8 @@ def engine(layers, name):
     """Run the fused layer with expert engine `name` (ENGINES): layers = (plain fused, swapped). Yields the
     layer to call; on leaving checks that the intended expert engine (and no other) ran."""
     plain, swapped_layer = layers
-    calls = {"expert_chains": 0, "grouped_swiglu": 0}
-    saved = {n: getattr(swap_module, n) for n in ("expert_chains", "grouped_swiglu", "cpu_experts_run")}
+    calls = {"expert_gemms": 0, "grouped_swiglu": 0}
+    saved = {n: getattr(swap_module, n) for n in ("expert_gemms", "grouped_swiglu", "cpu_experts_run")}
 
     def counting(n):
         def f(*args, **kwargs):
@@ -62,10 +62,10 @@ def engine(layers, name):
             return saved[n](*args, **kwargs)
         return f
 
-    swap_module.expert_chains, swap_module.grouped_swiglu = counting("expert_chains"), counting("grouped_swiglu")
+    swap_module.expert_gemms, swap_module.grouped_swiglu = counting("expert_gemms"), counting("grouped_swiglu")
     if name == "grouped":
         swap_module.cpu_experts_run = lambda device, dtype: False
-    elif name not in ("plain", "chains"):
+    elif name not in ("plain", "cpu"):
         raise ValueError(name)
     try:
         yield plain if name == "plain" else swapped_layer
@@ -73,16 +73,16 @@ def engine(layers, name):
         for n, f in saved.items():
             setattr(swap_module, n, f)
     if name == "plain":
-        assert calls == {"expert_chains": 0, "grouped_swiglu": 0}, f"plain run_experts ran an engine: {calls}"
+        assert calls == {"expert_gemms": 0, "grouped_swiglu": 0}, f"plain run_experts ran an engine: {calls}"
     else:
-        ran, other = ("expert_chains", "grouped_swiglu") if name == "chains" else ("grouped_swiglu", "expert_chains")
+        ran, other = ("expert_gemms", "grouped_swiglu") if name == "cpu" else ("grouped_swiglu", "expert_gemms")
         assert calls[other] == 0, f"engine {name}: {other} ran ({calls})"
         assert calls[ran] > 0 or sum(calls.values()) == 0, f"engine {name}: {ran} did not run ({calls})"
 
 
 def engines_here(dtype=torch.float32):
-    """ENGINES that run on this machine for the compute dtype (the chains need oneDNN)."""
-    return tuple(e for e in ENGINES if e != "chains" or cpu_experts_run("cpu", dtype))
+    """ENGINES that run on this machine for the compute dtype (the CPU engine needs oneDNN)."""
+    return tuple(e for e in ENGINES if e != "cpu" or cpu_experts_run("cpu", dtype))
 
 
 def dispatch_experts_combine(layer, x_TD, topk_idx_TK, topk_weight_TK, layout=RowLayout()):
@@ -187,7 +187,7 @@ def test_deterministic():
 
 def test_zero_syncs():
     """After swap_engines, no sync-inducing call in forward or backward, in training and eval, with
-    capacity, padding and alignment: with the CPU expert chains (which read their segment bounds from CPU
+    capacity, padding and alignment: with the CPU expert GEMMs (which read their segment bounds from CPU
     memory: not a sync), and with the grouped engine on torch's grouped_mm, whose offsets never leave
     the device (the CUDA design). The plain fused layer reads the counts at most once (its run_experts),
     the sorted layer exactly once. Also through a module tree: swap_engines swaps every fused MoE layer."""
@@ -272,7 +272,7 @@ def test_state_dict_and_swap():
     x = torch.randn(1, 9, D)
     ref.load_state_dict(layer.state_dict())
     assert_close(layer(x), ref(x), 1e-5, "after an optimizer step")
-    layer.to(torch.float64)  # fp64: no oneDNN chain, the grouped engine's reference loop
+    layer.to(torch.float64)  # fp64: no oneDNN GEMMs, the grouped engine's reference loop
     assert type(layer) is FusedExpertsMoE and layer.experts[0].gate_proj.weight.dtype == torch.float64
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -311,7 +311,7 @@ def test_bf16_autocast_cpu():
 def test_odd_sizes_fall_back():
     """Sizes torch's grouped_mm cannot take, in forward or only in backward (rows not 16-byte multiples:
     D or F not a multiple of 4 in fp32, of 8 in bf16), use the reference loop in the grouped engine (as on
-    CUDA, where the chains never run); the CPU expert chains take any size. Values and all grads agree in
+    CUDA, where the CPU engine never runs); the CPU expert GEMMs take any size. Values and all grads agree in
     every variant."""
     for D_, F_, dtype in ((33, 13, None), (32, 13, None), (33, 24, None), (36, 64, torch.bfloat16),
                           (100, 64, torch.bfloat16)):

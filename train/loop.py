@@ -38,7 +38,7 @@ from train.parallel import (PeerFailed, check_same_on_all_ranks, clip_grad_norm_
                             reduce_expert_grads, shutdown, uninstall as uninstall_ep)
 from train.report import (LoadTelemetry, MetricsLog, Progress, describe_model, load_summary, open_wandb, plot_expert_load,
                           plot_loss_curve)
-from train.threads import ThreadTuner, keep_freed_memory
+from train.threads import thread_tuner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -205,7 +205,7 @@ def train(args, log=print, stage=None):
         run.log(f"setup: {time.time() - t_start:.1f} s to the first step")
         progress = Progress(stage.name, state.step, None if args.time_budget_s else args.max_steps,
                             ctx.is_main and not args.no_progress, run.log)
-        tuner = thread_tuner(run)
+        tuner = thread_tuner(run.device, run.args.threads, run.ctx.distributed, run.log)
         state.clock.start()
         state.interval_start = state.clock.read()
         state.out_of_time = spent(args, state.train_s)
@@ -341,18 +341,6 @@ def wrap(model, args, ctx, device_type):
         train_model = DDP(model, device_ids=[ctx.local_rank] if device_type == "cuda" else None,
                           find_unused_parameters=False)
     return torch.compile(train_model) if args.compile else train_model
-
-
-def thread_tuner(run):
-    """--threads: a fixed count, or (auto, one CPU process) a ThreadTuner; None when nothing is tuned. On CPU
-    also keeps freed memory for reuse (train/threads.py: keep_freed_memory)."""
-    if run.device != "cpu":
-        return None
-    keep_freed_memory()
-    if run.args.threads != "auto":
-        torch.set_num_threads(int(run.args.threads))
-        return None
-    return None if run.ctx.distributed else ThreadTuner(torch.get_num_threads(), log=run.log)
 
 
 # -------------------------------------------------------------------------------------------- 2. loop

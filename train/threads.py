@@ -15,18 +15,27 @@ import torch
 
 
 def keep_freed_memory():
-    """Keep freed memory for reuse instead of returning it to the OS (glibc's mmap and trim thresholds
-    raised to 1 GiB / 2 GiB). By default glibc unmaps every freed block over 32 MiB and page-faults it in
-    again on the next allocation: a training step allocates the same activation buffers every time, and the
-    MoE layer's [T*K, D] buffers are the largest, so that kernel time lands on MoE steps most. jemalloc and
-    tcmalloc (PyTorch's CPU tuning guide) behave like this by default. Returns False where glibc's mallopt
-    is unavailable (another libc: nothing changes)."""
+    """Keep freed memory for reuse (glibc's mmap / trim thresholds raised to 1 / 2 GiB, as jemalloc and
+    tcmalloc behave by default): glibc would unmap each freed block over 32 MiB and page-fault it in again
+    at the next allocation, every step, for the largest activations (the MoE layer's [T*K, D] buffers).
+    Returns False where glibc's mallopt is unavailable."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+        return bool(libc.mallopt(-3, 1 << 30)) and bool(libc.mallopt(-1, 2**31 - 1))  # M_MMAP_, M_TRIM_THRESHOLD
     except (OSError, AttributeError, TypeError):
         return False
+
+
+def thread_tuner(device, threads, distributed, log):
+    """On CPU: keep freed memory, and --threads: a fixed count, or (auto, one process) a ThreadTuner; None
+    when nothing is tuned."""
+    if device != "cpu":
+        return None
+    keep_freed_memory()
+    if threads != "auto":
+        torch.set_num_threads(int(threads))
+        return None
+    return None if distributed else ThreadTuner(torch.get_num_threads(), log=log)
 
 
 def halving(n):

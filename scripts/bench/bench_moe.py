@@ -8,10 +8,10 @@ Implementations:
   masked      MiniMind's per-expert masked loop (scripts/moe_reference.py), the bitwise reference
   sorted      ours, moe_impl="sorted": one host sync per layer, bitwise equal to masked
   fused       ours, moe_impl="fused" with kernels/swap.py's engines: zero syncs, grouped GEMM and Triton
-              permute/combine on CUDA; on CPU its experts run as oneDNN chains
+              permute/combine on CUDA; on CPU its experts run as per-expert oneDNN GEMMs
   fused-grouped
-              (CPU, where the chains run) the same layer with the grouped-GEMM engine (torch's CPU
-              grouped_mm): the row that tells whether the chains pay for themselves
+              (CPU, where the expert GEMMs run) the same layer with the grouped-GEMM engine (torch's CPU
+              grouped_mm): the row that tells whether the expert GEMMs pay for themselves
   hf-eager, hf-grouped_mm, hf-batched_mm
               transformers' Qwen3MoeSparseMoeBlock with each `experts_implementation` (same weights,
               converted to its fused gate_up layout)
@@ -233,9 +233,9 @@ def main():
         fused.load_state_dict(moe.state_dict())
         swap_engines(fused, device, ptdtype)  # the trainer's engines for the fused path
         onednn = onednn_runs(device, torch.float32)
-        chains = cpu_experts_run(device, ptdtype)
+        cpu_gemms = cpu_experts_run(device, ptdtype)
 
-        def grouped(t):  # the fused layer with the grouped-GEMM engine where the chains would run
+        def grouped(t):  # the fused layer with the grouped-GEMM engine where the expert GEMMs would run
             saved, S.cpu_experts_run = S.cpu_experts_run, (lambda *a: False)
             try:
                 return fused(t)
@@ -249,7 +249,7 @@ def main():
                     "hf-grouped_mm": lambda: hf_block(moe, "grouped_mm").to(device).train(),
                     "hf-batched_mm": lambda: hf_block(moe, "batched_mm").to(device).train()}
         impls = {key: builders[key]() for key in wanted
-                 if (key != "dense-onednn" or onednn) and (key != "fused-grouped" or chains)}
+                 if (key != "dense-onednn" or onednn) and (key != "fused-grouped" or cpu_gemms)}
         for n in token_counts:
             x = torch.randn(1, n, d, device=device)
             cell = dict(impls)
@@ -291,7 +291,7 @@ def main():
                 for key, v in times.items():
                     med[key, backward] = statistics.median(v) * 1e3
             for key in wanted:
-                if (key == "dense-onednn" and not onednn) or (key == "fused-grouped" and not chains):
+                if (key == "dense-onednn" and not onednn) or (key == "fused-grouped" and not cpu_gemms):
                     continue
                 if key not in cell:
                     say(f"{key:<15}   skipped: per-pair weight copies need ~{batched_gb:.0f} GiB")
@@ -304,8 +304,8 @@ def main():
                     line += f"{tflops:>9.1f}" + (f"{100 * tflops / peak:>7.1f}%" if peak else f"{'n/a':>8}")
                 say(line)
             if "fused-grouped" in cell and "fused" in cell:
-                say(f"cpu_chains: fused-grouped / fused = {med['fused-grouped', False] / med['fused', False]:.3f} fwd, "
-                    f"{med['fused-grouped', True] / med['fused', True]:.3f} fwd+bwd (> 1: the chains are faster)")
+                say(f"cpu_experts: fused-grouped / fused = {med['fused-grouped', False] / med['fused', False]:.3f} fwd, "
+                    f"{med['fused-grouped', True] / med['fused', True]:.3f} fwd+bwd (> 1: the per-expert GEMMs are faster)")
             ours = min(med["sorted", True], med["fused", True]) if "fused" in cell and "sorted" in cell else None
             if ours is not None:
                 hf = {key: med[key, True] for key in cell if key.startswith("hf")}
