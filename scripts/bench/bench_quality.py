@@ -2,7 +2,7 @@
 on this machine? Layer benchmarks (bench_moe.py, bench_train.py) measure speed; this measures what the
 speed buys.
 
-    python scripts/bench/bench_quality.py                  # dense, fused, fine, shared, upcycled x 240 s: ~25 min, 2 cores
+    python scripts/bench/bench_quality.py                  # dense, fused, wide, fine, shared, upcycled x 240 s: ~30 min
     python scripts/bench/bench_quality.py --steps 1300     # the same rows at the main job's step count
     python scripts/bench/bench_quality.py --rows dense,sorted --budget_s 20                    # a smoke run
     python scripts/bench/bench_quality.py --data_path my.jsonl --budget_s 600 --extra "--warmup_steps 100"
@@ -23,6 +23,7 @@ row's 2F active FFN width):
   masked    E=4, top-2, experts of width F, --moe_impl masked (MiniMind's per-expert loop: the baseline)
   sorted    E=4, top-2, F, --moe_impl sorted
   fused     E=4, top-2, F, --moe_impl fused
+  wide      E=16, top-2, F, fused (more experts of the same width: 4x fused's expert parameters)
   fine      E=16, top-4, experts of width F/2, fused (finer experts)
   shared    E=16, top-3, F/2, plus one shared expert of width F/2, fused (DeepSeekMoE)
   upcycled  the dense row for half the budget, then E=4 top-2 F made of it (--upcycle_from) for the
@@ -32,7 +33,7 @@ row's 2F active FFN width):
 Defaults: D=256, 4 layers, batch 16 x 128 tokens (the main job's), the trainer's LR and warmup, 240 s per row; evaluation on
 the trainer's 16384 validation tokens at step 0 and at the end only. Each run adds ~10-20 s of setup and
 evaluation around its budget (the first run on a fresh machine also builds the data cache, ~1 min), so the
-default five rows take about 25 minutes on 2 CPU cores.
+default six rows take about 30 minutes on 2 CPU cores.
 
 Prints the command line of every run (rerun one with it), then the table and the val-bpb differences
 (dense vs the best MoE row; masked vs the best of ours); writes results.json and results.md, and per row
@@ -53,7 +54,7 @@ sys.path.insert(0, ROOT)
 
 ROWS = ("dense", "masked", "sorted", "fused", "wide", "fine", "shared", "upcycled")
 OUR_MOE_ROWS = ("sorted", "fused", "wide", "fine", "shared", "upcycled")
-DEFAULT_ROWS = ("dense", "fused", "fine", "shared", "upcycled")
+DEFAULT_ROWS = ("dense", "fused", "wide", "fine", "shared", "upcycled")
 UPCYCLE_AT = 0.5  # the upcycled row: this share of its budget (or steps) trains the dense model
 
 
