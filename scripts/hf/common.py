@@ -1,0 +1,83 @@
+"""What the HF-stack scripts share: the embedded question-answer pairs (the SFT set's split), a deterministic
+pick of wrong answers, loading an exported folder, and writing a new one atomically.
+
+The pairs are the SFT set's "What does `name` do?" turns (data/sft_corpus.py), with its split: 'val' names
+were never fine-tuned on, so their scores measure what a model learned, not what it memorised.
+"""
+import json
+import os
+import random
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from data.atomic import atomic_dir  # noqa: E402
+
+
+def qa_pairs(split, limit=None):
+    """[(question, answer)] of the SFT set's split ('train' | 'val'), one per question, in file order.
+    Only the "What does `name` do?" turns: their answers are the docstrings' first paragraphs."""
+    from data.sft_corpus import default_sft_set
+    seen, out = set(), []
+    with open(default_sft_set()[split], encoding="utf-8") as f:
+        for line in f:
+            turns = json.loads(line)["conversations"]
+            for q, a in zip(turns, turns[1:]):
+                if q["role"] == "user" and a["role"] == "assistant" and q["content"].startswith("What does `") \
+                        and q["content"] not in seen:
+                    seen.add(q["content"])
+                    out.append((q["content"], a["content"]))
+    return out[:limit]
+
+
+def wrong_answers(pairs, k, seed=0):
+    """For each pair i, k answers of other pairs (indices != i, answers != pair i's), fixed by `seed`: the
+    rejected answer of a preference pair, the distractors of a multiple-choice question."""
+    rng, n = random.Random(seed), len(pairs)
+    if n <= k:
+        raise ValueError(f"need more than {k} question-answer pairs, got {n}")
+    out = []
+    for i, (_, answer) in enumerate(pairs):
+        picks = []
+        while len(picks) < k:
+            j = rng.randrange(n)
+            if j != i and pairs[j][1] != answer and pairs[j][1] not in picks:
+                picks.append(pairs[j][1])
+        out.append(picks)
+    return out
+
+
+def check_out_dir(out_dir):
+    """Refuse an --out that exists and is not an empty folder (nothing is ever overwritten)."""
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise ValueError(f"{out_dir}: exists and is not an empty folder; choose a new --out")
+
+
+def load_export(path):
+    """(model, tokenizer) of an HF folder (an export of scripts/export_hf.py or one written here), fp32, train mode
+    off. Raises ValueError naming the folder when it is not one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path}: not an exported model folder (no config.json); export one with scripts/export_hf.py")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not tokenizer.chat_template:
+        raise ValueError(f"{path}: the tokenizer has no chat template (export a train/sft.py checkpoint)")
+    return AutoModelForCausalLM.from_pretrained(path, dtype="float32"), tokenizer
+
+
+def save_export(model, tokenizer, out_dir):
+    """model.save_pretrained + tokenizer into out_dir as a whole (a temp folder renamed into place)."""
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+
+def quiet_hf():
+    """No progress bars or per-step logging from transformers / datasets (the scripts print their own figures)."""
+    import datasets
+    import transformers
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
