@@ -371,18 +371,17 @@ def test_user_tools_end_bad_input_in_one_line():
     r = subprocess.run(tools["chat.py"] + ["--ckpt", pre, "--max_new_tokens", "3"], input=b"\xff\xfe bytes\n/quit\n",
                        capture_output=True, timeout=300, env=env)
     assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr[-2000:]
-    for seed in range(5):  # a sample of the tiny model may end at its stop token before the interrupt: another seed
+    for seed in range(8):  # a sample of the tiny model may reach its stop token before the interrupt: another seed
         proc = subprocess.Popen(tools["generate.py"] + ["--ckpt", pre, "--prompt", "the", "--max_new_tokens", "100000",
                                                         "--no_cache", "--seed", str(seed)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         first = proc.stdout.read(3)  # the streamed prompt: generation is under way
         time.sleep(1.0)
         if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        if proc.returncode != 0:  # 0: the sample ended on its own, before or just as the signal was sent
             break
-        proc.communicate()
-    assert proc.poll() is None, "every sample ended within a second: nothing left to interrupt"
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and b"Traceback" not in err and (first + out).startswith(b"the"), (proc.returncode, err)
     afile = os.path.join(_TMP, "not_a_folder")
     open(afile, "w").write("x")
