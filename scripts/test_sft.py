@@ -374,7 +374,9 @@ def test_user_tools_end_bad_input_in_one_line():
     for seed in range(8):  # a sample of the tiny model may reach its stop token before the interrupt: another seed
         proc = subprocess.Popen(tools["generate.py"] + ["--ckpt", pre, "--prompt", "the", "--max_new_tokens", "100000",
                                                         "--no_cache", "--seed", str(seed)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                # a shell's background job starts with SIGINT ignored, and Python then keeps it so
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         first = proc.stdout.read(3)  # the streamed prompt: generation is under way
         time.sleep(1.0)
         if proc.poll() is None:
