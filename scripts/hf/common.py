@@ -14,21 +14,28 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from data.atomic import atomic_dir  # noqa: E402
+from train.flags import Parser, Range, check_ranges, show_ranges  # noqa: E402
+
+RANGES = {"steps": Range(1), "batch_size": Range(1), "max_train": Range(1), "max_eval": Range(1), "rank": Range(1)}
+
+
+def sft_conversations(split):
+    """The embedded SFT set's split ('train' | 'val') as lists of {"role", "content"} messages, in file order."""
+    from data.sft_corpus import default_sft_set
+    with open(default_sft_set()[split], encoding="utf-8") as f:
+        return [json.loads(line)["conversations"] for line in f]
 
 
 def qa_pairs(split, limit=None):
     """[(question, answer)] of the SFT set's split ('train' | 'val'), one per question, in file order.
     Only the "What does `name` do?" turns: their answers are the docstrings' first paragraphs."""
-    from data.sft_corpus import default_sft_set
     seen, out = set(), []
-    with open(default_sft_set()[split], encoding="utf-8") as f:
-        for line in f:
-            turns = json.loads(line)["conversations"]
-            for q, a in zip(turns, turns[1:]):
-                if q["role"] == "user" and a["role"] == "assistant" and q["content"].startswith("What does `") \
-                        and q["content"] not in seen:
-                    seen.add(q["content"])
-                    out.append((q["content"], a["content"]))
+    for turns in sft_conversations(split):
+        for q, a in zip(turns, turns[1:]):
+            if q["role"] == "user" and a["role"] == "assistant" and q["content"].startswith("What does `") \
+                    and q["content"] not in seen:
+                seen.add(q["content"])
+                out.append((q["content"], a["content"]))
     return out[:limit]
 
 
@@ -67,11 +74,15 @@ def load_export(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype="float32"), tokenizer
 
 
-def save_export(model, tokenizer, out_dir):
-    """model.save_pretrained + tokenizer into out_dir as a whole (a temp folder renamed into place)."""
+def save_export(model, tokenizer, out_dir, json_files=None):
+    """model.save_pretrained + tokenizer (+ {name: object} written as JSON) into out_dir as a whole (a temp
+    folder renamed into place)."""
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        for name, obj in (json_files or {}).items():
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                json.dump(obj, f, indent=1)
 
 
 def quiet_hf():
@@ -81,3 +92,30 @@ def quiet_hf():
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
+
+
+def training_parser(doc, out, lr, unit):
+    """The flags both post-training scripts take (--model, --out, --steps, --batch_size, --lr, --max_train,
+    --seed); each script adds its own."""
+    p = Parser(description=doc)
+    p.add_argument("--model", default="exports/minimind-moe-sft", help="exported HF folder to start from (SFT)")
+    p.add_argument("--out", default=out, help="new HF folder to write")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    p.add_argument("--batch_size", type=int, default=16, help=f"{unit} per step")
+    p.add_argument("--lr", type=float, default=lr, help="peak learning rate (cosine, 10%% warmup)")
+    p.add_argument("--max_train", type=int, default=None, help=f"use only the first N training {unit}")
+    p.add_argument("--seed", type=int, default=0, help="training seed (dpo.py: also of the rejected answers)")
+    return p
+
+
+def run_training(p, argv, fn):
+    """Parse argv (a flag out of range: parser error naming it), then fn(args); a ValueError or OSError (a folder
+    that is not an export, an --out that exists) ends the script with one `error:` line, exit code 2."""
+    show_ranges(p, RANGES)
+    args = p.parse_args(argv)
+    check_ranges(p, args, RANGES)
+    try:
+        fn(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -15,18 +15,18 @@ MoE router loss: TRL adds `router_aux_loss_coef * aux_loss` from the folder's co
 our coefficient there, and transformers' Qwen3-MoE balance loss is ours (`minimind` type: E * sum_e f_e P_e over
 all K slots) except that it pools f and P over all layers before the product where we average per-layer losses.
 """
-import json
 import os
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import check_out_dir, load_export, qa_pairs, quiet_hf, save_export, wrong_answers  # noqa: E402
+from common import (check_out_dir, load_export, qa_pairs, quiet_hf, run_training, save_export,  # noqa: E402
+                    training_parser, wrong_answers)
 
 import torch  # noqa: E402
 
-from train.flags import Parser, run_tool  # noqa: E402
+from train.flags import run_tool  # noqa: E402
 
 
 def preference_dataset(pairs, seed=0):
@@ -98,36 +98,19 @@ def dpo(model_dir, out_dir, steps=100, batch_size=16, lr=5e-4, beta=0.1, sft_wei
         f"{r['preference_accuracy_after']:.3f} after; per token {r['per_token_preference_accuracy_before']:.3f} -> "
         f"{r['per_token_preference_accuracy_after']:.3f}; reward accuracy (implicit reward margin > 0) "
         f"{r['reward_accuracy']:.3f}")
-    save_export(trainer.model, tokenizer, out_dir)
-    with open(os.path.join(out_dir, "dpo_results.json"), "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=1)
+    save_export(trainer.model, tokenizer, out_dir, {"dpo_results.json": results})
     log(f"wrote {out_dir}")
     return results
 
 
 def main(argv=None):
-    p = Parser(description=__doc__)
-    p.add_argument("--model", default="exports/minimind-moe-sft", help="exported HF folder to start from (SFT)")
-    p.add_argument("--out", default="exports/minimind-moe-dpo", help="new HF folder to write")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
-    p.add_argument("--batch_size", type=int, default=16, help="preference pairs per step")
-    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (cosine, 10%% warmup)")
+    p = training_parser(__doc__, "exports/minimind-moe-dpo", 5e-4, "preference pairs")
     p.add_argument("--beta", type=float, default=0.1, help="DPO's beta: how far from the starting model")
     p.add_argument("--sft_weight", type=float, default=0.2, help="weight of the NLL of the chosen answers added to "
                    "the DPO loss (RPO), which keeps the model fluent; 0 = plain DPO")
-    p.add_argument("--max_train", type=int, default=None, help="use only the first N training pairs")
     p.add_argument("--max_eval", type=int, default=None, help="use only the first N held-out pairs")
-    p.add_argument("--seed", type=int, default=0, help="seed of the rejected answers and of training")
-    args = p.parse_args(argv)
-    for flag in ("steps", "batch_size", "max_train", "max_eval"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    try:
-        dpo(args.model, args.out, args.steps, args.batch_size, args.lr, args.beta, args.sft_weight, args.max_train,
-            args.max_eval, args.seed)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_training(p, argv, lambda a: dpo(a.model, a.out, a.steps, a.batch_size, a.lr, a.beta, a.sft_weight,
+                                        a.max_train, a.max_eval, a.seed))
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import check_out_dir, load_export, quiet_hf, save_export  # noqa: E402
+from common import (check_out_dir, load_export, quiet_hf, run_training, save_export,  # noqa: E402
+                    sft_conversations, training_parser)
 
 import torch  # noqa: E402
 
-from train.flags import Parser, run_tool  # noqa: E402
+from train.flags import run_tool  # noqa: E402
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -28,12 +29,8 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 def conversations(split, limit=None):
     """datasets.Dataset of {"messages": [...]} from the embedded SFT set's split."""
-    import json
     from datasets import Dataset
-    from data.sft_corpus import default_sft_set
-    with open(default_sft_set()[split], encoding="utf-8") as f:
-        rows = [{"messages": json.loads(line)["conversations"]} for line in f]
-    return Dataset.from_list(rows[:limit])
+    return Dataset.from_list([{"messages": m} for m in sft_conversations(split)[:limit]])
 
 
 def lora(model_dir, out_dir, steps=100, batch_size=16, lr=1e-3, rank=8, max_train=None, seed=0, log=print):
@@ -64,24 +61,9 @@ def lora(model_dir, out_dir, steps=100, batch_size=16, lr=1e-3, rank=8, max_trai
 
 
 def main(argv=None):
-    p = Parser(description=__doc__)
-    p.add_argument("--model", default="exports/minimind-moe-sft", help="exported HF folder to start from")
-    p.add_argument("--out", default="exports/minimind-moe-lora", help="new HF folder to write (the merged model)")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
-    p.add_argument("--batch_size", type=int, default=16, help="conversations per step")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (cosine, 10%% warmup)")
+    p = training_parser(__doc__, "exports/minimind-moe-lora", 1e-3, "conversations")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha = 2 x rank)")
-    p.add_argument("--max_train", type=int, default=None, help="use only the first N training conversations")
-    p.add_argument("--seed", type=int, default=0, help="training seed")
-    args = p.parse_args(argv)
-    for flag in ("steps", "batch_size", "rank", "max_train"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    try:
-        lora(args.model, args.out, args.steps, args.batch_size, args.lr, args.rank, args.max_train, args.seed)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_training(p, argv, lambda a: lora(a.model, a.out, a.steps, a.batch_size, a.lr, a.rank, a.max_train, a.seed))
 
 
 if __name__ == "__main__":
