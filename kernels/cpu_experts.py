@@ -1,14 +1,15 @@
 """The fused MoE path's experts on CPU: one GEMM per expert and projection, everything else once per layer.
 
-    x_R = the rows, each expert's segment padded with zero rows to a bucket size;  gu_R = x_R[seg e] @ W_gu[e]^T
-    h_R = silu(gate) * up * w (routing weight), over the whole buffer;             out_R = h_R[seg e] @ W_down[e]^T
+    x_R = the rows gathered into per-expert segments padded to a bucket size;  gu_R = x_R[seg e] @ W_gu[e]^T
+    h_R = silu(gate) * up * w (routing weight), over the whole buffer;        out_R = h_R[seg e] @ W_down[e]^T
 
 A GEMM's oneDNN kernel is built once per shape at several times the GEMM's cost, hence the buckets (a
-bounded set of shapes). Padding rows are zero with weight 0, so they add nothing to any gradient and each
-weight gradient is one GEMM over its segment. The SwiGLU, its backward and the casts run once per layer
-over the whole buffer in the rows' dtype: per-expert and mixed-dtype elementwise ops cost far more than
-their arithmetic on a CPU. torch's CPU grouped_mm is slower than this loop; on GPUs the fused path runs
-grouped GEMMs (kernels/grouped_gemm.py). Segment bounds are read from CPU memory: no device sync.
+bounded set of shapes). Padding rows repeat a routed row with weight 0: their h and their share of every
+gradient are zero (if finite), and each weight gradient is one GEMM over its segment. The SwiGLU, its
+backward and the casts run once per layer over the whole buffer in the rows' dtype: per-expert and
+mixed-dtype elementwise ops cost far more than their arithmetic on a CPU. torch's CPU grouped_mm is
+slower than this loop; on GPUs the fused path runs grouped GEMMs (kernels/grouped_gemm.py). Segment
+bounds are read from CPU memory: no device sync.
 """
 import torch
 from torch.autograd.function import once_differentiable
@@ -34,11 +35,6 @@ def _mm(a, b, out):
     return out.copy_(onednn_linear(a, b.t()))
 
 
-def _to_padded(t_P_, dst_N, R):
-    """[R, ...]: zeros, and row dst[i] = t[i] for the len(dst) routed rows."""
-    return t_P_.new_zeros(R, *t_P_.shape[1:]).index_copy_(0, dst_N, t_P_[:dst_N.shape[0]])
-
-
 def _from_padded(t_R_, dst_N, P):
     """[P, ...]: row i = t[dst[i]] for the routed rows, zero after them (rows of no expert)."""
     out = t_R_.new_empty(P, *t_R_.shape[1:])
@@ -50,14 +46,15 @@ def _from_padded(t_R_, dst_N, P):
 class _ExpertGEMMs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows_PD, scale_P, layout, *weights):
-        # layout: (host list of (expert, padded start, padded rows) per non-idle expert, padded rows R, dst_N);
+        # layout: (host list of (expert, padded start, padded rows) per non-idle expert, padded rows R, dst_N
+        # each routed row's padded row, src_R each padded row's source row, real_R not a padding row);
         # weights: gate_0, up_0, down_0, gate_1, ... in their own dtype (fp32 master weights under autocast),
         # cast here to the rows' dtype, all at once
-        segs, R, dst_N = layout
+        segs, R, dst_N, src_R, real_R = layout
         E, (P, D), dtype = len(weights) // 3, rows_PD.shape, rows_PD.dtype
         w_gu = torch.cat([w for e in range(E) for w in weights[3 * e:3 * e + 2]]).to(dtype).view(E, -1, D)
         w_down = torch.stack(weights[2::3]).to(dtype)  # [E, D, F]
-        x_RD, s_R = _to_padded(rows_PD, dst_N, R), _to_padded(scale_P.to(dtype), dst_N, R)
+        x_RD, s_R = rows_PD.index_select(0, src_R), torch.where(real_R, scale_P.to(dtype).index_select(0, src_R), 0)
         gu_R2F = rows_PD.new_empty(R, w_gu.shape[1])
         for e, s, m in segs:
             _mm(x_RD[s:s + m], w_gu[e].t(), gu_R2F[s:s + m])
@@ -73,9 +70,9 @@ class _ExpertGEMMs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_PD):
         x_RD, s_R, gu_R2F, silu_RF, h_RF, w_gu, w_down = ctx.saved_tensors
-        (segs, R, dst_N), (need_x, need_scale) = ctx.layout, ctx.needs_input_grad[:2]
+        (segs, R, dst_N, src_R, _), (need_x, need_scale) = ctx.layout, ctx.needs_input_grad[:2]
         (E, F2, D), P = w_gu.shape, grad_PD.shape[0]
-        gy_RD = _to_padded(grad_PD.to(x_RD.dtype), dst_N, R)
+        gy_RD = grad_PD.to(x_RD.dtype).index_select(0, src_R)
         # weight gradients (zero for an idle expert) in the rows' dtype, cast to the weights' dtype at once
         gw_down, gw_gu = x_RD.new_zeros(E, D, F2 // 2), x_RD.new_zeros(E, F2, D)
         gh_RF = h_RF.new_empty(h_RF.shape)
@@ -121,4 +118,6 @@ def expert_gemms(experts, rows_PD, tokens_per_expert_E, row_weight_P):
     n_E, m_E, end = torch.tensor(counts), torch.tensor(padded), sum(counts)  # dst_N: each routed row's padded row
     dst_N = torch.arange(end) + torch.repeat_interleave(m_E.cumsum(0) - m_E - n_E.cumsum(0) + n_E, n_E, output_size=end)
     weights = [w for ex in experts for w in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)]
-    return _ExpertGEMMs.apply(rows_PD, row_weight_P, (segs, start, dst_N), *weights)
+    src_R = torch.zeros(start, dtype=torch.int64).index_copy_(0, dst_N, torch.arange(end))
+    real_R = torch.zeros(start, dtype=torch.bool).index_fill_(0, dst_N, True)
+    return _ExpertGEMMs.apply(rows_PD, row_weight_P, (segs, start, dst_N, src_R, real_R), *weights)

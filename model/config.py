@@ -43,6 +43,7 @@ class MiniMindConfig(PreTrainedConfig):
     n_shared_experts: int = 0
     shared_expert_intermediate_size: int | None = None  # its width; None: n_shared_experts * moe_intermediate_size
     norm_topk_prob: bool = True             # renormalise the k chosen router probabilities to sum to 1
+    routed_scaling_factor: float = 1.0      # multiplies the combine weights (DeepSeek-V2/V3's routed_scaling_factor)
     router_aux_loss_coef: float = _training(0.01)  # balance-loss weight (0 = off)
     capacity_factor: float | None = None    # None: dropless; else an expert takes <= ceil(cf * T * K / E) pairs
     moe_drop_policy: str = "probs"          # which pairs an over-full expert keeps: "probs" (highest weight) | "position"
@@ -102,13 +103,14 @@ class MiniMindConfig(PreTrainedConfig):
         self._check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         self._check(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
         self._check(self.rms_norm_eps > 0, f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        cf = self.capacity_factor
-        self._check(cf is None or (cf > 0 and math.isfinite(cf)), f"capacity_factor must be finite and > 0, or None, got {cf}")
-        self._check(not self.moe_pad_to_capacity or cf is not None, "moe_pad_to_capacity needs capacity_factor to be set")
+        self._check(not self.moe_pad_to_capacity or self.capacity_factor is not None,
+                    "moe_pad_to_capacity needs capacity_factor to be set")
         for name, allowed in (("moe_drop_policy", ("probs", "position")), ("moe_impl", ("sorted", "fused", "masked")),
                               ("router_aux_loss_type", ("minimind", "switch", "sequence", "none")),
                               ("router_dtype", (None, "float32"))):
             self._check(getattr(self, name) in allowed, f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name, v in (("capacity_factor", self.capacity_factor), ("routed_scaling_factor", self.routed_scaling_factor)):
+            self._check(v is None or (v > 0 and math.isfinite(v)), f"{name} must be finite and > 0, got {v}")
         for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
             v = getattr(self, name)
             self._check(v >= 0 and math.isfinite(v), f"{name} must be finite and >= 0, got {v}")

@@ -16,7 +16,8 @@ _SAME = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"
          "pad_token_id", "bos_token_id", "eos_token_id")
 _MOE_ONLY = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef")
 # (training fields do not change the function; aux-loss-free balancing has no Qwen3-MoE counterpart)
-_HANDLED = set(_SAME) | set(_MOE_ONLY) | set(MiniMindConfig.training_fields()) | {"rope_theta", "dropout", "use_moe"}
+_HANDLED = set(_SAME) | set(_MOE_ONLY) | set(MiniMindConfig.training_fields()) | {
+    "rope_theta", "dropout", "use_moe", "routed_scaling_factor"}
 
 
 class ExportError(ValueError):
@@ -81,9 +82,11 @@ def from_hf_config(hf_config) -> MiniMindConfig:
 
 
 def to_hf_state_dict(state_dict, config: MiniMindConfig):
-    """Our state_dict -> HF keys (per-expert layout). Tied lm_head is omitted (HF re-ties it)."""
-    # (our parameter names are already the HF names)
-    return {k: v for k, v in state_dict.items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
+    """Our state_dict -> HF keys (per-expert layout). Tied lm_head is omitted (HF re-ties it). Qwen3-MoE has
+    no routed_scaling_factor s: the experts' down projections take it (the combine is linear in them)."""
+    s = config.routed_scaling_factor if config.use_moe else 1.0  # (our parameter names are the HF names)
+    return {k: v * s if s != 1.0 and ".mlp.experts." in k and k.endswith("down_proj.weight") else v
+            for k, v in state_dict.items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
 
 
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")

@@ -146,6 +146,8 @@ class MOEFeedForward(nn.Module):
             topk_weight_TK = scores_TE.gather(-1, topk_idx_TK)
         if self.config.norm_topk_prob:
             topk_weight_TK = topk_weight_TK / (topk_weight_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.config.routed_scaling_factor != 1.0:
+            topk_weight_TK = topk_weight_TK * self.config.routed_scaling_factor
         balance_loss = z_loss = None
         if self.training and x_TD.shape[0] > 0:
             self._warn_if_router_gets_no_lm_gradient()

@@ -37,20 +37,20 @@ def _tokenizer_dir():
     return path
 
 
-def tiny_run(use_moe=True, tie=True, k=2, seed=0):
+def tiny_run(use_moe=True, tie=True, k=2, seed=0, scale=1.0):
     """A random model with O(1) logits and non-trivial norm weights (so a dropped q/k norm would show),
-    saved as a run directory (ckpt.pt + tokenizer/)."""
+    saved as a run directory (ckpt.pt + tokenizer/); scale: its routed_scaling_factor."""
     cfg = MiniMindConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, use_moe=use_moe, num_experts=4, num_experts_per_tok=k,
                          moe_intermediate_size=48, intermediate_size=96, tie_word_embeddings=tie,
-                         max_position_embeddings=256, initializer_range=0.1)
+                         max_position_embeddings=256, initializer_range=0.1, routed_scaling_factor=scale)
     torch.manual_seed(seed)
     model = MiniMindForCausalLM(cfg).eval()
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, RMSNorm):
                 m.weight.copy_(1 + 0.3 * torch.randn_like(m.weight))
-    run_dir = os.path.join(_TMP, f"run_moe{int(use_moe)}_tie{int(tie)}_k{k}")
+    run_dir = os.path.join(_TMP, f"run_moe{int(use_moe)}_tie{int(tie)}_k{k}_s{scale:g}")
     save_checkpoint(os.path.join(run_dir, "ckpt.pt"), model, extra={"step": 0, "args": {}})
     tok = os.path.join(run_dir, "tokenizer")
     if not os.path.exists(tok):
@@ -85,6 +85,20 @@ def load_hf_quietly(path):
 
 
 CASES = [(True, True, 1), (True, True, 2), (True, False, 1), (True, False, 2), (False, True, 1), (False, False, 1)]
+
+
+def test_routed_scaling_factor_goes_into_the_down_projections():
+    """Qwen3-MoE has no routed_scaling_factor: the export multiplies the experts' down projections by it, so
+    transformers' logits match ours (fp32, TOL), and the import reads a model of factor 1 computing the same."""
+    ours, run_dir = tiny_run(True, True, 2, scale=2.0)
+    hf, _, _ = load_hf_quietly(export(run_dir))
+    back = load_hf_checked(run_dir + "_hf_float32")
+    ids = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a = ours(ids).logits
+        for other in (hf(ids).logits, back(ids).logits):
+            assert (a - other).abs().max().item() <= TOL
+    assert back.config.routed_scaling_factor == 1.0
 
 
 def test_logits_parity_fp32():
@@ -279,7 +293,7 @@ def test_short_context_model_exports_and_pads_like_hf():
 
 TESTS = [test_logits_parity_fp32, test_greedy_generation_identical, test_loads_without_key_warnings,
          test_round_trip_bitwise, test_bf16_export_loads_and_agrees, test_refuses_what_qwen3_cannot_represent,
-         test_main_job_checkpoint_exports_and_generates, test_short_context_model_exports_and_pads_like_hf]
+         test_routed_scaling_factor_goes_into_the_down_projections, test_main_job_checkpoint_exports_and_generates, test_short_context_model_exports_and_pads_like_hf]
 
 if __name__ == "__main__":
     run(TESTS)

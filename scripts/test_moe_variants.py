@@ -1,4 +1,4 @@
-"""Shared experts and sparse upcycling, against plain references.
+"""Shared experts, the routed scaling factor and sparse upcycling, against plain references.
 
     python scripts/test_moe_variants.py
 
@@ -7,7 +7,9 @@ layer's plus a plain FeedForward of the same weights, bitwise on the sorted and 
 in the same order; x's gradient within 1e-6: autograd sums its three branches in its own order) and
 within 1e-6 on the fused path and after kernels.swap.swap_engines (the shared FFN's
 GEMMs run on oneDNN there, and its sum with the routed output rounds once more); under EP on 2 ranks
-training equals one process. Upcycling (`--upcycle_from`, MOEFeedForward.upcycle_from): at step 0 the
+training equals one process. routed_scaling_factor s: the layer equals the unscaled layer with every
+expert's down projection times s (within 1e-6: one product rounds in another place), sorted == masked stays
+bitwise. Upcycling (`--upcycle_from`, MOEFeedForward.upcycle_from): at step 0 the
 upcycled model's logits equal the dense model's (fp32, within 1e-5: the slices of the dense FFN's GEMMs are
 summed in another order), every expert is chosen by some token, and training continues from there.
 """
@@ -92,6 +94,32 @@ def test_shared_expert_config_checks_and_export_refusal():
         raise AssertionError("a shared expert was exported")
 
 
+def test_routed_scaling_factor_is_the_down_projections_times_s():
+    """s = 2.5: y and x's gradient equal the unscaled layer's with each expert's down projection times s
+    (every path, within 1e-6); sorted == masked bitwise; a bad s is refused. (Export: scripts/test_export.py.)"""
+    x, dy = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
+    outs = {}
+    for impl in ("sorted", "masked", "fused", "fused+swaps"):
+        scaled, plain = _layer(impl.split("+")[0], routed_scaling_factor=2.5).train(), _layer(impl.split("+")[0]).train()
+        with torch.no_grad():
+            for e in plain.experts:
+                e.down_proj.weight.mul_(2.5)
+        if impl.endswith("swaps"):
+            swap_engines(scaled, "cpu", torch.float32)
+            swap_engines(plain, "cpu", torch.float32)
+        (y, gx, _), (y_p, gx_p, _) = _fwd_bwd(scaled, x, dy), _fwd_bwd(plain, x, dy)
+        assert (y - y_p).abs().max() < 1e-6 and (gx - gx_p).abs().max() < 1e-6, impl
+        outs[impl] = y, gx
+    assert torch.equal(outs["sorted"][0], outs["masked"][0]) and torch.equal(outs["sorted"][1], outs["masked"][1])
+    for bad in (0.0, -1.0, float("nan")):
+        try:
+            MiniMindConfig(**TINY, routed_scaling_factor=bad)
+        except ValueError as e:
+            assert "routed_scaling_factor" in str(e), e
+        else:
+            raise AssertionError(f"routed_scaling_factor={bad} accepted")
+
+
 def _ep_worker(rank, world, argv):
     from train.pretrain import parse_args, train
     return train(parse_args(argv), log=lambda *_: None)["final_val_loss"]
@@ -120,19 +148,21 @@ def test_shared_experts_train_under_ep_like_one_process():
 
 def test_upcycled_model_computes_the_dense_model_at_step_0():
     """Fine-grained upcycling (dense F=128 into E=8 top-2 experts of F=64, and into E=16 top-4 of F=32, with and
-    without a shared expert) and the classic copy (F=128, E=4 top-2): logits equal the dense model's within
+    without a shared expert, with and without a routed scaling factor) and the classic copy (F=128, E=4 top-2): logits equal the dense model's within
     1e-5, and every expert is the top choice of some token."""
     from train.checkpoint import upcycle
     torch.manual_seed(0)
     dense = MiniMindForCausalLM(MiniMindConfig(**TINY, use_moe=False, intermediate_size=128)).eval()
     ids = torch.randint(0, 300, (4, 64))
     ref = dense(ids).logits
-    for E, k, F, shared in ((8, 2, 64, 0), (16, 4, 32, 0), (8, 2, 64, 1), (4, 2, 128, 0)):
+    for E, k, F, shared, s in ((8, 2, 64, 0, 1.0), (16, 4, 32, 0, 1.0), (8, 2, 64, 1, 1.0), (4, 2, 128, 0, 1.0),
+                               (8, 2, 64, 0, 2.0), (16, 4, 32, 0, 4.0)):
         moe = MiniMindForCausalLM(MiniMindConfig(**TINY, intermediate_size=128, num_experts=E, num_experts_per_tok=k,
-                                                 moe_intermediate_size=F, n_shared_experts=shared)).eval()
+                                                 moe_intermediate_size=F, n_shared_experts=shared,
+                                                 routed_scaling_factor=s)).eval()
         upcycle(moe, dense, seed=1)
         diff = (moe(ids).logits - ref).abs().max().item()
-        assert diff < 1e-5, (E, k, F, shared, diff)
+        assert diff < 1e-5, (E, k, F, shared, s, diff)
         h = dense.model.embed_tokens(ids).reshape(-1, 64)
         chosen = torch.topk(moe.model.layers[0].mlp.gate(h), k, dim=-1).indices.unique()
         assert len(chosen) == E, (E, chosen.tolist())
@@ -170,6 +200,7 @@ def test_upcycle_from_trains_on():
 
 
 TESTS = [test_shared_expert_is_the_routed_layer_plus_a_plain_ffn, test_shared_expert_config_checks_and_export_refusal,
+         test_routed_scaling_factor_is_the_down_projections_times_s,
          test_shared_experts_train_under_ep_like_one_process, test_upcycled_model_computes_the_dense_model_at_step_0,
          test_upcycle_from_trains_on]
 

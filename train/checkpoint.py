@@ -284,12 +284,10 @@ def weights_source(args):
 @torch.no_grad()
 def upcycle(model, dense, seed=0):
     """--upcycle_from, sparse upcycling (Komatsuzaki et al. 2022), fine-grained: `model` (an MoE with the dense
-    model's trunk) gets its embeddings, attention, norms and head; each dense FFN's F_dense hidden units are cut
-    into G = F_dense / F slices, expert e = slice e % G of copy e // G with its down projection times G, and
-    router row e = a random row of copy e // G, so the G slices of a copy tie and top-k (k a multiple of G)
-    takes whole copies, different ones for different tokens. A chosen copy j of per-slice weight w_j adds
-    w_j * G * FFN(x), and with norm_topk_prob the G * w_j sum to 1: the MoE computes the dense model (up to
-    rounding). Without norm_topk_prob, or k not a multiple of G, as close as its weights allow. A shared
+    model's trunk) gets its embeddings, attention, norms and head. Each dense FFN is cut into G = F_dense / F
+    slices: expert e = slice e % G of copy e // G, its down projection times G / routed_scaling_factor, and
+    router row e a random row per copy, so top-k (k a multiple of G) takes whole copies; with norm_topk_prob
+    the MoE then computes the dense model (up to rounding), else as close as its weights allow. A shared
     expert starts with a zero down projection. Raises ValueError (naming the flags) when the sizes do not tile."""
     missing = model.load_state_dict({k: v for k, v in dense.state_dict().items() if ".mlp." not in k}, strict=False)
     assert all(".mlp." in k for k in missing.missing_keys) and not missing.unexpected_keys, missing
@@ -305,7 +303,7 @@ def upcycle(model, dense, seed=0):
             rows = slice((e % G) * F, (e % G + 1) * F)
             expert.gate_proj.weight.copy_(ffn.gate_proj.weight[rows])
             expert.up_proj.weight.copy_(ffn.up_proj.weight[rows])
-            expert.down_proj.weight.copy_(ffn.down_proj.weight[:, rows] * G)
+            expert.down_proj.weight.copy_(ffn.down_proj.weight[:, rows] * (G / c.routed_scaling_factor))
         copies = torch.randn(c.num_experts // G, c.hidden_size, generator=g) * c.initializer_range
         moe.gate.weight.copy_(copies.repeat_interleave(G, dim=0))
         if moe.shared_experts is not None:

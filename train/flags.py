@@ -22,7 +22,7 @@ from train.checkpoint import CKPT_NAME, read_saved_flags
 CONFIG_FIELDS = set(MiniMindConfig.__dataclass_fields__) - set(MiniMindConfig.__mro__[1].__dataclass_fields__)
 # Training runs the fused MoE path (no host sync, the fastest); the layer's own default is "sorted",
 # bitwise the masked reference, which the acceptance test pins.
-TRAINING_DEFAULTS = {"moe_impl": "fused"}
+TRAINING_DEFAULTS = {"moe_impl": "fused", "routed_scaling_factor": None}  # None: num_experts_per_tok
 # Flags a resume never takes from the checkpoint: they describe this invocation, not the run.
 PER_INVOCATION = ("resume", "stop_after", "ep_size", "overwrite", "threads")
 UNLIMITED_STEPS = 10**12  # --max_steps of a new --time_budget_s run that names none
@@ -56,7 +56,8 @@ RANGES = {
                      "save_interval", "log_interval", "ep_size"), AT_LEAST_1),
     **dict.fromkeys(("n_shared_experts", "warmup_steps", "weight_decay", "grad_clip", "stop_after", "sample_tokens",
                      "time_budget_s"), AT_LEAST_0),
-    "learning_rate": POSITIVE, "capacity_factor": POSITIVE, "dropout": Range(0, 1, hi_open=True),
+    **dict.fromkeys(("learning_rate", "capacity_factor", "routed_scaling_factor"), POSITIVE),
+    "dropout": Range(0, 1, hi_open=True),
     "router_aux_loss_coef": Range(0, 10), "router_z_loss_coef": Range(0, 10), "router_bias_update_rate": Range(0, 1),
     "seed": Range(0, 2**32 - 1),
     "vocab_size": Range(259),  # 256 bytes + 3 special tokens (data/tokenizer.py)
@@ -150,6 +151,7 @@ def add_model_flags(p):
     _field(g, "n_shared_experts", "shared experts: a dense SwiGLU every token takes beside the routed ones")
     _field(g, "shared_expert_intermediate_size", "shared experts' width (None: n_shared_experts x "
            "moe_intermediate_size)", type=int)
+    _field(g, "routed_scaling_factor", "combine weights times this (DeepSeek-V3); default: top-k", type=float)
     _field(g, "capacity_factor", "expert capacity = ceil(factor * tokens * top_k / experts); None: dropless",
            type=float)
     _field(g, "moe_drop_policy", "which pairs an over-full expert keeps", choices=("probs", "position"))
@@ -334,6 +336,8 @@ def build_config(args, base=None, vocab_size=None):
         fields = {k: v for k, v in vars(args).items() if k in CONFIG_FIELDS}
         fields.update(use_moe=bool(fields["use_moe"]), moe_pad_to_capacity=bool(fields["moe_pad_to_capacity"]),
                       vocab_size=vocab_size or getattr(args, "vocab_size", None) or 6400)
+    if fields.get("routed_scaling_factor", 1.0) is None:  # the trainer's default (TRAINING_DEFAULTS)
+        fields["routed_scaling_factor"] = float(fields["num_experts_per_tok"])
     try:
         config = MiniMindConfig.from_dict(fields) if base is not None else MiniMindConfig(**fields)
     except (ValueError, TypeError, StrictDataclassError) as e:

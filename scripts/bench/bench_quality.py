@@ -18,7 +18,7 @@ tokens/s = tokens trained / training seconds. The load average is read just befo
 (a busy machine slows a run far more than its share of the cores: compare rows only at similar load).
 
 Rows (--rows picks and orders them; F = --moe_intermediate_size, default 384; every MoE row has the dense
-row's 2F active FFN width):
+row's 2F active FFN width, and the trainer's --routed_scaling_factor, k):
   dense     dense SwiGLU FFN of width 2F
   masked    E=4, top-2, experts of width F, --moe_impl masked (MiniMind's per-expert loop: the baseline)
   sorted    E=4, top-2, F, --moe_impl sorted
@@ -230,7 +230,8 @@ def main(argv=None):
     args = parse_cli(argv)
     flags = {row: resolved_flags(args, row) for row in args.rows}
     os.makedirs(args.out_dir, exist_ok=True)
-    print(f"iso-time benchmark: rows {', '.join(args.rows)}; {args.budget_s:g} s of training each, one at a time; "
+    length = f"{args.steps} steps" if args.steps else f"{args.budget_s:g} s of training"
+    print(f"{'equal-steps' if args.steps else 'iso-time'} benchmark: rows {', '.join(args.rows)}; {length} each, one at a time; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
     results = []
     for row in args.rows:
