@@ -182,7 +182,7 @@ def test_time_budget_ends_the_schedule_and_resume_continues_it():
     """--time_budget_s 3: the run stops on its first step past 3 s of training (no --max_steps needed), the LR
     follows the cosine of the time used (lr/10 at the budget), the final evaluation and checkpoint are at
     that step; a run stopped early resumes with the training seconds it had used (the checkpoint carries
-    them). (Timing-based: on a machine busy enough to make a step take ~0.3 s the lr/10 check is skipped.)"""
+    them). (Timing-based: where the last step takes over 5% of the budget, the lr/10 check is skipped.)"""
     from train.flags import UNLIMITED_STEPS
     from train.loop import lr_at
     budget, lr = 3.0, 3e-3
@@ -207,7 +207,9 @@ def test_time_budget_ends_the_schedule_and_resume_continues_it():
         for before, r in zip(steps[4:], steps[5:]):  # (after the 5 warmup steps) the LR of the time used before
             want = lr_at(r["step"] - 1, 0, lr, 5, progress=before["train_time_s"] / budget)
             assert abs(r["lr"] - want) < 2e-3 * lr, (r, want)
-        if len(steps) >= 20:
+        # the schedule ends near lr/10 (the last step's LR follows the time used before it: a step slowed by
+        # other load may start well before the budget's end, so only short last steps are held to it)
+        if len(steps) >= 20 and times[-1] - times[-2] < 0.05 * budget:
             assert lr * 0.1 <= steps[-1]["lr"] < lr * 0.11, f"last lr {steps[-1]['lr']:.3e}, not ~lr/10"
         ckpt = load_checkpoint(out_dir)
         assert ckpt["step"] == steps[-1]["step"] == s["records"][-1]["step"] and "val_loss" in s["records"][-1]

@@ -538,7 +538,10 @@ def test_import_hf_refuses_every_damaged_folder():
     out = os.path.join(_TMP, "hf_imported")
     r = cli("--hf", hf, "--out", out, script="scripts/import_hf.py")
     assert r.returncode == 0 and not _temp_names(_TMP), r.stderr[-2000:]
-    a, b = load_checkpoint(out)["model"], load_checkpoint(run_dir)["model"]
+    from model.hf_adapter import to_hf_state_dict
+    from model.model_minimind import MiniMindConfig
+    src = load_checkpoint(run_dir)  # what the export holds: routed_scaling_factor folded into the down projections
+    a, b = load_checkpoint(out)["model"], {**src["model"], **to_hf_state_dict(src["model"], MiniMindConfig.from_dict(src["config"]))}
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b), "import is not the exported model"
 
 
