@@ -49,11 +49,12 @@ class _ExpertGEMMs(torch.autograd.Function):
         # layout: (host list of (expert, padded start, padded rows) per non-idle expert, padded rows R, dst_N
         # each routed row's padded row, src_R each padded row's source row, real_R not a padding row);
         # weights: gate_0, up_0, down_0, gate_1, ... in their own dtype (fp32 master weights under autocast),
-        # cast here to the rows' dtype, all at once
+        # cast to the rows' dtype by the copy that joins them (one pass, not two)
         segs, R, dst_N, src_R, real_R = layout
         E, (P, D), dtype = len(weights) // 3, rows_PD.shape, rows_PD.dtype
-        w_gu = torch.cat([w for e in range(E) for w in weights[3 * e:3 * e + 2]]).to(dtype).view(E, -1, D)
-        w_down = torch.stack(weights[2::3]).to(dtype)  # [E, D, F]
+        w_gu = torch.cat([w for e in range(E) for w in weights[3 * e:3 * e + 2]],
+                         out=rows_PD.new_empty(2 * sum(w.shape[0] for w in weights[::3]), D)).view(E, -1, D)
+        w_down = torch.stack(weights[2::3], out=rows_PD.new_empty(E, *weights[2].shape))  # [E, D, F]
         x_RD, s_R = rows_PD.index_select(0, src_R), torch.where(real_R, scale_P.to(dtype).index_select(0, src_R), 0)
         gu_R2F = rows_PD.new_empty(R, w_gu.shape[1])
         for e, s, m in segs:
