@@ -52,8 +52,8 @@ class _ExpertGEMMs(torch.autograd.Function):
         # cast to the rows' dtype by the copy that joins them (one pass, not two)
         segs, R, dst_N, src_R, real_R = layout
         E, (P, D), dtype = len(weights) // 3, rows_PD.shape, rows_PD.dtype
-        w_gu = torch.cat([w for e in range(E) for w in weights[3 * e:3 * e + 2]],
-                         out=rows_PD.new_empty(2 * sum(w.shape[0] for w in weights[::3]), D)).view(E, -1, D)
+        gate_up = [w for e in range(E) for w in weights[3 * e:3 * e + 2]]
+        w_gu = torch.cat(gate_up, out=rows_PD.new_empty(sum(w.shape[0] for w in gate_up), D)).view(E, -1, D)
         w_down = torch.stack(weights[2::3], out=rows_PD.new_empty(E, *weights[2].shape))  # [E, D, F]
         x_RD, s_R = rows_PD.index_select(0, src_R), torch.where(real_R, scale_P.to(dtype).index_select(0, src_R), 0)
         gu_R2F = rows_PD.new_empty(R, w_gu.shape[1])

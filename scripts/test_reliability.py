@@ -541,7 +541,8 @@ def test_import_hf_refuses_every_damaged_folder():
     from model.hf_adapter import to_hf_state_dict
     from model.model_minimind import MiniMindConfig
     src = load_checkpoint(run_dir)  # what the export holds: routed_scaling_factor folded into the down projections
-    a, b = load_checkpoint(out)["model"], {**src["model"], **to_hf_state_dict(src["model"], MiniMindConfig.from_dict(src["config"]))}
+    folded = to_hf_state_dict(src["model"], MiniMindConfig.from_dict(src["config"]))
+    a, b = load_checkpoint(out)["model"], {**src["model"], **folded}
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b), "import is not the exported model"
 
 
