@@ -27,7 +27,7 @@ row's 2F active FFN width, and the trainer's --routed_scaling_factor, k):
   fine      E=16, top-4, experts of width F/2, fused (finer experts)
   shared    E=16, top-3, F/2, plus one shared expert of width F/2, fused (DeepSeekMoE)
   upcycled  the dense row for half the budget, then E=4 top-2 F made of it (--upcycle_from) for the
-            other half: its steps and seconds count both phases
+            other half, on other batches (--seed + 1): its steps and seconds count both phases
 --steps N compares at equal steps instead of equal time (each row N optimizer steps).
 
 Defaults: D=256, 4 layers, batch 16 x 128 tokens (the main job's), the trainer's LR and warmup, 240 s per row; evaluation on
@@ -123,7 +123,8 @@ def run_row(args, row, flags):
     if row == "upcycled":  # a dense phase, then the MoE made of it: the two share the row's budget
         dense_dir = run_dir + "_dense"
         argvs = [command(args, "dense", dense_dir, UPCYCLE_AT),
-                 command(args, row, run_dir, 1 - UPCYCLE_AT, ["--upcycle_from", dense_dir])]
+                 command(args, row, run_dir, 1 - UPCYCLE_AT,  # another seed: other batches than the dense phase's
+                         ["--upcycle_from", dense_dir, "--seed", str(args.seed + 1)])]
     for argv in argvs:
         print(f"\n[{row}] {shlex.join(argv)}", flush=True)
     result = {"row": row, "shape": shape(flags), "command": " && ".join(map(shlex.join, argvs)),
