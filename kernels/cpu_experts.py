@@ -21,8 +21,8 @@ from kernels.grouped_gemm import scaled_swiglu_backward, scaled_swiglu_forward
 
 
 def _bucket(n):
-    """n rows padded to a multiple of 1/16 of n's power of two (<= 6.25% padding; idempotent). Exact counts,
-    new every step, would keep building oneDNN kernels and grow its cache without bound."""
+    """n rows padded to a multiple of 1/16 of n's power of two and of 8 (<= 6.25% from 128 rows; idempotent):
+    exact counts, new every step, would keep building oneDNN kernels and grow its cache without bound."""
     if n <= 16:
         return n
     g = 1 << max(3, n.bit_length() - 5)
@@ -97,8 +97,7 @@ class _ExpertGEMMs(torch.autograd.Function):
             if need_x:
                 _bmm(ggu, w_gu[a:b], _seg(gx_RD, a, b, s, m))
         F_, gw_gu, gw_down = F2 // 2, gw_gu.to(ctx.weight_dtype), gw_down.to(ctx.weight_dtype)
-        slot = {e: i for i, e in enumerate(order)}
-        grad_w = [g for e in range(E) for g in (gw_gu[slot[e], :F_], gw_gu[slot[e], F_:], gw_down[slot[e]])]
+        grad_w = [g for i in map(order.index, range(E)) for g in (gw_gu[i, :F_], gw_gu[i, F_:], gw_down[i])]
         grad_w = [g if need else None for g, need in zip(grad_w, ctx.needs_input_grad[3:])]
         grad_x = _from_padded(gx_RD, dst_N, P) if need_x else None
         grad_scale = _from_padded(gs_R, dst_N, P).to(ctx.scale_dtype) if need_scale else None
@@ -121,16 +120,19 @@ def expert_gemms(experts, rows_PD, tokens_per_expert_E, row_weight_P):
         raise ValueError(f"expert_gemms: needs CPU fp32 (or native-bf16) rows and oneDNN, got {rows_PD.dtype} "
                          f"on {rows_PD.device}")
     counts = cpu_values(tokens_per_expert_E)
-    # about 8 batched GEMMs per projection beat one small GEMM per expert despite the padding (bf16; fp32 runs
-    # one oneDNN GEMM per expert anyway, so it pads nothing)
+    # ~8 batched GEMMs per projection beat one small GEMM per expert despite the padding (bf16); a group takes
+    # only experts of >= 2/3 its largest count, so a skewed routing cannot multiply the padded rows
     group = max(1, len(counts) // 8) if rows_PD.dtype == torch.bfloat16 else 1
     order = sorted(range(len(counts)), key=lambda e: -counts[e])
-    groups, first_row, start = [], [0] * len(counts), 0  # first_row: each expert's first padded row
-    for a in range(0, len(order), group):
-        m = _bucket(counts[order[a]])
-        groups += [(a, min(a + group, len(order)), start, m)] if m else []
-        for e in order[a:a + group]:
+    groups, first_row, start, a = [], [0] * len(counts), 0, 0  # first_row: each expert's first padded row
+    while a < len(order):
+        m, b = _bucket(counts[order[a]]), a + 1
+        while b < min(a + group, len(order)) and 3 * counts[order[b]] >= 2 * m:
+            b += 1
+        groups += [(a, b, start, m)] if m else []
+        for e in order[a:b]:
             first_row[e], start = start, start + m
+        a = b
     n_E, end = torch.tensor(counts), sum(counts)  # dst_N: each routed row's padded row
     shift_E = torch.tensor(first_row) - n_E.cumsum(0) + n_E
     dst_N = torch.arange(end) + torch.repeat_interleave(shift_E, n_E, output_size=end)
