@@ -456,17 +456,20 @@ def test_cpu_expert_gemms():
         assert got.dtype == torch.bfloat16
         want = expert_gemms_reference(master, rows.bfloat16(), counts, weight)
         assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max(), "bf16 rows, fp32 weights"
-        # 16 experts: batched GEMMs over groups of experts sorted by count, an idle expert among them
+        # 16 experts: batched GEMMs over groups of experts sorted by count, an idle expert among them; then
+        # one expert with most rows (groups cut where a count falls below 2/3 of the group's largest)
         master = torch.nn.ModuleList(FeedForward(16, 32) for _ in range(16))
-        rows, counts, weight = expert_rows(60, 4, 16, 0.0, (3,), None, 1, 16)
-        rows, weight = rows.bfloat16().requires_grad_(), weight.requires_grad_()
-        params, g = [rows, weight, *master.parameters()], torch.randn(rows.shape)
-        got = torch.autograd.grad(expert_gemms(master, rows, counts, weight), params, g.bfloat16())
-        want = torch.autograd.grad(expert_gemms_reference(master, rows, counts, weight), params, g.double(),
-                                   allow_unused=True)
-        for i, (a, b) in enumerate(zip(got, want)):  # bf16 rounding of the rows' products: 2% of the largest
-            b = torch.zeros(a.shape, dtype=torch.float64) if b is None else b
-            assert (a.double() - b).abs().max() <= 2e-2 * b.abs().max() + 1e-6, f"bf16, 16 experts: grad {i}"
+        skewed = torch.tensor([3, 40, 9, 8, 0, 7, 5, 30, 2, 2, 1, 0, 0, 1, 6, 6])
+        for rows, counts, weight in (expert_rows(60, 4, 16, 0.0, (3,), None, 1, 16),
+                                     (torch.randn(150, 16), skewed, torch.rand(150))):
+            rows, weight = rows.bfloat16().requires_grad_(), weight.requires_grad_()
+            params, g = [rows, weight, *master.parameters()], torch.randn(rows.shape)
+            got = torch.autograd.grad(expert_gemms(master, rows, counts, weight), params, g.bfloat16())
+            want = torch.autograd.grad(expert_gemms_reference(master, rows, counts, weight), params, g.double(),
+                                       allow_unused=True)
+            for i, (a, b) in enumerate(zip(got, want)):  # bf16 rounding of the rows' products: 2% of the largest
+                b = torch.zeros(a.shape, dtype=torch.float64) if b is None else b
+                assert (a.double() - b).abs().max() <= 2e-2 * b.abs().max() + 1e-6, f"bf16, 16 experts: grad {i}"
     try:
         expert_gemms(torch.nn.ModuleList([FeedForward(4, 4)]), torch.randn(2, 4, dtype=torch.float64),
                       torch.tensor([2]), torch.ones(2, dtype=torch.float64))
