@@ -68,13 +68,13 @@ def row_flags(row, f):
             str(width), "--moe_impl", impl] + (["--n_shared_experts", "1"] if row == "shared" else [])
 
 
-def command(args, row, out_dir, share=1.0, extra=()):
-    """argv of one row's training run (`share` of the budget, or of the steps with --steps)."""
+def command(args, row, out_dir, share=1.0, extra=(), seed=None):
+    """argv of one row's training run (`share` of the budget, or of the steps with --steps; seed: --seed's)."""
     length = ["--max_steps", str(round(args.steps * share))] if args.steps else ["--time_budget_s", f"{args.budget_s * share:g}"]
     argv = [sys.executable, os.path.join(ROOT, "train", "pretrain.py"), "--out_dir", out_dir,
             *length, "--hidden_size", str(args.hidden_size),
             "--num_hidden_layers", str(args.num_hidden_layers), "--batch_size", str(args.batch_size),
-            "--seq_len", str(args.seq_len), "--seed", str(args.seed), "--eval_tokens", str(args.eval_tokens),
+            "--seq_len", str(args.seq_len), "--seed", str(args.seed if seed is None else seed), "--eval_tokens", str(args.eval_tokens),
             "--eval_interval", "1000000000", "--save_interval", "1000000000", "--no_progress", "--sample_tokens", "0",
             *row_flags(row, args.moe_intermediate_size), *extra]
     for flag in ("data_path", "tokenizer", "vocab_size", "learning_rate"):
@@ -123,8 +123,8 @@ def run_row(args, row, flags):
     if row == "upcycled":  # a dense phase, then the MoE made of it: the two share the row's budget
         dense_dir = run_dir + "_dense"
         argvs = [command(args, "dense", dense_dir, UPCYCLE_AT),
-                 command(args, row, run_dir, 1 - UPCYCLE_AT,  # another seed: other batches than the dense phase's
-                         ["--upcycle_from", dense_dir, "--seed", str(args.seed + 1)])]
+                 command(args, row, run_dir, 1 - UPCYCLE_AT, ["--upcycle_from", dense_dir],
+                         seed=args.seed + 1)]  # another seed: other batches than the dense phase's
     for argv in argvs:
         print(f"\n[{row}] {shlex.join(argv)}", flush=True)
     result = {"row": row, "shape": shape(flags), "command": " && ".join(map(shlex.join, argvs)),
