@@ -97,7 +97,7 @@ class _ExpertGEMMs(torch.autograd.Function):
             if need_x:
                 _bmm(ggu, w_gu[a:b], _seg(gx_RD, a, b, s, m))
         F_, gw_gu, gw_down = F2 // 2, gw_gu.to(ctx.weight_dtype), gw_down.to(ctx.weight_dtype)
-        grad_w = [g for i in map(order.index, range(E)) for g in (gw_gu[i, :F_], gw_gu[i, F_:], gw_down[i])]
+        grad_w = [g for i in sorted(range(E), key=order.__getitem__) for g in (gw_gu[i, :F_], gw_gu[i, F_:], gw_down[i])]
         grad_w = [g if need else None for g, need in zip(grad_w, ctx.needs_input_grad[3:])]
         grad_x = _from_padded(gx_RD, dst_N, P) if need_x else None
         grad_scale = _from_padded(gs_R, dst_N, P).to(ctx.scale_dtype) if need_scale else None
