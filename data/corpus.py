@@ -9,6 +9,7 @@ CACHE_DIR, where everything derived from a corpus is cached: `data/cache/`, or $
 """
 import ast
 import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -107,10 +108,15 @@ def build_splits(cache_dir, name, version, records):
     paths = {s: os.path.join(out, f"{s}.jsonl") for s in ("train", "val")}
     if all(os.path.exists(p) for p in paths.values()):
         return paths
-    with atomic_dir(out) as tmp, contextlib.ExitStack() as files:  # both splits appear together or not at all
-        f = {s: files.enter_context(open(os.path.join(tmp, f"{s}.jsonl"), "w", encoding="utf-8")) for s in paths}
-        for split, obj in records:
-            f[split].write(json.dumps(obj, ensure_ascii=False) + "\n")
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(out + ".lock", "a+") as lock:  # a second process building the same corpus waits, then reads it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if all(os.path.exists(p) for p in paths.values()):
+            return paths
+        with atomic_dir(out) as tmp, contextlib.ExitStack() as files:  # both splits appear together or not at all
+            f = {s: files.enter_context(open(os.path.join(tmp, f"{s}.jsonl"), "w", encoding="utf-8")) for s in paths}
+            for split, obj in records:
+                f[split].write(json.dumps(obj, ensure_ascii=False) + "\n")
     return paths
 
 

@@ -1,27 +1,34 @@
 """MiniMindConfig: the architecture of the MiniMind-style GPT (GQA + q/k RMSNorm + RoPE + SwiGLU or MoE FFN),
-and the MoE training choices stored with it. A `transformers.PreTrainedConfig`: saved as config.json and
-inside every checkpoint, from where resume and export read the architecture.
+and the MoE training choices stored with it. A plain dataclass (importing it imports neither torch nor
+transformers, so the trainer's flags parse in a blink): saved as config.json and inside every checkpoint
+(`to_dict`), from where resume and export read the architecture (`from_dict`).
 
 The defaults are the main job's model (train/pretrain.py; the flags take their defaults from here).
 Fields declared with `_training(...)` say how to train, not what function the model computes: they may
 change on --resume / --init_from and the HF export has nothing to carry for them.
 """
+import json
 import math
-from dataclasses import field
+import typing
+from dataclasses import asdict, dataclass, field
 
-from huggingface_hub.dataclasses import strict
-from transformers import PreTrainedConfig
+# Keys transformers' PreTrainedConfig added to the config dicts of checkpoints written while MiniMindConfig
+# was one: read and dropped, so those checkpoints still resume.
+HF_CONFIG_KEYS = {"transformers_version", "architectures", "output_hidden_states", "return_dict", "dtype",
+                  "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
+                  "_name_or_path", "model_type", "output_attentions"}
 
 
 def _training(default):
     return field(default=default, metadata={"training": True})
 
 
-@strict
-class MiniMindConfig(PreTrainedConfig):
-    """Raises ValueError naming the field (`MiniMindConfig.<field> ...`) for an invalid value or combination."""
+@dataclass(kw_only=True)
+class MiniMindConfig:
+    """Raises TypeError naming the field for a value of the wrong type (`hidden_size="64"`) or an unknown
+    field, ValueError naming the field (`MiniMindConfig.<field> ...`) for an invalid value or combination."""
 
-    model_type = "minimind"
+    model_type: typing.ClassVar[str] = "minimind"
 
     vocab_size: int = 6400
     hidden_size: int = 256                  # model width D
@@ -70,11 +77,32 @@ class MiniMindConfig(PreTrainedConfig):
         """Names of the fields that choose how to train (see `_training`)."""
         return tuple(n for n, f in cls.__dataclass_fields__.items() if f.metadata.get("training"))
 
+    def to_dict(self):
+        """Every field (plain JSON values) and `model_type`."""
+        return {**asdict(self), "model_type": self.model_type}
+
+    def to_json_string(self):
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, fields):
+        """The config a `to_dict()` (or an older checkpoint's config dict) describes. Raises TypeError /
+        ValueError as the constructor."""
+        return cls(**{k: v for k, v in fields.items() if k not in HF_CONFIG_KEYS})
+
     def _check(self, ok, message):
         if not ok:
             raise ValueError(f"MiniMindConfig.{message}")
 
-    def __post_init__(self, **kwargs):
+    def _check_types(self):
+        for name, f in self.__dataclass_fields__.items():
+            value = getattr(self, name)
+            if not any(_is_a(value, t) for t in (typing.get_args(f.type) or (f.type,))):
+                wanted = f.type.__name__ if isinstance(f.type, type) else str(f.type)
+                raise TypeError(f"MiniMindConfig.{name} must be {wanted}, got {value!r} ({type(value).__name__})")
+
+    def __post_init__(self):
+        self._check_types()
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "max_position_embeddings", "num_experts", "num_experts_per_tok"):
             self._check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
@@ -116,4 +144,17 @@ class MiniMindConfig(PreTrainedConfig):
             self._check(v >= 0 and math.isfinite(v), f"{name} must be finite and >= 0, got {v}")
         self._check(self.router_bias_update_rate == 0 or self.use_moe,
                     "router_bias_update_rate > 0 needs use_moe=True (a dense model has no router)")
-        super().__post_init__(**kwargs)
+
+
+def _is_a(value, annotation):
+    """Whether `value` is of the field type `annotation` (one member of a union): bool is not an int, an
+    int is a float, list[int] holds ints."""
+    if annotation is type(None):
+        return value is None
+    if typing.get_origin(annotation) is list:
+        return isinstance(value, list) and all(_is_a(v, int) for v in value)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, annotation)

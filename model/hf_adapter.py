@@ -27,7 +27,7 @@ class ExportError(ValueError):
 def check_exportable(config: MiniMindConfig):
     """Raise ExportError naming every config feature that Qwen3 / Qwen3-MoE cannot express."""
     default = MiniMindConfig()
-    own = set(MiniMindConfig.__dataclass_fields__) - set(MiniMindConfig.__mro__[1].__dataclass_fields__)
+    own = set(MiniMindConfig.__dataclass_fields__)
     bad = [f for f in sorted(own - _HANDLED) if getattr(config, f) != getattr(default, f)]
     if bad:
         raise ExportError(f"cannot export: Qwen3/Qwen3-MoE has no equivalent of {', '.join(bad)} "

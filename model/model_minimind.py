@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
 
 from model.config import MiniMindConfig
 from model.moe import FeedForward, MOEFeedForward
@@ -109,23 +108,18 @@ class MiniMindBlock(nn.Module):
         return x, present
 
 
-class MiniMindPreTrainedModel(PreTrainedModel):
-    config_class = MiniMindConfig
-    base_model_prefix = "model"
-    _no_split_modules = ["MiniMindBlock"]
-
-    @torch.no_grad()
-    def _init_weights(self, module):
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            module.weight.normal_(0.0, std)
-        elif isinstance(module, nn.Embedding):
-            module.weight.normal_(0.0, std)
-        elif isinstance(module, RMSNorm):
-            module.weight.fill_(1.0)
+@torch.no_grad()
+def init_weights(module: nn.Module, std: float):
+    """GPT-2's init on `module` and everything inside it, in `named_modules` order (so a seed gives the same
+    weights whatever else the model holds): linear and embedding weights ~ N(0, std^2), norm weights 1."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            m.weight.normal_(0.0, std)
+        elif isinstance(m, RMSNorm):
+            m.weight.fill_(1.0)
 
 
-class MiniMindModel(MiniMindPreTrainedModel):
+class MiniMindModel(nn.Module):
     """Decoder stack. forward(input_ids [B, S] int64, past_key_values, use_cache, attention_mask [B, P + S]
     (1 = token, 0 = padding; P = cached positions) or None) -> hidden [B, S, D], presents, aux_loss (scalar:
     the MoE layers' router losses averaged over layers, so one layer's imbalance cannot offset another's
@@ -141,7 +135,8 @@ class MiniMindModel(MiniMindPreTrainedModel):
     """
 
     def __init__(self, config: MiniMindConfig):
-        super().__init__(config)
+        super().__init__()
+        self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(MiniMindBlock(config) for _ in range(config.num_hidden_layers))
@@ -149,7 +144,7 @@ class MiniMindModel(MiniMindPreTrainedModel):
         # RoPE tables: built on first use on the input's device, not buffers, so nothing can leave them
         # stale (from_pretrained materialises non-persistent buffers from the meta device uninitialised).
         self._rope = None
-        self.post_init()
+        init_weights(self, config.initializer_range)
 
     def rope(self, start, length, device, position_ids_BS=None):
         """cos, sin for positions start..start+length-1 ([length, head_dim] fp32), or for the given
@@ -231,19 +226,19 @@ class MiniMindCausalLMOutput:
     past_key_values: list | None = None
 
 
-class MiniMindForCausalLM(MiniMindPreTrainedModel):
+class MiniMindForCausalLM(nn.Module):
     """Causal LM head on MiniMindModel. forward(input_ids [B, S] int64, labels [B, S] int64 or None
     (position t predicts labels[:, t]; -100 ignored), past_key_values, use_cache, attention_mask, segment_ids
     (see MiniMindModel)) -> MiniMindCausalLMOutput(loss = ce_loss + aux_loss, ce_loss, aux_loss, logits
     [B, S, V] in the compute dtype (None with labels once kernels/swap.py swaps in the chunked loss),
     past_key_values: (k, v) [B, G, L, Dh] per layer when use_cache)."""
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: MiniMindConfig):
-        super().__init__(config)
+        super().__init__()
+        self.config = config
         self.model = MiniMindModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
+        init_weights(self.lm_head, config.initializer_range)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

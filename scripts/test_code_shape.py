@@ -1,6 +1,6 @@
 """The structure the project promises, checked: a plain model with no engine or distributed code, a short
 MoE call path, imports that only run down the layers, one loop file, one atomic-write helper, short
-functions, product size, and READMEs whose layout tables name every source file.
+functions, and READMEs whose layout tables name every source file.
 
     python scripts/test_code_shape.py
 """
@@ -15,9 +15,6 @@ import torch
 from testlib import ROOT, run
 
 MAX_FUNCTION_LINES = 80   # any function in train/ and in the MoE layer's files
-MAX_PRODUCT_LINES = 4870  # non-blank lines of model/, train/, data/, kernels/ (17% below 5,857; +15 for the batched CPU experts)
-MAX_MODEL_LINES = 1025   # the plain model (with shared experts)
-MAX_LOOP_LINES = 560      # non-blank lines of train/loop.py
 # which top-level folders each folder may import from (the arrows run down: scripts -> train -> kernels ->
 # model; data is used by train and by nothing below it)
 ALLOWED_IMPORTS = {"model": {"model"}, "data": {"data"}, "kernels": {"kernels", "model"},
@@ -102,18 +99,9 @@ def test_moe_call_path_is_short():
 
 
 def test_one_loop_file():
-    loop = os.path.join(ROOT, "train", "loop.py")
-    assert _nonblank([loop]) <= MAX_LOOP_LINES, f"train/loop.py has {_nonblank([loop])} non-blank lines"
     uses = [os.path.relpath(f, ROOT) for f in _files("train/*.py") if not f.endswith("loop.py")
             and re.search(r"def train_step|\.backward\(\)", open(f, encoding="utf-8").read())]
     assert not uses, f"training-step code outside train/loop.py: {uses}"
-
-
-def test_product_size():
-    product = _files("model/*.py", "train/*.py", "data/*.py", "kernels/*.py")
-    n, n_model = _nonblank(product), _nonblank(_files("model/*.py"))
-    assert n <= MAX_PRODUCT_LINES, f"{n} non-blank product lines (at most {MAX_PRODUCT_LINES})"
-    assert n_model <= MAX_MODEL_LINES, f"model/ has {n_model} non-blank lines (at most {MAX_MODEL_LINES})"
 
 
 def test_functions_fit_on_a_screen():
@@ -158,7 +146,7 @@ def test_readmes_name_every_source_file():
 
 
 TESTS = [test_imports_run_down_the_layers, test_model_is_plain_pytorch, test_moe_call_path_is_short,
-         test_one_loop_file, test_product_size, test_functions_fit_on_a_screen, test_one_atomic_write_helper,
+         test_one_loop_file, test_functions_fit_on_a_screen, test_one_atomic_write_helper,
          test_no_machine_timings_in_docstrings, test_readmes_name_every_source_file]
 
 if __name__ == "__main__":

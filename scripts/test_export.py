@@ -15,6 +15,7 @@ import warnings
 
 import torch
 
+import testlib  # noqa: E402
 from testlib import ROOT, Skip, run  # noqa: F401
 from model import hf_adapter
 from model.hf_adapter import ExportError, from_hf_config
@@ -243,10 +244,7 @@ def test_main_job_checkpoint_exports_and_generates():
     """A (short) run of the main job -> export -> transformers generate prints text; generate.py works on
     both sides and gives the same greedy text."""
     from train.pretrain import parse_args, train
-    out_dir = os.path.join(_TMP, "pretrain")
-    train(parse_args(["--out_dir", out_dir, "--max_steps", "40", "--hidden_size", "64", "--num_hidden_layers", "2",
-                      "--moe_intermediate_size", "64", "--eval_tokens", "2048", "--no_progress",
-                      "--sample_tokens", "0", "--learning_rate", "1e-2", "--warmup_steps", "5"]), log=lambda *_: None)
+    out_dir = testlib.tiny_run()
     hf_dir = os.path.join(_TMP, "pretrain_hf")
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export_hf.py"), "--ckpt", out_dir, "--out", hf_dir],
                        capture_output=True, text=True, timeout=600)

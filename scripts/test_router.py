@@ -10,7 +10,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from testlib import Skip, run  # noqa: F401
+from testlib import SHARED, Skip, run  # noqa: F401
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, MOEFeedForward
 from model.router import (layer_mean, minimind_aux_loss, router_z_loss, sequence_aux_loss, switch_aux_loss,
                           tokens_per_expert)
@@ -295,7 +295,8 @@ def test_training_logs_load_and_draws_heatmap():
             "--batch_size", "4", "--vocab_size", "512", "--eval_tokens", "512", "--max_steps", "6", "--log_interval", "3",
             "--eval_interval", "6", "--no_progress", "--sample_tokens", "0", "--router_aux_loss_type", "switch",
             "--router_z_loss_coef", "1e-3", "--router_bias_update_rate", "1e-2", "--out_dir", out]
-    s = train(parse_args(args), log=lambda *_: None)
+    text = os.path.join(SHARED, "data", "tinyshakespeare.txt")  # (else the embedded corpus, built once per suite)
+    s = train(parse_args(args + (["--data_path", text] if os.path.exists(text) else [])), log=lambda *_: None)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     logged = [r for r in rows if "expert_load" in r]
     assert [r["step"] for r in logged] == [3, 6]

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from testlib import ROOT, run, spawn_ranks
+from testlib import ROOT, run, spawn_ranks, tiny_run
 from data.chat import (Conversations, PackedBatches, check_conversation, load_conversations, pack,
                        tokenize_conversation, window_tensors)
 from data.sources import DataError
@@ -303,17 +303,8 @@ def cli(*argv, script="train/sft.py"):
                           timeout=900, cwd=_TMP)
 
 
-TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "2", "--num_key_value_heads", "1",
-        "--moe_intermediate_size", "64", "--batch_size", "4", "--no_progress"]
-
-
 def pretrained():
-    out = os.path.join(_TMP, "pre")
-    if not os.path.exists(os.path.join(out, "ckpt.pt")):
-        r = cli(*TINY, "--max_steps", "20", "--seq_len", "64", "--sample_tokens", "0", "--out_dir", out,
-                script="train/pretrain.py")
-        assert r.returncode == 0, r.stderr[-3000:]
-    return out
+    return tiny_run()
 
 
 def test_sft_stage_trains_resumes_bitwise_and_chats():

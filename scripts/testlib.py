@@ -53,6 +53,31 @@ def run(tests, argv=None):
     sys.exit(1 if fails else 0)
 
 
+# The suite's tiny pretrained run (tiny_run): the main job on the embedded corpus, shrunk to 2 layers of width 64
+TINY_RUN_FLAGS = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
+                  "--num_key_value_heads", "2", "--moe_intermediate_size", "64", "--seq_len", "64", "--batch_size", "8",
+                  "--max_steps", "40", "--learning_rate", "1e-2", "--warmup_steps", "5", "--eval_tokens", "2048",
+                  "--sample_tokens", "0", "--time_budget_s", "0", "--no_progress"]
+
+
+def tiny_run():
+    """The folder of a tiny pretrained run (train/pretrain.py TINY_RUN_FLAGS: ckpt.pt, tokenizer/, ...), built
+    once per MINIMIND_CACHE_DIR (so once per run_tests.py run; scripts running side by side wait for one
+    build under a file lock). Read-only: runs starting from it (--init_from, export) write elsewhere."""
+    import fcntl
+    import subprocess
+    folder = os.path.join(os.environ["MINIMIND_CACHE_DIR"], "tiny-run")
+    with open(folder + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(folder, "built")):
+            shutil.rmtree(folder, ignore_errors=True)  # (a build killed half-way)
+            r = subprocess.run([sys.executable, os.path.join(ROOT, "train", "pretrain.py"), *TINY_RUN_FLAGS,
+                                "--out_dir", folder], capture_output=True, text=True, timeout=1200)
+            assert r.returncode == 0, f"the tiny pretrained run failed:\n{r.stderr[-3000:]}"
+            open(os.path.join(folder, "built"), "w").close()
+    return folder
+
+
 def free_port():
     import socket
     with socket.socket() as s:

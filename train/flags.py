@@ -16,16 +16,14 @@ import sys
 from dataclasses import dataclass
 
 from model.config import MiniMindConfig
-from train.checkpoint import CKPT_NAME, read_saved_flags
 
-# MiniMindConfig's own fields (not those it inherits from transformers' PreTrainedConfig, e.g. dtype)
-CONFIG_FIELDS = set(MiniMindConfig.__dataclass_fields__) - set(MiniMindConfig.__mro__[1].__dataclass_fields__)
+CONFIG_FIELDS = set(MiniMindConfig.__dataclass_fields__)
 # Training runs the fused MoE path (no host sync, the fastest); the layer's own default is "sorted",
 # bitwise the masked reference, which the acceptance test pins.
 TRAINING_DEFAULTS = {"moe_impl": "fused", "routed_scaling_factor": None}  # None: num_experts_per_tok
 # Flags a resume never takes from the checkpoint: they describe this invocation, not the run.
 PER_INVOCATION = ("resume", "stop_after", "ep_size", "overwrite", "threads")
-UNLIMITED_STEPS = 10**12  # --max_steps of a new --time_budget_s run that names none
+UNLIMITED_STEPS = 10**12  # --max_steps of a run given --time_budget_s on its command line without --max_steps
 
 
 @dataclass(frozen=True)
@@ -180,8 +178,9 @@ def add_train_flags(p, default_out_dir):
     g.add_argument("--learning_rate", type=float, default=3e-3, help="peak learning rate")
     g.add_argument("--warmup_steps", type=int, default=50, help="linear warmup steps, then cosine to lr/10")
     g.add_argument("--time_budget_s", type=float, default=0.0,
-                   help="train this many seconds of training time (not setup, evaluation or saving; a resume "
-                   "continues it), the cosine following the fraction used; such a run does not repeat bit for bit. 0 = off")
+                   help="seconds of training (not setup, evaluation or saving; a resume continues them): the step "
+                   "time measured over the first ~20 steps fixes the run's steps (at most --max_steps) and the cosine "
+                   "runs over them; the run also stops once they are spent. 0 = train --max_steps steps")
     g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay on matrices")
     g.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0 = off)")
     g.add_argument("--seed", type=int, default=1337, help="seed for init and data order")
@@ -243,8 +242,8 @@ def parse_args(stage, argv=None):
     args = parser.parse_args(argv)
     if args.resume:
         args = _merge_resume(parser, stage, args, argv)
-    elif args.time_budget_s and not given(argv, "max_steps"):
-        args.max_steps = UNLIMITED_STEPS  # the budget ends the run (a resume keeps the checkpoint's value)
+    elif args.time_budget_s and given(argv, "time_budget_s") and not given(argv, "max_steps"):
+        args.max_steps = UNLIMITED_STEPS  # the budget plans the run (a resume keeps the checkpoint's value)
     trains_tokenizer = getattr(args, "tokenizer", None) is None and not (args.resume or args.init_from or args.upcycle_from)
     check_ranges(parser, args, {k: r for k, r in RANGES.items() if k != "vocab_size" or trains_tokenizer})
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
@@ -259,6 +258,7 @@ def parse_args(stage, argv=None):
 
 
 def _merge_resume(parser, stage, args, argv):
+    from train.checkpoint import CKPT_NAME, read_saved_flags  # (torch: only a resume needs it while parsing)
     path = args.resume
     if path == "auto" or os.path.isdir(path):
         path = os.path.join(args.out_dir if path == "auto" else path, CKPT_NAME)
@@ -328,7 +328,6 @@ def build_config(args, base=None, vocab_size=None):
     weights' config dict) or the flags, the training fields from the flags; vocab_size from the tokenizer
     when known (else the flag). The architecture flags are then set to what the run uses, so the flags
     saved with the next checkpoint are true. Raises ValueError naming the flags."""
-    from huggingface_hub.errors import StrictDataclassError
     training = {f: getattr(args, f) for f in MiniMindConfig.training_fields()}
     if base is not None:
         fields = {**base, **training}
@@ -340,7 +339,7 @@ def build_config(args, base=None, vocab_size=None):
         fields["routed_scaling_factor"] = float(fields["num_experts_per_tok"])
     try:
         config = MiniMindConfig.from_dict(fields) if base is not None else MiniMindConfig(**fields)
-    except (ValueError, TypeError, StrictDataclassError) as e:
+    except (ValueError, TypeError) as e:
         raise ValueError(flag_names(str(e).splitlines()[0])) from None
     for k in architecture_fields():
         if k != "vocab_size" and hasattr(args, k):

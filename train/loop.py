@@ -31,6 +31,7 @@ from data.tokenizer import stop_token_ids
 from kernels.swap import bf16_pays, describe as describe_engines, swap_engines
 from model.model_minimind import MiniMindForCausalLM
 from train import flags
+from train.stage import Stage, StageData
 from train.checkpoint import (CKPT_NAME, abandon_run_dir, claim_run_dir, copy_tokenizer, count_val_bytes,
                               load_checkpoint, save_checkpoint, upcycle, weights_source)
 from train.parallel import (PeerFailed, check_same_on_all_ranks, clip_grad_norm_ep, ep_dispatchers, expert_param_names,
@@ -43,46 +44,46 @@ from train.threads import thread_tuner
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass
-class StageData:
-    """A stage's data. train_batches: `.next() -> (x_BS, y_BS[, segment_ids_BS])` int64 CPU tensors of the
-    global batch (rank r trains on rows [r*B, (r+1)*B)), `.state_dict()` / `.load_state_dict()` the exact
-    position; val_batches: such tuples, the same every evaluation; identity: values a resume must find
-    unchanged; unigram_entropy: nats/token of the context-free model on the validation tokens or None."""
-    tokenizer: object
-    tokenizer_dir: str
-    train_batches: object
-    val_batches: list
-    identity: dict = field(default_factory=dict)
-    unigram_entropy: float | None = None
-    val_targets: int = 0  # supervised validation tokens and the UTF-8 bytes they stand for (bits per byte)
-    val_bytes: int = 0
-
-
-@dataclass
-class Stage:
-    """name: train/<name>.py and the progress bar's label; add_data_flags(group); load_data(args,
-    tokenizer_dir, global_batch_size, log) -> StageData (raises DataError); data_order_flags: fixed on
-    resume; sample_prompt: what the end-of-run sample continues; defaults: the stage's flag defaults."""
-    name: str
-    description: str
-    default_out_dir: str
-    add_data_flags: Callable
-    load_data: Callable
-    data_order_flags: tuple = ()
-    sample_prompt: str = "The"
-    defaults: dict = field(default_factory=dict)
-
-
-def lr_at(step, max_steps, lr, warmup_steps, min_lr_ratio=0.1, progress=None):
+def lr_at(step, max_steps, lr, warmup_steps, min_lr_ratio=0.1):
     """Linear warmup over `warmup_steps`, then cosine decay to lr * min_lr_ratio at `max_steps`: a pure
-    function of the (0-based) step, so a resume cannot get it wrong. `progress` (a run planned by time: the
-    fraction of its budget used) replaces the step's progress through the decay."""
+    function of the (0-based) step, so a resume cannot get it wrong."""
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
-    if progress is None:
-        progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+# A --time_budget_s run measures its step time between its first log step at least PLAN_SKIP steps in (first
+# steps pay one-off costs: kernel set-up, the thread tuner's probes) and the first log step PLAN_MEASURE steps
+# later; that rate fixes its number of steps, and the cosine runs over them.
+PLAN_SKIP, PLAN_MEASURE = 5, 15
+
+
+def plan_steps(state, args, log):
+    """On a --time_budget_s run not yet planned: at a log step (where every rank holds the same clock) mark
+    the start of the measurement, or, PLAN_MEASURE steps after the mark, set state.planned_steps to the steps
+    that fit the budget at the measured rate (at most --max_steps) and say so. Returns True when it planned."""
+    if not args.time_budget_s or state.planned_steps is not None or state.step % args.log_interval:
+        return False
+    if state.plan_mark is None:
+        if state.step - state.start_step >= PLAN_SKIP:
+            state.plan_mark = (state.step, state.train_s)
+        return False
+    mark_step, mark_s = state.plan_mark
+    if state.step - mark_step < PLAN_MEASURE:
+        return False
+    step_s = (state.train_s - mark_s) / (state.step - mark_step)
+    fit = state.step + max(1, int((args.time_budget_s - state.train_s) / max(step_s, 1e-9)))
+    state.planned_steps = min(args.max_steps, fit)
+    left_s = (state.planned_steps - state.step) * step_s
+    left = f"{left_s:.0f} s" if left_s < 120 else f"{left_s / 60:.1f} minutes"
+    if fit >= args.max_steps:
+        why = f"--max_steps {args.max_steps} fit --time_budget_s {args.time_budget_s:g}"
+    else:
+        why = f"what fits --time_budget_s {args.time_budget_s:g}" + (
+            f"; --time_budget_s 0 trains all --max_steps {args.max_steps}" if args.max_steps < flags.UNLIMITED_STEPS else "")
+    log(f"plan: {state.planned_steps} steps ({why}): about {left} more training at {step_s:.3f} s/step")
+    return True
 
 
 class TrainClock:
@@ -139,8 +140,10 @@ class TrainState:
     start_step: int = 0
     clock: TrainClock = field(default_factory=TrainClock)
     telemetry: LoadTelemetry = field(default_factory=LoadTelemetry)
-    train_s: float = 0.0                # the clock as all ranks agree on it: the LR and the budget use it
+    train_s: float = 0.0                # the clock as all ranks agree on it: the plan and the budget use it
     out_of_time: bool = False           # --time_budget_s is spent: this step is the run's last
+    planned_steps: int | None = None    # a --time_budget_s run's steps once planned (plan_steps)
+    plan_mark: tuple | None = None      # (step, train_s) where plan_steps started measuring
     interval_steps: int = 0
     interval_start: float = 0.0
     last_val: tuple | None = None       # (step, val_loss) of the latest evaluation
@@ -149,15 +152,24 @@ class TrainState:
     stopped_by: str | None = None       # "--stop_after" or a signal name
 
     def state_dict(self):
-        return {"step": self.step, "train_time_s": self.clock.read(), "data": self.batches.state_dict(),
+        return {"step": self.step, "train_time_s": self.clock.read(), "planned_steps": self.planned_steps,
+                "data": self.batches.state_dict(),
                 "rng": {"torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
                 "scaler": self.scaler.state_dict(), "router_load": self.telemetry.state_dict()}
+
+    def total_steps(self, args):
+        """The steps this run trains: the plan of a --time_budget_s run once made, else --max_steps (None: a
+        --time_budget_s run with no --max_steps, not planned yet)."""
+        if args.time_budget_s and self.planned_steps is not None:
+            return self.planned_steps
+        return None if args.max_steps == flags.UNLIMITED_STEPS else args.max_steps
 
     def load_state_dict(self, sd):
         self.step = self.start_step = sd["step"]
         self.clock = TrainClock(sd["train_time_s"])
         self.train_s = sd["train_time_s"]
+        self.planned_steps = sd.get("planned_steps")  # (absent from checkpoints written before plans)
         self.batches.load_state_dict(sd["data"])
         torch.set_rng_state(sd["rng"]["torch"])
         if torch.cuda.is_available() and sd["rng"]["cuda"]:
@@ -203,14 +215,14 @@ def train(args, log=print, stage=None):
         if state.step == 0:
             evaluate_and_record(run, state, None, first=True)
         run.log(f"setup: {time.time() - t_start:.1f} s to the first step")
-        progress = Progress(stage.name, state.step, None if args.time_budget_s else args.max_steps,
+        progress = Progress(stage.name, state.step, state.total_steps(args),
                             ctx.is_main and not args.no_progress, run.log)
         tuner = thread_tuner(run.device, run.args.threads, run.ctx.distributed, run.log)
         state.clock.start()
         state.interval_start = state.clock.read()
         state.out_of_time = spent(args, state.train_s)
         with state.stop_signal:
-            while state.step < args.max_steps and not state.out_of_time:
+            while state.step < (state.total_steps(args) or flags.UNLIMITED_STEPS) and not state.out_of_time:
                 t_step = time.perf_counter()
                 lr, ce, aux, grad_norm, load_LE = train_step(run, state)
                 if tuner:  # (on CPU the step has finished here: nothing runs asynchronously)
@@ -351,8 +363,7 @@ def train_step(run, state):
     own step. Returns (lr, LM-loss part, router-loss part, grad norm, load [L, E] or None); the parts are
     this rank's, detached: summed over ranks they give the global batch's losses."""
     args, ctx = run.args, run.ctx
-    lr = lr_at(state.step, args.max_steps, args.learning_rate, args.warmup_steps,
-               progress=state.train_s / args.time_budget_s if args.time_budget_s else None)
+    lr = lr_at(state.step, state.total_steps(args) or flags.UNLIMITED_STEPS, args.learning_rate, args.warmup_steps)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
     batches = [state.batches.next() for _ in range(args.grad_accum)]  # global batches, on the CPU
@@ -420,7 +431,9 @@ def after_step(run, state, progress, lr, ce, aux, grad_norm, load_LE):
     state.telemetry.add(load_LE)
     track_finite(state, ce + aux + (grad_norm if grad_norm is not None and not state.scaler.is_enabled() else 0))
     state.stopped_by = stop_reason(run, state)  # (also decides out_of_time, before this step's log and eval)
-    last = state.step == args.max_steps or state.out_of_time
+    if plan_steps(state, args, progress.say):
+        progress.set_total(state.planned_steps)
+    last = state.step >= (state.total_steps(args) or flags.UNLIMITED_STEPS) or state.out_of_time
     if state.step % args.log_interval == 0 or last:
         check_finite(run, state)
         progress.update(log_train(run, state, lr, ce, aux, grad_norm), show_load=bool(args.show_load))
@@ -432,7 +445,8 @@ def after_step(run, state, progress, lr, ce, aux, grad_norm, load_LE):
     if state.step % args.save_interval == 0 or last or state.stopped_by:
         check_finite(run, state)
         with state.clock.paused():
-            save(run, state)
+            # (the plots cost a small model more than its checkpoint: drawn with an evaluation or at the end)
+            save(run, state, plots=last or bool(state.stopped_by) or state.step % args.eval_interval == 0)
     if state.stopped_by:
         python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
         progress.say(f"stopped at step {state.step} ({state.stopped_by}); continue with: {python} "
@@ -544,9 +558,9 @@ def evaluate_and_record(run, state, progress, first=False):
         progress.say(f"step {state.step}: {said}")
 
 
-def save(run, state):
+def save(run, state, plots=True):
     """Checkpoint (the single-process layout: under EP every rank first gets the owners' experts), config and
-    plots; never non-finite weights or optimizer state. Only rank 0 writes."""
+    (with `plots`) the plots; never non-finite weights or optimizer state. Only rank 0 writes."""
     if run.ctx.ep_size > 1:
         gather_experts(run.model, run.optimizer, run.ctx.ep_group)
     tensors = [*run.model.parameters(), *run.model.buffers(),
@@ -562,6 +576,8 @@ def save(run, state):
         **state.state_dict(), "args": dict(vars(run.args)), **run.data.identity, "world_size": run.ctx.world_size,
         "ep_size": run.ctx.ep_size})
     atomic_write_text(os.path.join(out, "config.json"), run.config.to_json_string())
+    if not plots:
+        return
     plot_loss_curve(run.metrics.records, os.path.join(out, "loss.png"), run.data.unigram_entropy, bits_per_byte(run, 1.0))
     if state.telemetry.total is not None:
         plot_expert_load(state.telemetry.run_fractions(), os.path.join(out, "expert_load.png"),
@@ -573,8 +589,8 @@ def save(run, state):
 def finish(run, state):
     """Final evaluation (unless one just ran), the summary lines, and a short sample."""
     args = run.args
-    if state.start_step >= args.max_steps:
-        run.log(f"nothing to do: checkpoint is at step {state.start_step} >= --max_steps {args.max_steps}")
+    if state.start_step >= (state.total_steps(args) or flags.UNLIMITED_STEPS):
+        run.log(f"nothing to do: checkpoint is at step {state.start_step} >= the run's {state.total_steps(args)} steps")
     elif args.time_budget_s:
         run.log(f"trained {state.train_s:.1f} s of --time_budget_s {args.time_budget_s:g} in {state.step} steps")
     if state.last_val is None or state.last_val[0] != state.step:
@@ -616,12 +632,11 @@ def sample(run):
     return tok.decode(out[0].tolist(), skip_special_tokens=True)
 
 
-def run_cli(stage, argv=None, log=print):
-    """parse_args + train for a stage script; bad input ends in one `error:` line and exit code 2."""
-    from huggingface_hub.errors import StrictDataclassError
+def run_cli(stage, args, log=print):
+    """train for a stage script's parsed flags; bad input ends in one `error:` line and exit code 2."""
     try:
-        return train(flags.parse_args(stage, argv), log=log, stage=stage)
-    except (DataError, ValueError, OSError, StrictDataclassError, FloatingPointError) as e:
+        train(args, log=log, stage=stage)
+    except (DataError, ValueError, OSError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except PeerFailed as e:  # rank 0 printed the error; this rank only says why it stops

@@ -14,9 +14,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from data.dataset import WindowBatches, fixed_windows  # noqa: E402
-from data.prepare import prepare_data  # noqa: E402
-from train import flags, loop  # noqa: E402
+from train import flags  # noqa: E402
+from train.stage import Stage, StageData, main  # noqa: E402
 
 
 def add_data_flags(g):
@@ -36,11 +35,13 @@ def add_data_flags(g):
 def load_data(args, tokenizer_dir, global_batch_size, log):
     """Token caches of the corpus (data/prepare.py) -> shuffled (seq_len + 1)-token windows for training, the
     first `eval_tokens` of the validation stream for evaluation."""
+    from data.dataset import WindowBatches, fixed_windows  # (here, not above: the flags parse without torch)
+    from data.prepare import prepare_data
     data = prepare_data(args.data_path, tokenizer_dir, args.vocab_size, log=log, text_field=args.text_field,
                         tokenizer_sample_mb=args.tokenizer_sample_mb, workers=args.data_workers,
                         progress=not args.no_progress)
     windows = fixed_windows(data["val"], args.seq_len, args.eval_tokens)
-    return loop.StageData(
+    return StageData(
         tokenizer=data["tokenizer"], tokenizer_dir=data["tokenizer_dir"],
         train_batches=WindowBatches(data["train"], args.seq_len, global_batch_size, seed=args.seed, name="training data"),
         val_batches=[(w[:, :-1], w[:, 1:]) for w in windows.split(args.batch_size)],
@@ -54,8 +55,11 @@ def data_fingerprint(index):
     return f"{index['source_fingerprint']}-{index['tokenizer_sha1'][:12]}"
 
 
-STAGE = loop.Stage(name="pretrain", description=__doc__, default_out_dir="checkpoints/pretrain",
-                   add_data_flags=add_data_flags, load_data=load_data, data_order_flags=("data_path", "text_field"))
+# The main job ends in about 15 minutes on any 2-core machine: 1,300 steps where they take under 10 minutes,
+# else the steps 10 minutes hold (train/loop.py: plan_steps). --time_budget_s 0: 1,300 steps, however long.
+STAGE = Stage(name="pretrain", description=__doc__, default_out_dir="checkpoints/pretrain",
+              add_data_flags=add_data_flags, load_data=load_data, data_order_flags=("data_path", "text_field"),
+              defaults=dict(time_budget_s=600.0))
 
 
 def parse_args(argv=None):
@@ -63,8 +67,9 @@ def parse_args(argv=None):
 
 
 def train(args, log=print):
+    from train import loop
     return loop.train(args, log=log, stage=STAGE)
 
 
 if __name__ == "__main__":
-    loop.run_cli(STAGE)
+    main(STAGE)

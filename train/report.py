@@ -97,6 +97,10 @@ class Progress:
             self.bar.postfix = text
             self.bar.refresh()
 
+    def set_total(self, total):
+        self.bar.total = total
+        self.bar.refresh()
+
     def say(self, msg):
         self.bar.write(msg) if not self.bar.disable else self.log(msg)
 

@@ -15,16 +15,10 @@ import hashlib
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from data.chat import PackedBatches, has_generation_block, load_conversations, pack, window_tensors  # noqa: E402
-from data.corpus import CACHE_DIR  # noqa: E402
-from data.sft_corpus import default_sft_set  # noqa: E402
-from data.sources import DataError  # noqa: E402
-from data.tokenizer import CHAT_TEMPLATE, load_tokenizer, save_tokenizer  # noqa: E402
-from train import flags, loop  # noqa: E402
+from train import flags  # noqa: E402
+from train.stage import Stage, StageData, main  # noqa: E402
 
 SAMPLE_QUESTION = "What does `os.path.join` do?"
 
@@ -39,6 +33,10 @@ def add_data_flags(g):
 def chat_tokenizer(tokenizer_dir, log):
     """(tokenizer, folder it loads from): with our ChatML template (and {% generation %} mask) when its own lacks
     one, saved under CACHE_DIR so the run folder gets the template too. Raises DataError without <|im_end|>."""
+    from data.chat import has_generation_block
+    from data.corpus import CACHE_DIR
+    from data.sources import DataError
+    from data.tokenizer import CHAT_TEMPLATE, load_tokenizer, save_tokenizer
     tok = load_tokenizer(tokenizer_dir)
     if has_generation_block(tok.chat_template):
         return tok, tokenizer_dir
@@ -57,6 +55,7 @@ def chat_tokenizer(tokenizer_dir, log):
 def held_out_split(conv, path, log, every=20):
     """--data_path without --val_path: (train, val) with every `every`-th conversation of the file held out, except
     copies of a training conversation, which stay in training (a held-out score on seen text means nothing)."""
+    from data.sources import DataError
     n = len(conv)
     if n < every:
         raise DataError(f"{path}: {n} conversations are too few to hold every {every}th out for evaluation; "
@@ -76,6 +75,12 @@ def held_out_split(conv, path, log, every=20):
 
 def load_data(args, tokenizer_dir, global_batch_size, log):
     """Conversations -> packed assistant-masked windows: training (reshuffled per epoch), evaluation (file order)."""
+    import numpy as np  # (here, not above: the flags parse without the data pipeline and torch)
+
+    from data.chat import PackedBatches, load_conversations, pack, window_tensors
+    from data.corpus import CACHE_DIR
+    from data.sft_corpus import default_sft_set
+    from data.sources import DataError
     if tokenizer_dir is None:
         raise DataError("no tokenizer: fine-tuning starts from trained weights (--init_from) or takes --tokenizer")
     tokenizer, tokenizer_dir = chat_tokenizer(tokenizer_dir, log)
@@ -91,12 +96,12 @@ def load_data(args, tokenizer_dir, global_batch_size, log):
     windows = pack(np.diff(val.offsets), range(len(val)), args.seq_len)
     x, y, seg = window_tensors(val, windows, args.seq_len, pad)
     val_batches = list(zip(x.split(args.batch_size), y.split(args.batch_size), seg.split(args.batch_size)))
-    return loop.StageData(tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
+    return StageData(tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
                      train_batches=PackedBatches(train, args.seq_len, global_batch_size, pad, seed=args.seed),
                      val_batches=val_batches, identity={"train_conversations": len(train), "train_sha1": train.sha1[:16]})
 
 
-STAGE = loop.Stage(name="sft", description=__doc__, default_out_dir="checkpoints/sft", add_data_flags=add_data_flags,
+STAGE = Stage(name="sft", description=__doc__, default_out_dir="checkpoints/sft", add_data_flags=add_data_flags,
                    load_data=load_data, data_order_flags=("data_path", "val_path"),
                    sample_prompt=f"<|im_start|>user\n{SAMPLE_QUESTION}<|im_end|>\n<|im_start|>assistant\n",
                    defaults=dict(init_from="checkpoints/pretrain", max_steps=300, learning_rate=1e-3, warmup_steps=20,
@@ -109,8 +114,9 @@ def parse_args(argv=None):
 
 
 def train(args, log=print):
+    from train import loop
     return loop.train(args, log=log, stage=STAGE)
 
 
 if __name__ == "__main__":
-    loop.run_cli(STAGE)
+    main(STAGE)

@@ -9,7 +9,8 @@ speed buys.
 
 Every row is one `train/pretrain.py` run, as a subprocess, one at a time (never in parallel: they would
 share the cores), each with the same --time_budget_s (seconds of training, not counting setup, evaluation
-or saving; the cosine LR schedule is planned to end at the budget, so no run is cut off mid-schedule), the
+or saving; each run plans its steps from its own measured step time and ends its cosine LR schedule on the
+last of them, stopping early only if the budget runs out first), the
 same data (the embedded corpus, or --data_path), tokenizer (the corpus's cached BPE, or --tokenizer), seed,
 batch, sequence length and learning rate, in its own temporary --out_dir. Its numbers come from that
 folder's metrics.jsonl: steps and training seconds from the last training record, the final validation
@@ -70,7 +71,7 @@ def row_flags(row, f):
 
 def command(args, row, out_dir, share=1.0, extra=(), seed=None):
     """argv of one row's training run (`share` of the budget, or of the steps with --steps; seed: --seed's)."""
-    length = ["--max_steps", str(round(args.steps * share))] if args.steps else ["--time_budget_s", f"{args.budget_s * share:g}"]
+    length = ["--max_steps", str(round(args.steps * share)), "--time_budget_s", "0"] if args.steps else ["--time_budget_s", f"{args.budget_s * share:g}"]
     argv = [sys.executable, os.path.join(ROOT, "train", "pretrain.py"), "--out_dir", out_dir,
             *length, "--hidden_size", str(args.hidden_size),
             "--num_hidden_layers", str(args.num_hidden_layers), "--batch_size", str(args.batch_size),

@@ -246,7 +246,7 @@ def split(args):
 def main_job_rate(tree, args):
     out = tempfile.mkdtemp(prefix="bench_step_")
     cmd = [sys.executable, os.path.join(tree, "train/pretrain.py"), "--out_dir", os.path.join(out, "run"),
-           "--max_steps", str(args.steps), "--no_progress", "--eval_interval", "100000", "--save_interval", "100000",
+           "--max_steps", str(args.steps), "--time_budget_s", "0", "--no_progress", "--eval_interval", "100000", "--save_interval", "100000",
            "--sample_tokens", "0",
            *args.extra.split()]
     subprocess.run(cmd, cwd=tree, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
