@@ -4,8 +4,11 @@ are unique per process; an exception removes the temp and leaves the destination
 
     with atomic_file("run/metrics.jsonl", "w") as f:  # temp file in the same folder, fsync, os.replace
     with atomic_dir("exports/model") as tmp:          # temp folder next to it, renamed over it at the end
+
+`file_lock` serialises the processes that would build the same thing (the second waits, then finds it built).
 """
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -67,3 +70,17 @@ def _usual_modes(folder):
             if not os.path.islink(path):
                 os.chmod(path, mode & ~umask)
     os.chmod(folder, 0o777 & ~umask)
+
+
+@contextlib.contextmanager
+def file_lock(path, on_wait=None):
+    """An exclusive lock (fcntl.flock on `path`, created if missing) held for a `with` block; calls `on_wait()`
+    first when another process holds it. Closing the file releases it, so a killed holder never blocks."""
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield

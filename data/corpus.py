@@ -9,7 +9,6 @@ CACHE_DIR, where everything derived from a corpus is cached: `data/cache/`, or $
 """
 import ast
 import contextlib
-import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -18,7 +17,7 @@ import os
 import sys
 import sysconfig
 
-from data.atomic import atomic_dir
+from data.atomic import atomic_dir, file_lock
 
 CACHE_DIR = os.path.abspath(os.environ.get("MINIMIND_CACHE_DIR")
                             or os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache"))
@@ -109,8 +108,7 @@ def build_splits(cache_dir, name, version, records):
     if all(os.path.exists(p) for p in paths.values()):
         return paths
     os.makedirs(cache_dir, exist_ok=True)
-    with open(out + ".lock", "a+") as lock:  # a second process building the same corpus waits, then reads it
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with file_lock(out + ".lock"):  # a second process building the same corpus waits, then reads it
         if all(os.path.exists(p) for p in paths.values()):
             return paths
         with atomic_dir(out) as tmp, contextlib.ExitStack() as files:  # both splits appear together or not at all

@@ -5,7 +5,6 @@ Cached by content under CACHE_DIR (data/corpus.py): the tokenizer by source fing
 size; the token cache by source and tokenizer hashes. One process at a time prepares a corpus (a file lock).
 """
 import contextlib
-import fcntl
 import glob
 import hashlib
 import json
@@ -18,7 +17,7 @@ from data.corpus import CACHE_DIR, VAL_EVERY, default_corpus  # VAL_EVERY: also 
 from data.shards import build_token_cache, open_token_cache
 from data.sources import DataError, DocumentSource, file_sha1, open_source  # noqa: F401  (DataError: re-exported)
 from data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
-from data.atomic import atomic_write_text
+from data.atomic import atomic_write_text, file_lock
 
 TOKENIZER_SAMPLE_MB = 16  # the BPE is trained on the first this-many MB of training documents (see README)
 PARALLEL_FROM_BYTES = 32 << 20  # below this a process pool costs more to start than it saves
@@ -48,7 +47,8 @@ def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=
     if val_source is not None:
         fingerprint = hashlib.sha1((fingerprint + val_source.fingerprint(memo)).encode()).hexdigest()[:16]
     _save_memo(cache_dir, memo)
-    with _lock(os.path.join(cache_dir, f".prepare-{fingerprint}.lock"), log):
+    with file_lock(os.path.join(cache_dir, f".prepare-{fingerprint}.lock"),
+                   lambda: log("waiting for another process preparing the same corpus...")):
         trained = tokenizer_dir is None
         tokenizer, tokenizer_dir = _tokenizer(source, val_source, tokenizer_dir, vocab_size, tokenizer_sample_mb,
                                               fingerprint, cache_dir, log)
@@ -146,18 +146,6 @@ def _cache_entry(cache_dir, kind, key, chars):
 def _progress_bar(total_bytes):
     from tqdm import tqdm
     return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr, smoothing=0.1)
-
-
-@contextlib.contextmanager
-def _lock(path, log):
-    """An exclusive file lock (fcntl.flock) held for a `with` block; says so when it has to wait."""
-    with open(path, "a+") as f:  # closing the file releases the lock
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log("waiting for another process preparing the same corpus...")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        yield
 
 
 def _load_memo(cache_dir):

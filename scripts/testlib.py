@@ -64,11 +64,11 @@ def tiny_run():
     """The folder of a tiny pretrained run (train/pretrain.py TINY_RUN_FLAGS: ckpt.pt, tokenizer/, ...), built
     once per MINIMIND_CACHE_DIR (so once per run_tests.py run; scripts running side by side wait for one
     build under a file lock). Read-only: runs starting from it (--init_from, export) write elsewhere."""
-    import fcntl
     import subprocess
+
+    from data.atomic import file_lock
     folder = os.path.join(os.environ["MINIMIND_CACHE_DIR"], "tiny-run")
-    with open(folder + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with file_lock(folder + ".lock"):
         if not os.path.exists(os.path.join(folder, "built")):
             shutil.rmtree(folder, ignore_errors=True)  # (a build killed half-way)
             r = subprocess.run([sys.executable, os.path.join(ROOT, "train", "pretrain.py"), *TINY_RUN_FLAGS,

@@ -159,11 +159,8 @@ class TrainState:
                 "scaler": self.scaler.state_dict(), "router_load": self.telemetry.state_dict()}
 
     def total_steps(self, args):
-        """The steps this run trains: the plan of a --time_budget_s run once made, else --max_steps (None: a
-        --time_budget_s run with no --max_steps, not planned yet)."""
-        if args.time_budget_s and self.planned_steps is not None:
-            return self.planned_steps
-        return None if args.max_steps == flags.UNLIMITED_STEPS else args.max_steps
+        """The steps this run trains: the plan of a --time_budget_s run once made, else --max_steps."""
+        return self.planned_steps if args.time_budget_s and self.planned_steps is not None else args.max_steps
 
     def load_state_dict(self, sd):
         self.step = self.start_step = sd["step"]
@@ -215,14 +212,15 @@ def train(args, log=print, stage=None):
         if state.step == 0:
             evaluate_and_record(run, state, None, first=True)
         run.log(f"setup: {time.time() - t_start:.1f} s to the first step")
-        progress = Progress(stage.name, state.step, state.total_steps(args),
+        total = state.total_steps(args)
+        progress = Progress(stage.name, state.step, None if total == flags.UNLIMITED_STEPS else total,
                             ctx.is_main and not args.no_progress, run.log)
         tuner = thread_tuner(run.device, run.args.threads, run.ctx.distributed, run.log)
         state.clock.start()
         state.interval_start = state.clock.read()
         state.out_of_time = spent(args, state.train_s)
         with state.stop_signal:
-            while state.step < (state.total_steps(args) or flags.UNLIMITED_STEPS) and not state.out_of_time:
+            while state.step < state.total_steps(args) and not state.out_of_time:
                 t_step = time.perf_counter()
                 lr, ce, aux, grad_norm, load_LE = train_step(run, state)
                 if tuner:  # (on CPU the step has finished here: nothing runs asynchronously)
@@ -363,7 +361,7 @@ def train_step(run, state):
     own step. Returns (lr, LM-loss part, router-loss part, grad norm, load [L, E] or None); the parts are
     this rank's, detached: summed over ranks they give the global batch's losses."""
     args, ctx = run.args, run.ctx
-    lr = lr_at(state.step, state.total_steps(args) or flags.UNLIMITED_STEPS, args.learning_rate, args.warmup_steps)
+    lr = lr_at(state.step, state.total_steps(args), args.learning_rate, args.warmup_steps)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
     batches = [state.batches.next() for _ in range(args.grad_accum)]  # global batches, on the CPU
@@ -433,7 +431,7 @@ def after_step(run, state, progress, lr, ce, aux, grad_norm, load_LE):
     state.stopped_by = stop_reason(run, state)  # (also decides out_of_time, before this step's log and eval)
     if plan_steps(state, args, progress.say):
         progress.set_total(state.planned_steps)
-    last = state.step >= (state.total_steps(args) or flags.UNLIMITED_STEPS) or state.out_of_time
+    last = state.step >= state.total_steps(args) or state.out_of_time
     if state.step % args.log_interval == 0 or last:
         check_finite(run, state)
         progress.update(log_train(run, state, lr, ce, aux, grad_norm), show_load=bool(args.show_load))
@@ -589,7 +587,7 @@ def save(run, state, plots=True):
 def finish(run, state):
     """Final evaluation (unless one just ran), the summary lines, and a short sample."""
     args = run.args
-    if state.start_step >= (state.total_steps(args) or flags.UNLIMITED_STEPS):
+    if state.start_step >= state.total_steps(args):
         run.log(f"nothing to do: checkpoint is at step {state.start_step} >= the run's {state.total_steps(args)} steps")
     elif args.time_budget_s:
         run.log(f"trained {state.train_s:.1f} s of --time_budget_s {args.time_budget_s:g} in {state.step} steps")

@@ -17,6 +17,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from data.corpus import CACHE_DIR  # noqa: E402  (these data modules import no torch)
+from data.sft_corpus import default_sft_set  # noqa: E402
+from data.sources import DataError  # noqa: E402
 from train import flags  # noqa: E402
 from train.stage import Stage, StageData, main  # noqa: E402
 
@@ -33,9 +36,7 @@ def add_data_flags(g):
 def chat_tokenizer(tokenizer_dir, log):
     """(tokenizer, folder it loads from): with our ChatML template (and {% generation %} mask) when its own lacks
     one, saved under CACHE_DIR so the run folder gets the template too. Raises DataError without <|im_end|>."""
-    from data.chat import has_generation_block
-    from data.corpus import CACHE_DIR
-    from data.sources import DataError
+    from data.chat import has_generation_block  # (torch and transformers: imported once the flags are parsed)
     from data.tokenizer import CHAT_TEMPLATE, load_tokenizer, save_tokenizer
     tok = load_tokenizer(tokenizer_dir)
     if has_generation_block(tok.chat_template):
@@ -55,7 +56,6 @@ def chat_tokenizer(tokenizer_dir, log):
 def held_out_split(conv, path, log, every=20):
     """--data_path without --val_path: (train, val) with every `every`-th conversation of the file held out, except
     copies of a training conversation, which stay in training (a held-out score on seen text means nothing)."""
-    from data.sources import DataError
     n = len(conv)
     if n < every:
         raise DataError(f"{path}: {n} conversations are too few to hold every {every}th out for evaluation; "
@@ -75,12 +75,9 @@ def held_out_split(conv, path, log, every=20):
 
 def load_data(args, tokenizer_dir, global_batch_size, log):
     """Conversations -> packed assistant-masked windows: training (reshuffled per epoch), evaluation (file order)."""
-    import numpy as np  # (here, not above: the flags parse without the data pipeline and torch)
+    import numpy as np
 
     from data.chat import PackedBatches, load_conversations, pack, window_tensors
-    from data.corpus import CACHE_DIR
-    from data.sft_corpus import default_sft_set
-    from data.sources import DataError
     if tokenizer_dir is None:
         raise DataError("no tokenizer: fine-tuning starts from trained weights (--init_from) or takes --tokenizer")
     tokenizer, tokenizer_dir = chat_tokenizer(tokenizer_dir, log)
