@@ -9,7 +9,7 @@ adds a token's slots in order 0..K-1 in fp32 in kernel and reference alike, so t
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import choose, triton_importable, triton_runs_on
+from kernels.backend import choose, triton_importable
 
 if triton_importable():
     import triton

@@ -4,13 +4,13 @@
 """
 import json
 import os
-import tempfile
 
 import torch
 
+import testlib
 from testlib import ROOT, SHARED, Skip, run, spawn_ranks  # noqa: F401
 
-_TMP = tempfile.mkdtemp(prefix="test_ddp_ep_")
+_TMP = testlib.scratch_dir("test_ddp_ep_")
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4", "--num_key_value_heads", "2",
         "--num_experts", "4", "--num_experts_per_tok", "2", "--moe_intermediate_size", "64", "--seq_len", "32",
         "--vocab_size", "512", "--eval_tokens", "1024", "--warmup_steps", "3", "--log_interval", "1",

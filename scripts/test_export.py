@@ -8,22 +8,20 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import warnings
 
 import torch
 
 import testlib  # noqa: E402
-from testlib import ROOT, Skip, run  # noqa: F401
+from testlib import ROOT, Skip, run, run_script  # noqa: F401
 from model import hf_adapter
 from model.hf_adapter import ExportError, from_hf_config
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, RMSNorm
 from train.checkpoint import load_hf_checked, save_checkpoint
 from data.tokenizer import save_tokenizer, train_tokenizer
 
-_TMP = tempfile.mkdtemp(prefix="test_export_")
+_TMP = testlib.scratch_dir("test_export_")
 __import__("transformers").utils.logging.disable_progress_bar()
 # fp32 logits from two implementations of the same function differ by reassociation only (SDPA vs
 # eager attention, fused vs separate expert GEMMs): ~1e-6 here; 1e-4 leaves room for other BLAS builds.
@@ -215,17 +213,14 @@ def test_refuses_what_qwen3_cannot_represent():
             assert word in str(e), e
         else:
             raise AssertionError(f"{kw} imported")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export_hf.py"), "--ckpt",
-                        os.path.join(_TMP, "nothing"), "--out", os.path.join(_TMP, "x")], capture_output=True, text=True)
+    r = run_script("scripts/export_hf.py", "--ckpt", os.path.join(_TMP, "nothing"), "--out", os.path.join(_TMP, "x"))
     assert r.returncode == 2 and "checkpoint not found" in r.stderr, r.stderr
     before = sorted(os.listdir(run_dir))  # --out pointing at a run (or any non-export folder) is refused, not wiped
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export_hf.py"), "--ckpt", run_dir, "--out", run_dir],
-                       capture_output=True, text=True)
+    r = run_script("scripts/export_hf.py", "--ckpt", run_dir, "--out", run_dir)
     assert r.returncode == 2 and "not an earlier export" in r.stderr and sorted(os.listdir(run_dir)) == before, r.stderr
     afile = os.path.join(_TMP, "a_file")
     open(afile, "w").write("keep me")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export_hf.py"), "--ckpt", run_dir, "--out", afile],
-                       capture_output=True, text=True)
+    r = run_script("scripts/export_hf.py", "--ckpt", run_dir, "--out", afile)
     assert r.returncode == 2 and "not an earlier export" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert open(afile).read() == "keep me"
     # an exported folder with a changed config field is refused by import_hf.py, not imported as another model
@@ -234,8 +229,7 @@ def test_refuses_what_qwen3_cannot_represent():
     shutil.copytree(hf_dir, odd, dirs_exist_ok=True)
     cfg = json.load(open(os.path.join(odd, "config.json")))
     json.dump({**cfg, "hidden_act": "gelu"}, open(os.path.join(odd, "config.json"), "w"))
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "import_hf.py"), "--hf", odd, "--out",
-                        os.path.join(_TMP, "gelu_run")], capture_output=True, text=True)
+    r = run_script("scripts/import_hf.py", "--hf", odd, "--out", os.path.join(_TMP, "gelu_run"))
     assert r.returncode == 2 and "hidden_act='gelu'" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
     assert not os.path.exists(os.path.join(_TMP, "gelu_run"))
 
@@ -246,14 +240,11 @@ def test_main_job_checkpoint_exports_and_generates():
     from train.pretrain import parse_args, train
     out_dir = testlib.tiny_run()
     hf_dir = os.path.join(_TMP, "pretrain_hf")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export_hf.py"), "--ckpt", out_dir, "--out", hf_dir],
-                       capture_output=True, text=True, timeout=600)
+    r = run_script("scripts/export_hf.py", "--ckpt", out_dir, "--out", hf_dir)
     assert r.returncode == 0 and "parity" in r.stdout, r.stdout + r.stderr
     texts = []
     for src in (out_dir, hf_dir):
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--ckpt", src, "--prompt",
-                            "Return the", "--temperature", "0", "--max_new_tokens", "20"],
-                           capture_output=True, text=True, timeout=600)
+        r = run_script("scripts/generate.py", "--ckpt", src, "--prompt", "Return the", "--temperature", "0", "--max_new_tokens", "20")
         # 20 greedy tokens of a 40-step model may well be whitespace: count them, do not judge them
         assert r.returncode == 0 and r.stdout.startswith("Return the") and len(r.stdout) > len("Return the") + 1, \
             r.stdout + r.stderr

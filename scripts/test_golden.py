@@ -16,8 +16,8 @@ import json
 import os
 import random
 import sys
-import tempfile
 
+import testlib
 from testlib import ROOT, run  # noqa: F401
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_pretrain.json")
@@ -46,7 +46,7 @@ def synthetic_corpus(path, n_docs=300):
 def golden_run(extra=()):
     """The logged curve of the tiny run: [{step, train_loss, aux_loss, lr} or {step, val_loss}]."""
     from train.pretrain import parse_args, train
-    tmp = tempfile.mkdtemp(prefix="test_golden_")
+    tmp = testlib.scratch_dir("test_golden_")
     data = os.path.join(tmp, "corpus.txt")
     synthetic_corpus(data)
     s = train(parse_args(FLAGS + ["--data_path", data, "--out_dir", os.path.join(tmp, "run"), *extra]),

@@ -15,15 +15,15 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
-from testlib import ROOT, Skip, free_port, run
+import testlib
+from testlib import ROOT, Skip, free_port, run, run_script
 
 sys.path.insert(0, os.path.join(ROOT, "scripts", "hf"))
-_TMP = tempfile.mkdtemp(prefix="test_hf_stack_")
+_TMP = testlib.scratch_dir("test_hf_stack_")
 BIN = os.path.dirname(sys.executable)
 QA = [("What does `len` do?", "Return the number of items in a container."),
       ("What does `abs` do?", "Return the absolute value of the argument."),
@@ -38,9 +38,10 @@ def need(*modules):
         raise Skip(f"{', '.join(missing)} not installed: pip install -r scripts/hf/requirements.txt")
 
 
-def cli(*argv, timeout=600):
-    r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=HF_OFFLINE)
-    assert r.returncode == 0, (argv[0], r.stdout[-2000:], r.stderr[-3000:])
+def cli(script, *argv):
+    """stdout of the script run to its end in this process (testlib.run_script), which must exit 0."""
+    r = run_script(script, *argv, cwd=ROOT)
+    assert r.returncode == 0, (script, r.stdout[-2000:], r.stderr[-3000:])
     return r.stdout
 
 
@@ -146,8 +147,7 @@ def test_dpo_moves_the_model_toward_chosen_answers():
     saved = json.load(open(os.path.join(out, "dpo_results.json")))
     assert saved["held_out_pairs"] == 16 and 0 <= saved["preference_accuracy_after"] <= 1, saved
     assert saved == json.loads(json.dumps(results))
-    r = subprocess.run([sys.executable, "scripts/hf/dpo.py", "--model", hf, "--out", out], capture_output=True,
-                       text=True, cwd=ROOT, timeout=300)
+    r = run_script("scripts/hf/dpo.py", "--model", hf, "--out", out)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in r.stderr
 
 

@@ -15,17 +15,17 @@ summed in another order), every expert is chosen by some token, and training con
 """
 import copy
 import os
-import tempfile
 
 import torch
 
+import testlib
 from testlib import run, spawn_ranks  # noqa: F401
 from kernels.swap import swap_engines
 from model.hf_adapter import ExportError, check_exportable
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, MOEFeedForward
 from model.moe import FeedForward
 
-_TMP = tempfile.mkdtemp(prefix="test_moe_variants_")
+_TMP = testlib.scratch_dir("test_moe_variants_")
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
 
 

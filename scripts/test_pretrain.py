@@ -7,11 +7,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import torch
 
-from testlib import ROOT, SHARED, Skip, run  # noqa: F401
+import testlib
+from testlib import ROOT, SHARED, Skip, run, run_script  # noqa: F401
 from train.checkpoint import load_checkpoint, model_from_checkpoint
 from train.pretrain import parse_args, train
 
@@ -19,7 +19,7 @@ TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_head
         "--num_experts", "4", "--num_experts_per_tok", "2", "--moe_intermediate_size", "64", "--seq_len", "64",
         "--batch_size", "8", "--vocab_size", "1024", "--eval_tokens", "2048", "--warmup_steps", "5",
         "--log_interval", "5", "--no_progress", "--sample_tokens", "0"]
-_TMP = tempfile.mkdtemp(prefix="test_pretrain_")
+_TMP = testlib.scratch_dir("test_pretrain_")
 
 
 def text_file():
@@ -55,8 +55,7 @@ def test_tiny_run_learns_and_checkpoint_reloads():
     tok = AutoTokenizer.from_pretrained(os.path.join(out_dir, "tokenizer"))
     ids = torch.tensor([tok("the", add_special_tokens=False)["input_ids"]])
     assert model.generate(ids, 8, temperature=0).shape[1] == ids.shape[1] + 8
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--ckpt", out_dir,
-                        "--prompt", "the", "--max_new_tokens", "12"], capture_output=True, text=True, timeout=300)
+    r = run_script("scripts/generate.py", "--ckpt", out_dir, "--prompt", "the", "--max_new_tokens", "12")
     assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]
 
 
@@ -99,8 +98,8 @@ def test_resume_equals_continuous_run():
 
 
 def _cli(*argv):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "train", "pretrain.py"), *argv],
-                          capture_output=True, text=True, timeout=300, cwd=_TMP)
+    """train/pretrain.py run to its end in this process (testlib.run_script): exit code, stdout, stderr."""
+    return run_script("train/pretrain.py", *argv, cwd=_TMP)
 
 
 def test_bad_inputs_fail_fast_with_clear_messages():
@@ -292,6 +291,19 @@ def test_help_shows_every_default_range_and_output_file():
         assert name in description, f"--help does not name {name}, which a run writes to --out_dir"
 
 
+def test_flags_answer_before_torch_is_imported():
+    """A mistyped flag and --help are answered by train/pretrain.py and train/sft.py before torch (or the
+    data pipeline) is imported: the answer does not wait for seconds of imports."""
+    code = ("import runpy, sys; sys.argv = sys.argv[1:]\n"
+            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "except SystemExit as e:\n    print('exit', e.code, sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))")
+    for script in ("train/pretrain.py", "train/sft.py"):
+        for argv, want in ((["--max_step", "10"], "exit 2 []"), (["--help"], "exit 0 []")):
+            r = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, script), *argv], capture_output=True,
+                               text=True, timeout=120)
+            assert r.stdout.strip().splitlines()[-1] == want, (script, argv, r.stdout[-500:], r.stderr[-1000:])
+
+
 def test_parse_errors_are_one_line_naming_the_flag_as_typed():
     """A short usage line and one error line (exit 2), naming the flag as the user typed it (the flag's own
     name: the old aliases such as --top_k are unknown flags now); --learning_rate -1 blames --learning_rate
@@ -399,7 +411,7 @@ TESTS = [test_tiny_run_learns_and_checkpoint_reloads, test_fused_impl_trains_lik
          test_dense_model_trains_and_resume_keeps_a_damaged_log,
          test_resume_equals_continuous_run, test_bad_inputs_fail_fast_with_clear_messages, test_resume_refuses_a_changed_data_order,
          test_corrupt_checkpoint_is_refused, test_help_shows_every_default_range_and_output_file,
-         test_parse_errors_are_one_line_naming_the_flag_as_typed,
+         test_flags_answer_before_torch_is_imported, test_parse_errors_are_one_line_naming_the_flag_as_typed,
          test_config_errors_are_one_line_naming_the_flag_before_any_folder, test_numeric_ranges_are_checked_at_parse_time,
          test_short_validation_split_is_announced, test_time_budget_plans_the_schedule_and_resume_continues_it,
          test_bench_quality_smoke_run]

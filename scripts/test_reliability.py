@@ -13,15 +13,15 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
-from testlib import ROOT, SHARED, run  # noqa: F401
+import testlib
+from testlib import ROOT, SHARED, run, run_script
 from train.checkpoint import load_checkpoint
 
-_TMP = tempfile.mkdtemp(prefix="test_reliability_")
+_TMP = testlib.scratch_dir("test_reliability_")
 TINY = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "2", "--num_key_value_heads", "1",
         "--moe_intermediate_size", "32", "--seq_len", "32", "--batch_size", "4", "--vocab_size", "512",
         "--eval_tokens", "512", "--sample_tokens", "0", "--no_progress"]
@@ -40,11 +40,15 @@ def data_file():
     return path
 
 
-def cli(*argv, script="train/pretrain.py", wait=True, cwd=_TMP):
-    cmd = [sys.executable, os.path.join(ROOT, script), *argv]
-    if not wait:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd)
+def cli(*argv, script="train/pretrain.py"):
+    """The script run to its end in this process (testlib.run_script): exit code, stdout, stderr."""
+    return run_script(script, *argv, cwd=_TMP)
+
+
+def start(*argv, cwd=_TMP):
+    """train/pretrain.py started as a process of its own (to be signalled or killed)."""
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "train", "pretrain.py"), *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd)
 
 
 def one_line_error(r, *needles):
@@ -87,7 +91,7 @@ def test_occupied_directory_is_refused_unless_resume_or_overwrite():
 
 def test_one_run_per_directory_and_a_killed_run_leaves_no_lock_or_temp():
     out = os.path.join(_TMP, "locked")
-    first = cli(*TINY, "--data_path", data_file(), "--max_steps", "100000", "--out_dir", out, wait=False)
+    first = start(*TINY, "--data_path", data_file(), "--max_steps", "100000", "--out_dir", out)
     lock = os.path.join(out, ".lock")
     deadline = time.time() + 300
     while not (os.path.exists(lock) and open(lock).read().strip()):
@@ -201,7 +205,7 @@ def test_stop_signals_save_and_resume_bitwise():
               "--save_interval", "100000", "--eval_interval", "100000"]
     for sig in (signal.SIGTERM, signal.SIGINT):
         out = os.path.join(_TMP, f"signal_{sig.name}")
-        proc = cli(*common, "--out_dir", out, wait=False, cwd=ROOT)
+        proc = start(*common, "--out_dir", out, cwd=ROOT)
         _wait_for_training(proc, out)
         proc.send_signal(sig)
         stdout, stderr = proc.communicate(timeout=300)

@@ -4,12 +4,12 @@
 """
 import contextlib
 import os
-import tempfile
 import warnings
 
 import torch
 import torch.nn.functional as F
 
+import testlib
 from testlib import SHARED, Skip, run  # noqa: F401
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, MOEFeedForward
 from model.router import (layer_mean, minimind_aux_loss, router_z_loss, sequence_aux_loss, switch_aux_loss,
@@ -289,7 +289,7 @@ def test_training_logs_load_and_draws_heatmap():
     and the bias buffers in the checkpoint; the export refuses the selection bias by name."""
     import json
     from train.pretrain import parse_args, train
-    out = tempfile.mkdtemp(prefix="test_router_")
+    out = testlib.scratch_dir("test_router_")
     args = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "2", "--num_key_value_heads", "1",
             "--num_experts", "4", "--num_experts_per_tok", "2", "--moe_intermediate_size", "32", "--seq_len", "32",
             "--batch_size", "4", "--vocab_size", "512", "--eval_tokens", "512", "--max_steps", "6", "--log_interval", "3",

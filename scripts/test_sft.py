@@ -8,13 +8,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from testlib import ROOT, run, spawn_ranks, tiny_run
+import testlib
+from testlib import ROOT, run, run_script, spawn_ranks, tiny_run
 from data.chat import (Conversations, PackedBatches, check_conversation, load_conversations, pack,
                        tokenize_conversation, window_tensors)
 from data.sources import DataError
@@ -22,7 +22,7 @@ from data.tokenizer import save_tokenizer, train_tokenizer
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from data.dataset import IGNORE_INDEX
 
-_TMP = tempfile.mkdtemp(prefix="test_sft_")
+_TMP = testlib.scratch_dir("test_sft_")
 SYSTEM = {"role": "system", "content": "Be brief."}
 CONVERSATIONS = [
     [{"role": "user", "content": "What does `len` do?"}, {"role": "assistant", "content": "Return the number of items."}],
@@ -299,8 +299,8 @@ def test_held_out_split_keeps_copies_in_training_and_says_what_it_cut():
 
 
 def cli(*argv, script="train/sft.py"):
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *argv], capture_output=True, text=True,
-                          timeout=900, cwd=_TMP)
+    """The script run to its end in this process (testlib.run_script): exit code, stdout, stderr."""
+    return run_script(script, *argv, cwd=_TMP)
 
 
 def pretrained():

@@ -25,6 +25,17 @@ if not os.environ.get("MINIMIND_CACHE_DIR"):
     atexit.register(lambda: os.getpid() == _owner and shutil.rmtree(_cache, ignore_errors=True))
 
 
+def scratch_dir(prefix):
+    """A fresh temp folder for a test script's files, removed when the script ends. None in a rank process
+    (spawn_ranks): its start re-imports the test script, and a rank gets the paths it needs as arguments."""
+    import multiprocessing
+    if multiprocessing.current_process().name != "MainProcess":  # (named before the script is re-imported)
+        return None
+    path, owner = tempfile.mkdtemp(prefix=prefix), os.getpid()
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))
+    return path
+
+
 class Skip(Exception):
     """Raise inside a test to skip it, with the reason as message."""
 
@@ -78,6 +89,65 @@ def tiny_run():
     return folder
 
 
+def run_script(script, *argv, cwd=None):
+    """`python <ROOT>/<script> *argv` run inside this process (runpy, as `__main__`): a CompletedProcess with
+    the exit code (a SystemExit's, 0 when the script returns, 1 and the traceback in stderr for an uncaught
+    exception, 130 for KeyboardInterrupt) and what it printed to sys.stdout / sys.stderr (logging handlers
+    included). The same code runs as in a child process without paying the imports again, most of a tiny
+    run's start-up. What this process shares with the script is put back afterwards: working directory,
+    signal handlers, umask, torch's thread count, logging streams, warning filters (catch_warnings also
+    forgets which warnings were shown, so each run shows its own, as a fresh process would). Tests of what
+    a process does (signals, kills, start-up, several ranks) start a real one."""
+    import contextlib
+    import io
+    import logging
+    import runpy
+    import signal
+    import subprocess
+    import warnings
+
+    import torch
+    path = os.path.join(ROOT, script)
+    out, err = io.StringIO(), io.StringIO()
+    saved_argv, saved_cwd, saved_threads = sys.argv, os.getcwd(), torch.get_num_threads()
+    saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    saved_umask = os.umask(0o022)
+    os.umask(saved_umask)
+    # handlers made earlier hold the stream they were given (transformers' logging holds sys.stderr)
+    saved_streams = {h: h.stream for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+                     for h in getattr(logger, "handlers", ()) if type(h) is logging.StreamHandler}
+    code = 0
+    try:
+        sys.argv = [path, *map(str, argv)]
+        if cwd is not None:
+            os.chdir(cwd)
+        for h, stream in saved_streams.items():
+            h.stream = err if stream in (sys.stderr, sys.__stderr__) else out if stream in (sys.stdout, sys.__stdout__) else stream
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            try:
+                runpy.run_path(path, run_name="__main__")
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if e.code is not None and not isinstance(e.code, int):
+                    print(e.code, file=sys.stderr)
+            except KeyboardInterrupt:
+                code = 130
+                traceback.print_exc()
+            except Exception:
+                code = 1
+                traceback.print_exc()
+    finally:
+        for h, stream in saved_streams.items():
+            h.stream = stream
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        torch.set_num_threads(saved_threads)
+        for s, handler in saved_signals.items():
+            signal.signal(s, handler)
+        os.umask(saved_umask)
+    return subprocess.CompletedProcess([sys.executable, path, *argv], code, out.getvalue(), err.getvalue())
+
+
 def free_port():
     import socket
     with socket.socket() as s:
@@ -105,12 +175,23 @@ def _rank_entry(rank, world, port, fn, out_dir, args, init_group):
         dist.destroy_process_group()
 
 
+# What every rank imports, loaded once into the fork server the ranks are forked from (see spawn_ranks)
+RANK_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "transformers", "train.loop", "train.pretrain"]
+
+
 def spawn_ranks(fn, world, *args, init_group=True):
     """Run fn(rank, world, *args) in `world` local processes with torchrun's environment variables set
-    (and, if init_group, a gloo process group on 127.0.0.1); returns their return values by rank."""
+    (and, if init_group, a gloo process group on 127.0.0.1); returns their return values by rank.
+
+    The ranks are forked from a fork server that imported RANK_PRELOAD once (started at the first call,
+    kept for the test script's life): a fresh process per rank, as torchrun gives, without a fresh import
+    of torch each time. The server never runs a torch op, so no OpenMP pool is forked."""
+    import multiprocessing
     import tempfile
     import torch
     import torch.multiprocessing as mp
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_rank_entry, args=(world, free_port(), fn, out_dir, args, init_group), nprocs=world, join=True)
+        mp.start_processes(_rank_entry, args=(world, free_port(), fn, out_dir, args, init_group), nprocs=world,
+                           join=True, start_method="forkserver")
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]

@@ -21,7 +21,6 @@ Times on a shared 2-core machine are noisy: look at `uptime` before and after (p
 import argparse
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys

@@ -41,7 +41,6 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from kernels import swap as S  # noqa: E402
 from kernels.cpu_linear import OneDNNLinear  # noqa: E402
