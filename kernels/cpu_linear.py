@@ -1,7 +1,8 @@
-"""y = x @ W^T on CPU through oneDNN, forward and backward: the swap for the model's bias-free linears.
+"""y = x @ W^T on CPU through oneDNN, forward and backward: the engine for the model's bias-free
+linears.
 
 torch's fp32 CPU matmul goes through MKL, on some CPUs well below oneDNN (`scripts/bench/bench_step.py`); bf16
-autocast already reaches oneDNN, so only the fp32 path changes. kernels/swap.py swaps it into the attention
+autocast already reaches oneDNN, so only the fp32 path changes. kernels/engines.py builds it into the attention
 projections, the LM head and the dense FFN (fixed row counts: each GEMM's kernel is built once), never into
 the sorted path's experts (their bitwise contract is nn.Linear's). fp32 results differ from `F.linear` by
 rounding only (`scripts/test_kernels.py`: within 1e-5 relative of fp64, forward and backward).
@@ -73,7 +74,7 @@ def linear(x_MK, weight_NK):
 
 
 class OneDNNLinear(nn.Linear):
-    """The swap for a bias-free nn.Linear (kernels/swap.py): same parameters, forward through `linear`."""
+    """The engine for a bias-free nn.Linear (kernels/engines.py): same parameters, forward through `linear`."""
 
     def forward(self, x):
         return linear(x, self.weight)

@@ -1,7 +1,7 @@
 """Grouped GEMM over variable-length expert segments, and the grouped SwiGLU expert FFN built on it:
 c[rows of e] = a[rows of e] @ b[e] for the row segments given by offsets (int32 [E], on the device).
 
-The GPU engine of the fused MoE path (kernels/swap.py; on CPU kernels/cpu_experts.py runs instead). Backends:
+The GPU engine of the fused MoE path (kernels/experts.py: GroupedExperts; on CPU with oneDNN its batched GEMMs run instead). Backends:
   "torch"     F.grouped_mm (or torch._grouped_mm): CPU in torch >= 2.9, CUDA bf16 on sm >= 8.0; no host sync.
   "triton"    our kernels (forward, input- and weight-grad) for what torch's cannot run (e.g. fp32 / fp16 on
               CUDA); also in the CPU interpreter for tests; no host sync.

@@ -1,5 +1,5 @@
 """Mean cross-entropy of an LM head, h @ W^T -> softmax -> -log p[label], with the logits' gradient made
-in the forward pass, chunk by chunk, in the logits' own buffer: the swap for the model's lm_loss on CPU.
+in the forward pass, chunk by chunk, in the logits' own buffer: the engine for the model's lm_loss on CPU.
 
     logits_NV = h_ND @ W_VD^T                                   (one GEMM, compute dtype)
     per chunk of rows:  logp = log_softmax(logits[chunk]) (fp32, in cache); loss += -logp[label]

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import choose, triton_importable
+from model.dispatch import RowMapDispatcher
 
 if triton_importable():
     import triton
@@ -145,3 +146,16 @@ class Combine(torch.autograd.Function):
     def backward(ctx, grad_TD):
         grad = gather_rows(grad_TD, ctx.saved_tensors[0], ctx.backend, ctx.h_dtype, ctx.has_holes)
         return grad, None, None, None, None, None
+
+
+class KernelRowMapDispatcher(RowMapDispatcher):
+    """RowMapDispatcher with its permute and combine_rows through Permute / Combine above (Triton where it
+    runs, else torch with gather backward passes): the fused path's dispatcher in training."""
+
+    def permute(self, x_TD, rm):
+        with torch.autocast(x_TD.device.type, enabled=False):  # the kernels take explicit dtypes
+            return Permute.apply(x_TD, rm.token_of_row_P, rm.row_of_pair_TK, rm.has_holes, "auto")
+
+    def combine_rows(self, rows_PD, rm):
+        with torch.autocast(rows_PD.device.type, enabled=False):
+            return Combine.apply(rows_PD, rm.token_of_row_P, rm.row_of_pair_TK, rm.has_holes, "auto", torch.float32)

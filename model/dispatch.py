@@ -22,7 +22,7 @@ Expert parallelism (train/parallel.py) wraps either one in an all-to-all. The la
 `moe_permute` / `moe_unpermute` and MegaBlocks' sorted grouped GEMM (Gale et al. 2022).
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -94,17 +94,37 @@ def order_slots(topk_idx_TK, topk_weight_TK):
 @dataclass(kw_only=True)
 class Dispatched:
     """What a dispatcher hands the experts: rows_PD [P, D] token rows grouped by expert (ascending id; zero
-    padding rows); tokens_per_expert: each expert's rows incl. padding, a host list (sorted) or int64 [E]
-    on the device (row map); row_weight_P [P]: the routing weight the experts apply (0 for padding), None
-    when the combine applies it (sorted); first_expert: global id of the first expert (under EP the
-    rank's); routed_E: int64 [E] routed pairs per global expert (stats); state: what combine needs."""
+    padding rows); tokens_per_expert int64 [E'] each expert's rows incl. padding (a CPU tensor from the
+    sorted dispatcher, on the device from the row map); row_weight_P [P]: the routing weight the experts
+    apply (0 for padding), None when the combine applies it (sorted); first_expert: global id of the first
+    expert (under EP the rank's); routed_E: int64 [E] routed pairs per global expert (stats); padded:
+    whether rows include padding; state: what the same dispatcher's combine needs (its own dataclass)."""
     rows_PD: torch.Tensor
-    tokens_per_expert: list | torch.Tensor
+    tokens_per_expert: torch.Tensor
     row_weight_P: torch.Tensor | None = None
     first_expert: int = 0
     routed_E: torch.Tensor | None = None
     padded: bool = False
-    state: dict = field(default_factory=dict)
+    state: object = None
+
+
+@dataclass
+class SortedState:
+    """SortedDispatcher's combine metadata: sorted_pair_N int64 [N] the pairs in row order (dropped pairs
+    first), topk_weight_TK [T, K] slot-ordered weights, counts: routed pairs per expert (host list),
+    skipped: dropped pairs, dtype: x's dtype."""
+    sorted_pair_N: torch.Tensor
+    topk_weight_TK: torch.Tensor
+    counts: list
+    skipped: int
+    dtype: torch.dtype
+
+
+@dataclass
+class RowMapState:
+    """RowMapDispatcher's combine metadata: the RowMap and x's dtype."""
+    row_map: "RowMap"
+    dtype: torch.dtype
 
 
 class PermuteRows(torch.autograd.Function):
@@ -126,7 +146,7 @@ class SortedDispatcher:
     """Single-sync sorted dispatch and the deterministic combine, bitwise the masked per-expert loop.
 
     dispatch(..., host_tokens_per_expert=None): one host read of the [E + 1] counts, unless the E pair
-    counts are given (expert parallelism exchanges them). tokens_per_expert is a host list.
+    counts are given (expert parallelism exchanges them). tokens_per_expert is a CPU tensor.
     combine(rows_out_PD, d) -> y_TD [T, D] in x's dtype: y[t] = sum over t's slots j, ascending expert,
     of w[t, j] * row, each product cast to x's dtype, accumulated from zero one slot at a time.
     """
@@ -151,18 +171,18 @@ class SortedDispatcher:
                 chunks.append(x_TD.new_zeros(target - n, D))
             rows_per_expert.append(target)
             start += n
-        return Dispatched(rows_PD=torch.cat(chunks), tokens_per_expert=rows_per_expert, routed_E=routed_E[:E],
-                          padded=layout.pads, state=dict(sorted_pair_N=sorted_pair_N, topk_weight_TK=topk_weight_TK,
-                                                         counts=counts, skipped=skipped, dtype=x_TD.dtype))
+        return Dispatched(rows_PD=torch.cat(chunks), tokens_per_expert=torch.tensor(rows_per_expert, dtype=torch.int64),
+                          routed_E=routed_E[:E], padded=layout.pads,
+                          state=SortedState(sorted_pair_N, topk_weight_TK, counts, skipped, x_TD.dtype))
 
     def combine(self, rows_out_PD, d):
         s = d.state
-        pair_N, dtype, skipped = s["sorted_pair_N"], s["dtype"], s["skipped"]
-        (T, K), D = s["topk_weight_TK"].shape, rows_out_PD.shape[1]
-        weight_N1 = s["topk_weight_TK"].reshape(-1)[pair_N].unsqueeze(-1)
+        pair_N, dtype, skipped = s.sorted_pair_N, s.dtype, s.skipped
+        (T, K), D = s.topk_weight_TK.shape, rows_out_PD.shape[1]
+        weight_N1 = s.topk_weight_TK.reshape(-1)[pair_N].unsqueeze(-1)
         chunks = [rows_out_PD.new_zeros(skipped, D, dtype=dtype)] if skipped else []
         row, start = 0, skipped
-        for n, rows in zip(s["counts"], d.tokens_per_expert):
+        for n, rows in zip(s.counts, d.tokens_per_expert.tolist()):
             chunks.append((rows_out_PD[row:row + n] * weight_N1[start:start + n]).to(dtype))
             row, start = row + rows, start + n
         with torch.autocast(pair_N.device.type, enabled=False):  # (CPU autocast's cat rejects fp16)
@@ -239,10 +259,10 @@ class RowMapDispatcher:
     """Zero-sync dispatch: a device-side RowMap, one permute, one combine; every shape static.
 
     dispatch(...) -> Dispatched with rows_PD in the compute dtype (autocast's, else x's), tokens_per_expert
-    int64 [E] on the device, row_weight_P each row's routing weight (0 for padding), state["row_map"].
+    int64 [E] on the device, row_weight_P each row's routing weight (0 for padding), state a RowMapState.
     combine(rows_out_PD, d) -> y_TD [T, D] in x's dtype: each token's K rows summed in fp32, slots in
     ascending expert id, from the first slot's term. `permute` and `combine_rows` are plain PyTorch here;
-    kernels/permute.py swaps in Triton / gather-backward versions.
+    kernels/permute.py: KernelRowMapDispatcher runs them as Triton / gather-backward kernels.
     """
     num_experts: int
 
@@ -258,11 +278,10 @@ class RowMapDispatcher:
             row_weight_P = row_weight_P + w_N.sum()
         rows_PD = self.permute(x_TD.to(compute_dtype(x_TD)), rm)
         return Dispatched(rows_PD=rows_PD, tokens_per_expert=rm.padded_E, row_weight_P=row_weight_P,
-                          routed_E=rm.routed_E, padded=layout.pads, state=dict(row_map=rm, dtype=x_TD.dtype))
+                          routed_E=rm.routed_E, padded=layout.pads, state=RowMapState(rm, x_TD.dtype))
 
     def combine(self, rows_out_PD, d):
-        rm = d.state["row_map"]
-        return self.combine_rows(rows_out_PD, rm).to(d.state["dtype"])
+        return self.combine_rows(rows_out_PD, d.state.row_map).to(d.state.dtype)
 
     def permute(self, x_TD, rm):
         """rows_PD = x[token_of_row] with zero rows where token_of_row < 0."""

@@ -4,8 +4,9 @@ Shape legend: B batch, S query length, L key length (cache + S), D hidden size, 
 G key/value heads, Dh head dim, V vocab.
 
 The block is the MiniMind-3 / Qwen3 block (pre-norm, q/k norm before RoPE, rotate-half RoPE, tied
-embeddings) with HF parameter names: a checkpoint maps onto `Qwen3MoeForCausalLM` by renaming. Plain
-PyTorch; faster engines are swapped in from outside (kernels/swap.py).
+embeddings) with HF parameter names: a checkpoint maps onto `Qwen3MoeForCausalLM` by renaming. Plain PyTorch by
+default; the engines of the linears, the attention kernel, the LM loss and the MoE experts and dispatch
+are chosen when the model is built (model/engines.py; the trainer's come from kernels/engines.py).
 """
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import MiniMindConfig
+from model.engines import PLAIN, Engines
 from model.moe import FeedForward, MOEFeedForward
 from model.router import layer_mean
 
@@ -49,16 +51,17 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nn.Module):
-    attend = staticmethod(F.scaled_dot_product_attention)  # (kernels/swap.py may swap in another kernel)
+    """GQA attention; `attend` is the kernel (an Engines.attend, called as F.scaled_dot_product_attention)."""
 
-    def __init__(self, config: MiniMindConfig):
+    def __init__(self, config: MiniMindConfig, linear=nn.Linear, attend=F.scaled_dot_product_attention):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.attend = attend
+        self.q_proj = linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.dropout = config.dropout
@@ -89,14 +92,18 @@ class Attention(nn.Module):
         out = self.resid_dropout(self.o_proj(out.transpose(1, 2).reshape(B, S, -1)))
         return out, ((k, v) if use_cache else None)
 
+    def extra_repr(self):
+        return f"attend={self.attend.__name__}"
+
 
 class MiniMindBlock(nn.Module):
-    def __init__(self, config: MiniMindConfig):
+    def __init__(self, config: MiniMindConfig, engines: Engines = PLAIN):
         super().__init__()
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, engines.linear, engines.attend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MOEFeedForward(config) if config.use_moe else FeedForward(config.hidden_size, config.intermediate_size)
+        self.mlp = (MOEFeedForward(config, engines.experts, engines.row_map_dispatcher, engines.linear) if config.use_moe
+                    else FeedForward(config.hidden_size, config.intermediate_size, engines.linear))
         self.mlp_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, cos, sin, past_kv=None, use_cache=False, token_mask=None, attn_mask=None):
@@ -134,12 +141,12 @@ class MiniMindModel(nn.Module):
     statistic. A padded position attends to itself only (so its row stays finite); its output is junk.
     """
 
-    def __init__(self, config: MiniMindConfig):
+    def __init__(self, config: MiniMindConfig, engines: Engines = PLAIN):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.dropout = nn.Dropout(config.dropout)
-        self.layers = nn.ModuleList(MiniMindBlock(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(MiniMindBlock(config, engines) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # RoPE tables: built on first use on the input's device, not buffers, so nothing can leave them
         # stale (from_pretrained materialises non-persistent buffers from the meta device uninitialised).
@@ -230,14 +237,16 @@ class MiniMindForCausalLM(nn.Module):
     """Causal LM head on MiniMindModel. forward(input_ids [B, S] int64, labels [B, S] int64 or None
     (position t predicts labels[:, t]; -100 ignored), past_key_values, use_cache, attention_mask, segment_ids
     (see MiniMindModel)) -> MiniMindCausalLMOutput(loss = ce_loss + aux_loss, ce_loss, aux_loss, logits
-    [B, S, V] in the compute dtype (None with labels once kernels/swap.py swaps in the chunked loss),
-    past_key_values: (k, v) [B, G, L, Dh] per layer when use_cache)."""
+    [B, S, V] in the compute dtype (None with labels under an Engines.lm_loss, which makes no logits),
+    past_key_values: (k, v) [B, G, L, Dh] per layer when use_cache). engines: what each part runs on
+    (model/engines.py; plain PyTorch by default)."""
 
-    def __init__(self, config: MiniMindConfig):
+    def __init__(self, config: MiniMindConfig, engines: Engines = PLAIN):
         super().__init__()
         self.config = config
-        self.model = MiniMindModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.chunked_lm_loss = engines.lm_loss
+        self.model = MiniMindModel(config, engines)
+        self.lm_head = engines.linear(config.hidden_size, config.vocab_size, bias=False)
         init_weights(self.lm_head, config.initializer_range)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -255,11 +264,17 @@ class MiniMindForCausalLM(nn.Module):
                                       past_key_values=presents)
 
     def lm_loss(self, h_BSD, labels_BS):
-        """(logits [B, S, V], mean cross-entropy over labels != -100 in fp32). kernels/swap.py may swap in
-        a chunked version that returns logits None."""
+        """(logits [B, S, V], mean cross-entropy over labels != -100 in fp32); (None, the loss) under an
+        Engines.lm_loss."""
+        if self.chunked_lm_loss is not None:
+            return None, self.chunked_lm_loss(h_BSD.reshape(-1, h_BSD.shape[-1]), self.lm_head.weight,
+                                              labels_BS.reshape(-1))
         logits = self.lm_head(h_BSD)
         return logits, F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels_BS.reshape(-1),
                                        ignore_index=-100)
+
+    def extra_repr(self):
+        return f"lm_loss={self.chunked_lm_loss.__name__}" if self.chunked_lm_loss is not None else ""
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0,

@@ -6,14 +6,16 @@ F expert intermediate size, P dispatched rows.
     1. route     (here; losses in model/router.py) softmax router, top-k, router losses, load counting
     2. capacity  (model/dispatch.py: drop_and_pad) padding tokens and over-capacity pairs go to no expert
     3. dispatch  (model/dispatch.py) rows grouped by expert                self.dispatcher.dispatch
-    4. experts   (here: run_experts) E SwiGLU FFNs, each on its rows       self.run_experts
+    4. experts   (here: ExpertLoop) E SwiGLU FFNs, each on its rows        self.experts
     5. combine   (model/dispatch.py) each token's weighted sum of its rows self.dispatcher.combine
 
 moe_impl "sorted" (the default) is bitwise the per-expert masked loop (MiniMind's layer, kept below as
 `masked_expert_loop`; moe_impl "masked" runs it, for baselines) with one host sync per layer; "fused"
 builds the layout on the device (no host sync) and applies the routing weights inside the experts.
-Faster engines for steps 3-5 are swapped in from kernels/ (kernels/swap.py); expert parallelism wraps the
-dispatcher (train/parallel.py).
+The engines of steps 3-5 are chosen when the layer is built: `experts` (ExpertLoop here, one nn.Linear
+chain per expert; kernels/experts.py: GroupedExperts) and the fused path's dispatcher (RowMapDispatcher,
+or kernels/permute.py's); model/engines.py names them, kernels/engines.py picks the ones that pay.
+Expert parallelism wraps the dispatcher (train/parallel.py).
 """
 import warnings
 from dataclasses import dataclass
@@ -29,16 +31,45 @@ _warned_no_router_grad = False  # the k=1 warning below is given once per proces
 
 
 class FeedForward(nn.Module):
-    """SwiGLU FFN: down(silu(gate(x)) * up(x)). x [..., D] -> [..., D]. Names match HF (`gate_proj`...)."""
+    """SwiGLU FFN: down(silu(gate(x)) * up(x)). x [..., D] -> [..., D]. Names match HF (`gate_proj`...).
+    linear: the class of its three bias-free projections (nn.Linear or a subclass, e.g. kernels' oneDNN one)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, linear=nn.Linear):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ExpertLoop(nn.ModuleList):
+    """The routed experts: a list of FeedForward modules (`experts.{e}.{gate,up,down}_proj.weight`) and
+    the plain engine that runs them, one nn.Linear chain per expert.
+
+    forward(rows_PD [P, D], tokens_per_expert int64 [E'] (a CPU tensor, or on the device: then read to the
+    host once), row_weight_P [P] or None, first_expert=0) -> [P, D]: expert first_expert + e on its
+    tokens_per_expert[e] rows, in order (E' = all experts, or under expert parallelism the rank's); each
+    row scaled by row_weight_P (when given) before the down projection. Each expert runs on a fresh copy
+    of its rows (a view at an offset may round differently in the GEMM, and the sorted path must match the
+    masked loop's gathers bit for bit). In eval an expert without rows is skipped; in training it runs on
+    zero rows, so it gets a zero gradient (DDP needs every gradient)."""
+
+    def forward(self, rows_PD, tokens_per_expert, row_weight_P=None, first_expert=0):
+        outs, start = [], 0
+        for e, n in enumerate(tokens_per_expert.tolist()):
+            expert = self[first_expert + e]
+            if n == 0 and not self.training:
+                continue
+            x_e = rows_PD[start:start + n].clone()
+            if row_weight_P is None:
+                outs.append(expert(x_e))
+            else:  # the routing weight before the down projection (linear: the same sum up to rounding)
+                h = F.silu(expert.gate_proj(x_e)) * expert.up_proj(x_e)
+                outs.append(expert.down_proj(h * row_weight_P[start:start + n, None].to(h.dtype)))
+            start += n
+        return torch.cat(outs) if outs else rows_PD[:0].clone()
 
 
 @dataclass
@@ -66,19 +97,19 @@ class MOEFeedForward(nn.Module):
     The router's choices per expert (real tokens, before capacity) add up until `pop_load()`.
     """
 
-    def __init__(self, config):
+    def __init__(self, config, experts=ExpertLoop, row_map_dispatcher=RowMapDispatcher, linear=nn.Linear):
         super().__init__()
         self.config = config
         E = config.num_experts
         self.gate = nn.Linear(config.hidden_size, E, bias=False)
-        self.experts = nn.ModuleList(FeedForward(config.hidden_size, config.moe_intermediate_size) for _ in range(E))
-        self.shared_experts = FeedForward(config.hidden_size, config.shared_expert_intermediate_size) \
+        self.experts = experts(FeedForward(config.hidden_size, config.moe_intermediate_size) for _ in range(E))
+        self.shared_experts = FeedForward(config.hidden_size, config.shared_expert_intermediate_size, linear) \
             if config.n_shared_experts else None
         if config.router_bias_update_rate > 0:
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
         else:
             self.expert_bias = None
-        self.dispatcher = RowMapDispatcher(E) if config.moe_impl == "fused" else SortedDispatcher(E)
+        self.dispatcher = row_map_dispatcher(E) if config.moe_impl == "fused" else SortedDispatcher(E)
         self.aux_loss = torch.zeros(())
         self.stats = MoEStats()
         self._load_E = None  # router choices per expert since the last pop_load()
@@ -94,34 +125,16 @@ class MOEFeedForward(nn.Module):
             self.stats = MoEStats(tokens_per_expert(topk_idx_TK, self.config.num_experts), None, balance_loss, z_loss)
         else:
             d = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout)
-            y_TD = self.dispatcher.combine(self.run_experts(d), d)
+            rows_out_PD = self.experts(d.rows_PD, d.tokens_per_expert, d.row_weight_P, d.first_expert)
+            y_TD = self.dispatcher.combine(rows_out_PD, d)
             padded = torch.as_tensor(d.tokens_per_expert) if d.padded else None
             self.stats = MoEStats(d.routed_E, padded, balance_loss, z_loss)
         if self.shared_experts is not None:  # every token, padding too (its output is never trained on)
             y_TD = y_TD + self.shared_experts(x_TD).to(y_TD.dtype)
         return y_TD.view(B, S, D)
 
-    def run_experts(self, d):
-        """Expert first_expert + e on its d.tokens_per_expert[e] rows of d.rows_PD, in order -> [P, D]; each
-        row scaled by d.row_weight_P (when given) before the down projection. Plain PyTorch: one
-        FeedForward call per expert, on a fresh copy of its rows (a view at an offset may round differently
-        in the GEMM, and the sorted path must match the masked loop's gathers bit for bit). Reads the
-        counts to the host (the fused path's engines in kernels/ do not)."""
-        counts = d.tokens_per_expert if isinstance(d.tokens_per_expert, list) else d.tokens_per_expert.tolist()
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            expert = self.experts[d.first_expert + e]
-            if n == 0 and not self.training:
-                start += n
-                continue
-            x_e = d.rows_PD[start:start + n].clone()
-            if d.row_weight_P is None:
-                outs.append(expert(x_e))
-            else:  # the routing weight before the down projection (linear: the same sum up to rounding)
-                h = F.silu(expert.gate_proj(x_e)) * expert.up_proj(x_e)
-                outs.append(expert.down_proj(h * d.row_weight_P[start:start + n, None].to(h.dtype)))
-            start += n
-        return torch.cat(outs) if outs else d.rows_PD[:0].clone()
+    def extra_repr(self):
+        return f"moe_impl={self.config.moe_impl}, dispatcher={type(self.dispatcher).__name__}"
 
     def router_logits(self, x_TD):
         """Gate logits [T, E]: in autocast's dtype (the reference), or fp32 with router_dtype="float32"

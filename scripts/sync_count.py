@@ -5,8 +5,12 @@ ops whose output size or value must reach the host: `_local_scalar_dense` (`.ite
 `nonzero`, `masked_select`, indexing or assigning with a boolean mask, `unique*`, `repeat_interleave`
 with a tensor count and no `output_size`, and copies from a CUDA tensor to the CPU. `Tensor.tolist()`
 copies to the host without passing through the aten dispatcher, so a TorchFunctionMode counts it (once
-per call; what it does inside is not counted again).
+per call; what it does inside is not counted again), except on a tensor made from Python values
+(`torch.tensor(list)`, aten's `lift_fresh`): such a tensor is made on the host, and reading it back is no
+sync on any device.
 """
+import weakref
+
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,11 +29,12 @@ class SyncCounter:
     def __init__(self):
         self.ops = []
         self._in_tolist = 0
+        self._host_made = {}  # id -> weakref of the tensors made from Python values
         counter = self
 
         class _Fn(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
-                if func is torch.Tensor.tolist:
+                if func is torch.Tensor.tolist and not counter._made_on_host(args[0]):
                     counter.ops.append("Tensor.tolist")
                     counter._in_tolist += 1
                     try:
@@ -43,9 +48,16 @@ class SyncCounter:
                 kwargs = kwargs or {}
                 if not counter._in_tolist and counter._syncs(func, args, kwargs):
                     counter.ops.append(str(func))
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+                if func is torch.ops.aten.lift_fresh.default:
+                    counter._host_made[id(out)] = weakref.ref(out)
+                return out
 
         self._modes = (_Fn(), _Dispatch())
+
+    def _made_on_host(self, t):
+        ref = self._host_made.get(id(t))
+        return ref is not None and ref() is t
 
     @staticmethod
     def _syncs(func, args, kwargs):

@@ -34,9 +34,10 @@ def routed(mod, x):
 
 
 def test_counts_within_capacity_and_sync_free():
-    """Sorted: one sync with capacity; the fused layer after kernels.swap.swap_engines: no sync, the same
-    per-expert counts (also with padding to capacity)."""
-    from kernels.swap import swap_engines
+    """Sorted: one sync with capacity; the fused layer built with kernels.engines.engines_for's engines
+    (GroupedExperts, KernelRowMapDispatcher): no sync, the same per-expert counts (also with padding to
+    capacity)."""
+    from kernels.engines import describe, engines_for, rebuilt
     for cf in (0.25, 0.5, 1.0):
         for pad in (False, True):
             mod = build(capacity_factor=cf, moe_pad_to_capacity=pad)
@@ -46,7 +47,8 @@ def test_counts_within_capacity_and_sync_free():
             assert int(mod.stats.tokens_per_expert.max()) <= cap, (cf, mod.stats.tokens_per_expert, cap)
             assert n == 1, f"{n} syncs with capacity"
             fused = build(capacity_factor=cf, moe_pad_to_capacity=pad, moe_impl="fused")
-            assert swap_engines(fused, "cpu", torch.float32) == {"FusedExpertsMoE": 1, "KernelRowMapDispatcher": 1}
+            fused = rebuilt(fused, engines_for(fused.config, "cpu", torch.float32))
+            assert describe(fused) == "engines: KernelRowMapDispatcher x1, GroupedExperts x1", describe(fused)
             _, n = count_syncs(fused, x)
             assert n == 0, f"fused: {n} syncs with capacity"
             assert torch.equal(fused.stats.tokens_per_expert, mod.stats.tokens_per_expert), cf

@@ -11,8 +11,11 @@ from testlib import ROOT, Skip, run  # noqa: F401
 
 import torch  # noqa: E402
 
-import kernels.swap as engines  # noqa: E402
-from model.model_minimind import Attention, MiniMindConfig, MiniMindForCausalLM  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import kernels.engines as engines  # noqa: E402
+from kernels.attention import explicit_attention  # noqa: E402
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from train import loop  # noqa: E402
 from train.threads import ThreadTuner, halving  # noqa: E402
 
@@ -54,7 +57,7 @@ def test_thread_tuner_follows_the_load():
 def test_thread_count_keeps_the_step_bitwise():
     """Two AdamW steps (the second with optimizer state) of the main job's layer shapes (2 layers, a 4 x 128
     batch) give bitwise the same weights at 1 and 2 threads, for the sorted and fused MoE and the dense model, fp32 and bf16, with the engines the trainer
-    swaps in for that dtype (kernels.swap.swap_engines): so the tuner's switches do not change a run's
+    builds the model with for that dtype (kernels.engines.engines_for): so the tuner's switches do not change a run's
     numbers (checked for this model's kernels, not for every torch op)."""
     if os.cpu_count() < 2:
         raise Skip("needs 2 cores")
@@ -66,8 +69,8 @@ def test_thread_count_keeps_the_step_bitwise():
         cfg = MiniMindConfig(vocab_size=6400, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, use_moe=use_moe, num_experts=4, num_experts_per_tok=2,
                              moe_intermediate_size=384, moe_impl=impl)
-        model = MiniMindForCausalLM(cfg).train()
-        engines.swap_engines(model, "cpu", torch.bfloat16 if bf16 else torch.float32)  # as train/loop.setup
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        model = MiniMindForCausalLM(cfg, engines.engines_for(cfg, "cpu", dtype)).train()  # as train/loop.setup
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # the trainer's (train/loop.py)
         gen = torch.Generator().manual_seed(1)
         for _ in range(2):
@@ -91,8 +94,8 @@ def test_thread_count_keeps_the_step_bitwise():
 
 def test_dtype_auto_on_cpu():
     """--dtype auto on CPU is bf16 exactly when the measured bf16 GEMM speedup reaches the threshold
-    (train/loop.resolve_dtype, logged); the attention the trainer swaps in follows the dtype (explicit
-    scores under bf16, SDPA in fp32: kernels.swap.swap_engines); the measurement is far from the threshold
+    (train/loop.resolve_dtype, logged); the attention the trainer builds the model with follows the dtype
+    (explicit scores under bf16, SDPA in fp32: kernels.engines.engines_for); the measurement is far from the threshold
     on this CPU (so runs agree); an explicit --dtype is taken as given, and CUDA's auto is bf16, unmeasured."""
     class Ctx:
         distributed = False
@@ -115,12 +118,13 @@ def test_dtype_auto_on_cpu():
         assert loop.resolve_dtype(args("auto"), Ctx, "cuda", lines.append) == torch.bfloat16 and not lines, lines
     finally:
         engines.bf16_gemm_speedup = real
-    for dtype, want in ((torch.bfloat16, engines.ExplicitAttention), (torch.float32, Attention)):
-        model = MiniMindForCausalLM(MiniMindConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2))
-        done = engines.swap_engines(model, "cpu", dtype)
-        kinds = {type(layer.self_attn) for layer in model.model.layers}
-        assert kinds == {want}, (dtype, kinds, done)
-        assert done.get("ExplicitAttention", 0) == (2 if want is engines.ExplicitAttention else 0), done
+    for dtype, want in ((torch.bfloat16, explicit_attention), (torch.float32, F.scaled_dot_product_attention)):
+        cfg = MiniMindConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2)
+        model = MiniMindForCausalLM(cfg, engines.engines_for(cfg, "cpu", dtype))
+        kinds = {layer.self_attn.attend for layer in model.model.layers}
+        line = engines.describe(model)
+        assert kinds == {want}, (dtype, kinds, line)
+        assert "explicit_attention x2" in line if want is explicit_attention else "explicit_attention" not in line, line
     s = [engines.bf16_gemm_speedup(1024, 512, 2048, reps=5) for _ in range(3)]
     assert all(x == 0.0 for x in s) or min(s) >= engines.BF16_MIN_SPEEDUP or max(s) < 1.0, s
 

@@ -4,10 +4,11 @@
 
 The EP dispatcher (train/parallel.py: AllToAllDispatcher, `install`) wraps the layer's own dispatcher, so
 every expert engine runs under EP (ENGINES): "sorted" (moe_impl="sorted"), and moe_impl="fused" as the
-plain model ("plain": RowMapDispatcher + MOEFeedForward.run_experts) and after kernels.swap.swap_engines
-(what the trainer runs: "cpu", the CPU oneDNN expert GEMMs, and "grouped", the grouped-GEMM engine,
-forced on CPU by making kernels.swap.cpu_experts_run return False). The trainer swaps first, then installs
-EP; so do these tests.
+plain layer ("plain": RowMapDispatcher + the ExpertLoop of nn.Linear experts) and built with
+kernels.engines.engines_for's engines (what the trainer runs: GroupedExperts + KernelRowMapDispatcher;
+"cpu", the CPU oneDNN expert GEMMs, and "grouped", the grouped-GEMM engine, forced on CPU by making
+kernels.experts.cpu_experts_run return False). The trainer builds the layers with their engines, then
+installs EP; so do these tests.
 """
 import contextlib
 
@@ -33,39 +34,41 @@ def make(e, k, engine, seed=0, **kw):
     """The layer that runs `engine` (ENGINES), same weights for every engine."""
     mod = build(e, k, seed, "sorted" if engine == "sorted" else "fused", **kw)
     if engine in ("cpu", "grouped"):
-        from kernels.swap import swap_engines
-        done = swap_engines(mod, "cpu", torch.float32)
-        assert done == {"FusedExpertsMoE": 1, "KernelRowMapDispatcher": 1}, done
+        from kernels.engines import describe, engines_for, rebuilt
+        mod = rebuilt(mod, engines_for(mod.config, "cpu", torch.float32))
+        assert describe(mod) == "engines: KernelRowMapDispatcher x1, GroupedExperts x1", describe(mod)
     return mod
 
 
 @contextlib.contextmanager
 def engine_choice(engine):
-    """Run the swapped layers with `engine`'s expert engine, and check on leaving that it (and no other
-    engine) ran; "sorted" and "plain" must run neither."""
-    import kernels.swap as swap_module
+    """Run the layers built with GroupedExperts on `engine`'s expert engine, and check on leaving that it
+    (and no other engine) ran; "sorted" and "plain" must run neither."""
+    import types
+
+    import kernels.experts as experts_module
     if engine == "cpu":
-        from kernels.cpu_experts import cpu_experts_run
-        if not cpu_experts_run("cpu", torch.float32):
+        if not experts_module.cpu_experts_run("cpu", torch.float32):
             raise Skip("the CPU expert GEMMs do not run here (no oneDNN)")
-    calls = {"expert_gemms": 0, "grouped_swiglu": 0}
-    saved = {n: getattr(swap_module, n) for n in ("expert_gemms", "grouped_swiglu", "cpu_experts_run")}
+    calls = {"_ExpertGEMMs": 0, "grouped_swiglu": 0}
+    saved = {n: getattr(experts_module, n) for n in ("_ExpertGEMMs", "grouped_swiglu", "cpu_experts_run")}
 
-    def counting(n):
-        def f(*args, **kwargs):
+    def counting(n, f):
+        def counted(*args, **kwargs):
             calls[n] += 1
-            return saved[n](*args, **kwargs)
-        return f
+            return f(*args, **kwargs)
+        return counted
 
-    swap_module.expert_gemms, swap_module.grouped_swiglu = counting("expert_gemms"), counting("grouped_swiglu")
+    experts_module._ExpertGEMMs = types.SimpleNamespace(apply=counting("_ExpertGEMMs", saved["_ExpertGEMMs"].apply))
+    experts_module.grouped_swiglu = counting("grouped_swiglu", saved["grouped_swiglu"])
     if engine == "grouped":
-        swap_module.cpu_experts_run = lambda device, dtype: False
+        experts_module.cpu_experts_run = lambda device, dtype: False
     try:
         yield
     finally:
         for n, f in saved.items():
-            setattr(swap_module, n, f)
-    want = {"cpu": "expert_gemms", "grouped": "grouped_swiglu"}.get(engine)
+            setattr(experts_module, n, f)
+    want = {"cpu": "_ExpertGEMMs", "grouped": "grouped_swiglu"}.get(engine)
     assert all(calls[n] == 0 for n in calls if n != want), f"{engine}: {calls}"
     assert want is None or calls[want] > 0, f"{engine}: {want} never ran ({calls})"
 
@@ -105,7 +108,7 @@ def dispatch_experts_combine(layer, dispatcher, x_TD, topk_idx_TK, topk_weight_T
     """The MoE layer's steps 3-5 on given routing (the dispatch contract, `layer`'s experts):
     x_TD [T, D] -> y_TD [T, D]."""
     d = dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
-    return dispatcher.combine(layer.run_experts(d), d)
+    return dispatcher.combine(layer.experts(d.rows_PD, d.tokens_per_expert, d.row_weight_P, d.first_expert), d)
 
 
 @torch.no_grad()

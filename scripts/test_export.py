@@ -101,11 +101,11 @@ def test_routed_scaling_factor_goes_into_the_down_projections():
 
 
 def test_logits_parity_fp32():
-    """Our plain model, and the same weights with the trainer's CPU fp32 engines swapped in
-    (kernels.swap.swap_engines: OneDNNLinear, the fused MoE engines), give transformers' logits."""
+    """Our plain model, and the same weights in the model built with the trainer's CPU fp32 engines
+    (kernels.engines.engines_for: OneDNNLinear, the chunked LM loss, the fused MoE engines), give
+    transformers' logits."""
     from kernels.cpu_linear import onednn_runs
-    from kernels.swap import swap_engines
-    from train.checkpoint import model_from_checkpoint
+    from kernels.engines import describe, engines_for
     for use_moe, tie, k in CASES:
         ours, run_dir = tiny_run(use_moe, tie, k)
         hf, _, _ = load_hf_quietly(export(run_dir))
@@ -116,21 +116,22 @@ def test_logits_parity_fp32():
         assert a.abs().max() > 1.0, "logits too small for the test to mean anything"
         diff = (a - b).abs().max().item()
         assert diff <= TOL, f"moe={use_moe} tie={tie} k={k}: max |logit diff| {diff:.2e}"
-        for impl in ("sorted", "fused") if use_moe else ("sorted",):  # the same weights, swapped engines
-            swapped = model_from_checkpoint({"config": {**ours.config.to_dict(), "moe_impl": impl},
-                                             "model": ours.state_dict()}).eval()
-            done = swap_engines(swapped, "cpu", torch.float32)
-            assert not onednn_runs("cpu", torch.float32) or done.get("OneDNNLinear"), done
+        for impl in ("sorted", "fused") if use_moe else ("sorted",):  # the same weights, the trainer's engines
+            config = MiniMindConfig.from_dict({**ours.config.to_dict(), "moe_impl": impl})
+            engined = MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float32)).eval()
+            engined.load_state_dict(ours.state_dict(), strict=True)
+            line = describe(engined)
+            assert not onednn_runs("cpu", torch.float32) or "OneDNNLinear" in line, line
             with torch.no_grad():
-                diff = (swapped(ids).logits - b).abs().max().item()
-            assert diff <= TOL, f"moe={use_moe} tie={tie} k={k} swapped {impl} {done}: max |logit diff| {diff:.2e}"
+                diff = (engined(ids).logits - b).abs().max().item()
+            assert diff <= TOL, f"moe={use_moe} tie={tie} k={k} {impl} {line}: max |logit diff| {diff:.2e}"
 
 
 def test_greedy_generation_identical():
-    """Greedy ids: ours (with and without the KV cache, plain and with the trainer's CPU engines swapped in)
+    """Greedy ids: ours (with and without the KV cache, plain and built with the trainer's CPU engines)
     equal transformers'."""
     from transformers import GenerationConfig
-    from kernels.swap import swap_engines
+    from kernels.engines import engines_for, rebuilt
     for use_moe, tie, k in CASES:
         ours, run_dir = tiny_run(use_moe, tie, k)
         hf, _, _ = load_hf_quietly(export(run_dir))
@@ -142,9 +143,9 @@ def test_greedy_generation_identical():
         assert mine.shape == (1, 38), mine.shape
         assert torch.equal(mine, mine_nocache), f"moe={use_moe} tie={tie} k={k}: our cache vs no-cache"
         assert torch.equal(mine, theirs), f"moe={use_moe} tie={tie} k={k}:\n{mine}\n{theirs}"
-        swap_engines(ours, "cpu", torch.float32)  # the trainer's CPU fp32 engines (its end-of-run sample)
-        swapped = ours.generate(prompt, max_new_tokens=32, temperature=0, use_cache=True)
-        assert torch.equal(swapped, theirs), f"moe={use_moe} tie={tie} k={k} swapped:\n{swapped}\n{theirs}"
+        engined = rebuilt(ours, engines_for(ours.config, "cpu", torch.float32))  # the trainer's CPU fp32 engines
+        mine = engined.generate(prompt, max_new_tokens=32, temperature=0, use_cache=True)  # (its end-of-run sample)
+        assert torch.equal(mine, theirs), f"moe={use_moe} tie={tie} k={k} engines_for:\n{mine}\n{theirs}"
 
 
 def test_loads_without_key_warnings():

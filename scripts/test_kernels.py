@@ -5,13 +5,16 @@ this runs in CI without a GPU; on a CUDA machine the same checks also run on the
 
 permute / combine: bitwise (both are gathers plus the same fp32 add sequence); so is the CPU
 embedding_bag combine inside the reference (a fused gather-and-sum that adds each bag's rows in index order).
-grouped GEMM (Triton, torch, reference) and the CPU expert GEMMs: fp32 within 1e-5 relative to the largest
+grouped GEMM (Triton, torch, reference) and the CPU expert GEMMs (kernels/experts.py: GroupedExperts): fp32 within 1e-5 relative to the largest
 |value|: each accumulates dot products in another order than the reference's matmul (reassociation only;
 inputs are exact); bf16 within 2e-2 relative (8 mantissa bits, rounded at different points).
 chunked LM-head cross-entropy: against F.cross_entropy in fp64, loss and gradients within 1e-5 relative
 in fp32 (the logits' GEMM and the softmax in another order), within 2e-2 under bf16 autocast.
 """
+import contextlib
 import os
+import warnings
+from unittest import mock
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -20,15 +23,16 @@ import torch.nn.functional as F  # noqa: E402
 
 from testlib import Skip, run  # noqa: E402,F401
 from kernels.backend import choose, cpu_values, interpreting, triton_importable, triton_runs_on  # noqa: E402
-from kernels.cpu_experts import cpu_experts_run, expert_gemms  # noqa: E402
+from kernels import experts as experts_module  # noqa: E402
+from kernels.experts import GroupedExperts, cpu_experts_run  # noqa: E402
 from kernels.cpu_linear import OneDNNLinear, bf16_gemm_speedup, linear, onednn_linear_fits, onednn_runs  # noqa: E402
 from kernels import linear_cross_entropy as lce  # noqa: E402
 from kernels.grouped_gemm import (ScaledSwiGLU, grouped_mm, grouped_swiglu, resolve_backend,  # noqa: E402
                                   torch_grouped_mm_supports)
 from kernels.permute import Combine, Permute, combine_rows, gather_rows  # noqa: E402
-from kernels.swap import swap_engines  # noqa: E402
+from kernels.engines import describe, engines_for, rebuilt  # noqa: E402
 from model.dispatch import build_row_map  # noqa: E402  (the row maps the permute kernels read)
-from model.moe import FeedForward  # noqa: E402
+from model.moe import ExpertLoop, FeedForward  # noqa: E402
 
 # Triton runs CPU tensors only in its interpreter, and the interpreter would also run CUDA tensors (on
 # the host): so interpreted runs test on CPU, and TRITON_INTERPRET=0 on a GPU machine tests the compiled
@@ -410,16 +414,43 @@ def expert_gemms_reference(experts, rows_PD, tokens_per_expert_E, row_weight_P):
     return out
 
 
+@contextlib.contextmanager
+def engine_calls():
+    """Counts the calls of GroupedExperts' two engines while inside: {"cpu": the oneDNN expert GEMMs
+    (kernels.experts._ExpertGEMMs.apply), "grouped": kernels.experts.grouped_swiglu}."""
+    calls = {"cpu": 0, "grouped": 0}
+    real_apply, real_grouped = experts_module._ExpertGEMMs.apply, experts_module.grouped_swiglu
+
+    def cpu(*args, **kwargs):
+        calls["cpu"] += 1
+        return real_apply(*args, **kwargs)
+
+    def grouped(*args, **kwargs):
+        calls["grouped"] += 1
+        return real_grouped(*args, **kwargs)
+
+    with mock.patch.object(experts_module._ExpertGEMMs, "apply", cpu), mock.patch.object(experts_module,
+                                                                                          "grouped_swiglu", grouped):
+        yield calls
+
+
+def cpu_expert_gemms(experts, rows_PD, tokens_per_expert_E, row_weight_P):
+    """GroupedExperts over `experts` (the same modules) on these rows, checked to run the CPU expert GEMMs."""
+    with engine_calls() as calls:
+        out = GroupedExperts(experts)(rows_PD, tokens_per_expert_E, row_weight_P)
+    assert calls == {"cpu": 1, "grouped": 0}, f"GroupedExperts did not run the CPU expert GEMMs: {calls}"
+    return out
+
+
 def test_cpu_expert_gemms():
-    """kernels.cpu_experts.expert_gemms (the swapped fused layer's CPU expert compute, on the
-    expert-sorted rows of the dispatch) against a per-expert autograd reference: output, grad of the rows,
-    of the row weights and of every expert weight; over the row-map cases (idle experts get zero weight
-    grads, padding rows and rows past the segments give zero output), fp32 and bf16; two runs bitwise
-    identical; the plain layer's run_experts (nn.Linear per expert) agrees too."""
+    """kernels.experts.GroupedExperts on CPU (the fused layer's CPU expert compute: the oneDNN expert
+    GEMMs, on the expert-sorted rows of the dispatch) against a per-expert autograd reference: output, grad
+    of the rows, of the row weights and of every expert weight; over the row-map cases (idle experts get
+    zero weight grads, padding rows and rows past the segments give zero output), fp32 and bf16; two runs
+    bitwise identical; the plain ExpertLoop (nn.Linear per expert) agrees too; rows it has no CPU GEMMs
+    for (fp64) fall back to the grouped GEMM (grouped_swiglu) and agree with the reference."""
     if not cpu_experts_run("cpu", torch.float32):
         raise Skip("this torch has no oneDNN CPU matmul")
-    from types import SimpleNamespace
-    from model.moe import MOEFeedForward
     for T, K, E, drop, idle, pad_to, align in CASES + [(200, 2, 3, 0.1, (), None, 1)]:  # rows > a bucket
         torch.manual_seed(T + K + E)
         experts = torch.nn.ModuleList(FeedForward(12, 20) for _ in range(E))
@@ -427,7 +458,7 @@ def test_cpu_expert_gemms():
         rows, weight = rows0.clone().requires_grad_(), weight0.clone().requires_grad_()
         g = torch.randn(rows.shape)
         params = [rows, weight, *experts.parameters()]
-        y = expert_gemms(experts, rows, counts, weight)
+        y = cpu_expert_gemms(experts, rows, counts, weight)
         got = torch.autograd.grad(y, params, g, allow_unused=True)
         ref = expert_gemms_reference(experts, rows, counts, weight)
         want = torch.autograd.grad(ref, params, g.double(), allow_unused=True)
@@ -439,20 +470,20 @@ def test_cpu_expert_gemms():
         for i, (a, b) in enumerate(zip(got, want)):
             assert a is not None, f"{what}: gradient {i} missing (idle experts need zero grads)"
             close(a, torch.zeros_like(a) if b is None else b, f"{what} grad {i}")
-        again = torch.autograd.grad(expert_gemms(experts, rows, counts, weight), params, g, allow_unused=True)
+        again = torch.autograd.grad(cpu_expert_gemms(experts, rows, counts, weight), params, g, allow_unused=True)
         assert all(bits_equal(a, b) for a, b in zip(got, again)), what + " rerun"
-        plain = SimpleNamespace(experts=experts, training=True)  # MOEFeedForward.run_experts on the same rows
-        d = SimpleNamespace(rows_PD=rows, tokens_per_expert=counts, row_weight_P=weight, first_expert=0)
-        y_plain = MOEFeedForward.run_experts(plain, d)
-        close(y_plain[:end], ref.detach()[:end], what + " plain run_experts")
+        with engine_calls() as calls:  # the plain ExpertLoop on the same rows (the same modules, no copy)
+            y_plain = ExpertLoop(experts).train()(rows, counts, weight)
+        assert calls == {"cpu": 0, "grouped": 0}, f"{what}: the plain ExpertLoop ran an engine: {calls}"
+        close(y_plain[:end], ref.detach()[:end], what + " plain ExpertLoop")
     if cpu_experts_run("cpu", torch.bfloat16):
         experts = torch.nn.ModuleList(FeedForward(16, 32) for _ in range(4)).bfloat16()
         rows, counts, weight = expert_rows(40, 2, 4, 0.0, (), None, 1, 16)
-        got = expert_gemms(experts, rows.bfloat16(), counts, weight).double()
+        got = cpu_expert_gemms(experts, rows.bfloat16(), counts, weight).double()
         want = expert_gemms_reference(experts, rows.bfloat16(), counts, weight)
         assert (got - want).abs().max() <= 2e-2 * want.abs().max(), "bf16"
         master = torch.nn.ModuleList(FeedForward(16, 32) for _ in range(4))  # fp32 weights, bf16 rows (autocast)
-        got = expert_gemms(master, rows.bfloat16(), counts, weight)
+        got = cpu_expert_gemms(master, rows.bfloat16(), counts, weight)
         assert got.dtype == torch.bfloat16
         want = expert_gemms_reference(master, rows.bfloat16(), counts, weight)
         assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max(), "bf16 rows, fp32 weights"
@@ -464,50 +495,54 @@ def test_cpu_expert_gemms():
                                      (torch.randn(150, 16), skewed, torch.rand(150))):
             rows, weight = rows.bfloat16().requires_grad_(), weight.requires_grad_()
             params, g = [rows, weight, *master.parameters()], torch.randn(rows.shape)
-            got = torch.autograd.grad(expert_gemms(master, rows, counts, weight), params, g.bfloat16())
+            got = torch.autograd.grad(cpu_expert_gemms(master, rows, counts, weight), params, g.bfloat16())
             want = torch.autograd.grad(expert_gemms_reference(master, rows, counts, weight), params, g.double(),
                                        allow_unused=True)
             for i, (a, b) in enumerate(zip(got, want)):  # bf16 rounding of the rows' products: 2% of the largest
                 b = torch.zeros(a.shape, dtype=torch.float64) if b is None else b
                 assert (a.double() - b).abs().max() <= 2e-2 * b.abs().max() + 1e-6, f"bf16, 16 experts: grad {i}"
-    try:
-        expert_gemms(torch.nn.ModuleList([FeedForward(4, 4)]), torch.randn(2, 4, dtype=torch.float64),
-                      torch.tensor([2]), torch.ones(2, dtype=torch.float64))
-    except ValueError as e:
-        assert "expert_gemms" in str(e)
-    else:
-        raise AssertionError("fp64 accepted by expert_gemms")
+    # fp64 rows (no oneDNN GEMMs for them): not the CPU expert GEMMs but the grouped GEMM, same values
+    experts = torch.nn.ModuleList(FeedForward(12, 20) for _ in range(4)).double()
+    rows, counts, weight = expert_rows(13, 2, 4, 0.0, (), None, 1, 12)
+    rows, weight = rows.double(), weight.double()
+    assert not cpu_experts_run("cpu", torch.float64)
+    with engine_calls() as calls, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (grouped_mm's warning: fp64 takes its per-expert loop)
+        got = GroupedExperts(experts)(rows, counts, weight)
+    assert calls == {"cpu": 0, "grouped": 1}, f"fp64: {calls}"
+    assert got.dtype == torch.float64
+    close(got, expert_gemms_reference(experts, rows, counts, weight).detach(), "fp64 fallback")
 
 
 def test_cpu_experts_autograd_modes():
-    """Backward twice with retain_graph, frozen experts (no weight grads computed), no_grad (nothing kept),
-    and double backward refused with a clear error."""
+    """GroupedExperts' CPU expert GEMMs: backward twice with retain_graph, frozen experts (no weight grads
+    computed), no_grad (nothing kept), and double backward refused with a clear error."""
     if not cpu_experts_run("cpu", torch.float32):
         raise Skip("this torch has no oneDNN CPU matmul")
-    from kernels.cpu_experts import _bucket
+    from kernels.experts import _bucket
     assert [_bucket(n) for n in (0, 1, 16, 17, 100, 512, 513, 1000)] == [0, 1, 16, 24, 104, 512, 544, 1024]
     torch.manual_seed(0)
     experts = torch.nn.ModuleList(FeedForward(8, 12) for _ in range(3))
     rows0, counts, weight0 = expert_rows(50, 2, 3, 0.0, (), None, 1, 8)
     x, scale = rows0.requires_grad_(), weight0.requires_grad_()
-    y = expert_gemms(experts, x, counts, scale)
+    y = cpu_expert_gemms(experts, x, counts, scale)
     g1 = torch.autograd.grad(y.sum(), (x, scale), retain_graph=True)
     g2 = torch.autograd.grad(y.sum(), (x, scale))
     assert all(bits_equal(a, b) for a, b in zip(g1, g2)), "second backward with retain_graph"
     for p in experts.parameters():
         p.requires_grad_(False)
-    gx, = torch.autograd.grad(expert_gemms(experts, x, counts, scale).sum(), x)
+    gx, = torch.autograd.grad(cpu_expert_gemms(experts, x, counts, scale).sum(), x)
     assert bits_equal(gx, g1[0]) and all(p.grad is None for p in experts.parameters())
     with torch.no_grad():
-        assert not expert_gemms(experts, x, counts, scale).requires_grad
-    y = expert_gemms(experts, x, counts, scale)
+        assert not cpu_expert_gemms(experts, x, counts, scale).requires_grad
+    y = cpu_expert_gemms(experts, x, counts, scale)
     gx, = torch.autograd.grad(y.sum(), x, create_graph=True)
     try:
         gx.sum().backward()
     except RuntimeError as e:
         assert "once_differentiable" in str(e) or "double backward" in str(e) or "does not require grad" in str(e), e
     else:
-        raise AssertionError("double backward through expert_gemms did not raise")
+        raise AssertionError("double backward through the CPU expert GEMMs did not raise")
 
 
 def test_cpu_values_refuses_device_tensors():
@@ -596,7 +631,7 @@ def test_kernels_compile_for_hopper():
 def test_onednn_linear_matches_fp64():
     """kernels/cpu_linear.py against F.linear in fp64: forward, grad x, grad W within 1e-5 relative (fp32
     rounding of a K <= 384 dot product, in oneDNN's summation order; measured ~8e-7), for 2-D, 3-D and
-    non-contiguous inputs, through `linear` and through the OneDNNLinear module (the swap for nn.Linear),
+    non-contiguous inputs, through `linear` and through the OneDNNLinear module (the engine for nn.Linear),
     which give the same bits; operands oneDNN does not take (fp64) are F.linear bitwise."""
     if not onednn_linear_fits(torch.zeros(1), torch.zeros(1)):
         raise Skip("this torch has no oneDNN for CPU fp32")
@@ -630,8 +665,10 @@ def test_onednn_linear_matches_fp64():
 
 def test_onednn_linear_choices():
     """`linear` leaves autocast and non-fp32 operands to F.linear (bitwise); OneDNNLinear keeps nn.Linear's
-    parameters and state_dict keys and is within fp32 rounding of nn.Linear (1e-5 relative); swap_engines
-    swaps exactly the bias-free nn.Linear modules, on CPU under fp32 only."""
+    parameters and state_dict keys and is within fp32 rounding of nn.Linear (1e-5 relative); engines_for
+    picks it on CPU under fp32 only, and a model built with those engines has it exactly at the bias-free
+    projections outside the MoE router and routed experts (attention, dense FFN, shared experts, LM head)
+    and computes the plain model's logits within 1e-5 relative."""
     x, w = torch.randn(4, 16), torch.randn(8, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not onednn_linear_fits(x, w)
@@ -645,13 +682,34 @@ def test_onednn_linear_choices():
     rel = ((layer(x) - plain(x)).abs().max() / plain(x).abs().max()).item()
     assert rel < 1e-5, f"OneDNNLinear vs nn.Linear: relative error {rel:.2e}"
     assert 0.0 <= bf16_gemm_speedup(64, 32, 64, reps=1) < 100
-    tree = torch.nn.Sequential(torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(8, 4))
-    assert swap_engines(tree, "cpu", torch.bfloat16) == {} and type(tree[0]) is torch.nn.Linear
-    if onednn_runs("cpu", torch.float32):
-        y = tree(x)
-        assert swap_engines(tree, "cpu", torch.float32) == {"OneDNNLinear": 1}
-        assert type(tree[0]) is OneDNNLinear and type(tree[1]) is torch.nn.Linear, "only bias-free linears"
-        assert (tree(x) - y).abs().max() <= 1e-5 * y.abs().max()
+    from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+    base = dict(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=32,
+                num_hidden_layers=2, intermediate_size=24)
+    ids = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(0))
+    for kw in ({}, {"use_moe": True, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                    "n_shared_experts": 1}):
+        config = MiniMindConfig(**base, **kw)
+        torch.manual_seed(0)
+        plain = MiniMindForCausalLM(config).eval()
+        assert describe(plain) == "engines: plain PyTorch", describe(plain)
+        for device, dtype in (("cpu", torch.bfloat16), ("cuda", torch.float32), ("cuda", torch.bfloat16)):
+            assert engines_for(config, device, dtype).linear is torch.nn.Linear, (kw, device, dtype)
+        model = rebuilt(plain, engines_for(config, "cpu", torch.bfloat16))
+        assert not any(type(m) is OneDNNLinear for m in model.modules()), "bf16: no OneDNNLinear"
+        if not onednn_runs("cpu", torch.float32):
+            continue
+        engines = engines_for(config, "cpu", torch.float32)
+        assert engines.linear is OneDNNLinear, kw
+        model = rebuilt(plain, engines)
+        linears = {n: type(m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        routed = {n for n in linears if n.endswith("mlp.gate") or ".mlp.experts." in n}
+        assert routed or not kw, kw
+        assert all(linears[n] is torch.nn.Linear for n in routed), f"router / routed experts: {linears}"
+        assert all(t is OneDNNLinear for n, t in linears.items() if n not in routed), f"projections: {linears}"
+        assert all(m.bias is None for n, m in model.named_modules() if type(m) is OneDNNLinear), "only bias-free"
+        assert f"OneDNNLinear x{len(linears) - len(routed)}" in describe(model), describe(model)
+        y = plain(ids).logits
+        assert (model(ids).logits - y).abs().max() <= 1e-5 * y.abs().max(), kw
 
 
 def test_linear_cross_entropy_matches_reference():

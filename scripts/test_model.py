@@ -10,18 +10,18 @@ from testlib import Skip, run  # noqa: F401
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, MOEFeedForward
 
 
-def tiny(swap=False, **kw):
-    """A tiny model; swap=True: with the CPU fp32 engines kernels.swap.swap_engines puts in (what the
-    trainer runs: OneDNNLinear, the chunked LM loss)."""
+def tiny(cpu_engines=False, **kw):
+    """A tiny model; cpu_engines=True: built with the CPU fp32 engines of kernels.engines.engines_for (what
+    the trainer runs: OneDNNLinear, the chunked LM loss, the fused MoE engines); the same weights either way."""
     cfg = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=128)
     cfg.update(kw)
+    config = MiniMindConfig(**cfg)
     torch.manual_seed(0)
-    model = MiniMindForCausalLM(MiniMindConfig(**cfg))
-    if swap:
-        from kernels.swap import swap_engines
-        swap_engines(model, "cpu", torch.float32)
-    return model
+    if cpu_engines:
+        from kernels.engines import engines_for
+        return MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float32))
+    return MiniMindForCausalLM(config)
 
 
 def test_config_errors_name_the_field():
@@ -89,7 +89,7 @@ def test_config_defaults_and_roundtrip():
             c.max_position_embeddings) == (256, 4, 4, 2, 2048), c
     assert c.use_moe and (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (4, 2, 384), c
     assert c.moe_impl == "sorted" and c.intermediate_size == 832  # ceil(256 * pi / 64) * 64
-    for name in ("linear_backend", "attn_impl", "lm_loss_impl"):  # engines are swapped in, not configured
+    for name in ("linear_backend", "attn_impl", "lm_loss_impl"):  # engines are chosen when built, not configured
         assert name not in MiniMindConfig.__dataclass_fields__, name
     assert MiniMindConfig(moe_intermediate_size=None).moe_intermediate_size == c.intermediate_size
     assert not any(isinstance(layer.mlp, MOEFeedForward) for layer in tiny(use_moe=False).model.layers)
@@ -113,32 +113,44 @@ def test_forward_loss_and_aux():
 
 
 def test_chunked_lm_loss_is_the_torch_loss():
-    """The engines kernels.swap.swap_engines puts into the model on CPU fp32 (ChunkedLossCausalLM's chunked
-    LM loss, OneDNNLinear where oneDNN runs) give the plain model's F.cross_entropy loss and gradients
-    (fp32: within 1e-5 relative to the largest value, rounding of the GEMM and softmax order) with ignored
-    labels, tied and untied heads, and return no logits; without labels the logits are there. The chunked
-    loss alone (only the class of the LM swapped) too. The swap keeps every state_dict key and tensor."""
-    from kernels.cpu_linear import onednn_runs
-    from kernels.swap import ChunkedLossCausalLM, swap_engines
+    """The model built with the engines kernels.engines.engines_for picks on CPU fp32 (the chunked LM loss
+    linear_cross_entropy, OneDNNLinear where oneDNN runs) gives the plain model's F.cross_entropy loss and
+    gradients (fp32: within 1e-5 relative to the largest value, rounding of the GEMM and softmax order) with
+    ignored labels, tied and untied heads, and returns no logits; without labels the logits are there. The
+    chunked loss alone (Engines with only lm_loss set) too. Built with the same seed, the engines' model has
+    every state_dict key and tensor of the plain one (and a tied head stays tied)."""
+    import dataclasses
+
+    from kernels.cpu_linear import OneDNNLinear, onednn_runs
+    from kernels.engines import describe, engines_for
+    from kernels.linear_cross_entropy import linear_cross_entropy
+    from model.engines import PLAIN
     ids = torch.randint(0, 97, (3, 17))
     labels = ids.clone()
     labels[:, :4] = -100
+    onednn = onednn_runs("cpu", torch.float32)
     for tied in (True, False):
         outs = {}
-        for engines in ("plain", "loss only", "swap_engines"):
+        for engines in ("plain", "loss only", "engines_for"):
             model = tiny(tie_word_embeddings=tied).train()
             before = model.state_dict()
             if engines == "loss only":
-                model.__class__ = ChunkedLossCausalLM
-            elif engines == "swap_engines":
-                done = swap_engines(model, "cpu", torch.float32)
-                assert done.get("ChunkedLossCausalLM") == 1, done
-                if onednn_runs("cpu", torch.float32):  # attention projections x 4 per layer and the LM head
-                    assert done.get("OneDNNLinear") == 2 * 4 + 1, done
-                assert type(model) is ChunkedLossCausalLM
+                torch.manual_seed(0)
+                model = MiniMindForCausalLM(model.config, dataclasses.replace(PLAIN, lm_loss=linear_cross_entropy)).train()
+                assert model.chunked_lm_loss is linear_cross_entropy and describe(model) == "engines: linear_cross_entropy x1"
+                assert not any(isinstance(m, OneDNNLinear) for m in model.modules())
+            elif engines == "engines_for":
+                assert engines_for(model.config, "cpu", torch.float32).lm_loss is linear_cross_entropy
+                model = tiny(cpu_engines=True, tie_word_embeddings=tied).train()
+                # attention projections x 4 per layer and the LM head
+                want = "engines: linear_cross_entropy x1" + (", OneDNNLinear x9" if onednn else "")
+                assert describe(model) == want, describe(model)
+                assert sum(type(m) is OneDNNLinear for m in model.modules()) == (2 * 4 + 1 if onednn else 0)
+                assert model.chunked_lm_loss is linear_cross_entropy
+            if engines != "plain":
                 after = model.state_dict()
                 assert list(after) == list(before) and all(
-                    after[k].data_ptr() == before[k].data_ptr() for k in before), "the swap moved tensors"
+                    torch.equal(after[k], before[k]) for k in before), f"{engines}: other weights than the plain model's"
                 if tied:
                     assert model.lm_head.weight is model.model.embed_tokens.weight
             out = model(ids, labels=labels)
@@ -146,7 +158,7 @@ def test_chunked_lm_loss_is_the_torch_loss():
             outs[engines] = (out, {n: p.grad for n, p in model.named_parameters()})
         want, want_grads = outs["plain"]
         assert want.logits.shape == (3, 17, 97)
-        for engines in ("loss only", "swap_engines"):
+        for engines in ("loss only", "engines_for"):
             got, grads = outs[engines]
             assert got.logits is None and abs(got.ce_loss.item() - want.ce_loss.item()) < 1e-5 * want.ce_loss.item()
             assert torch.allclose(got.loss, got.ce_loss + got.aux_loss)
@@ -154,9 +166,7 @@ def test_chunked_lm_loss_is_the_torch_loss():
             for name, g in grads.items():
                 rel = ((g - want_grads[name]).abs().max() / want_grads[name].abs().max()).item()
                 assert rel < 1e-5, f"tied={tied} {engines} {name}: {rel:.2e}"
-    swapped = tiny()
-    swap_engines(swapped, "cpu", torch.float32)
-    assert swapped(ids).logits.shape == (3, 17, 97)
+    assert tiny(cpu_engines=True)(ids).logits.shape == (3, 17, 97)
     assert tiny()(ids).logits.shape == (3, 17, 97)
 
 
@@ -183,9 +193,9 @@ def test_causal():
 
 def test_kv_cache_matches_full_forward():
     """Prefill + chunked continuation with the cache equals one forward over the whole sequence (the plain
-    model and the one with the trainer's CPU engines swapped in)."""
-    for swap in (False, True):
-        model = tiny(swap=swap, use_moe=True).eval()
+    model and the one built with the trainer's CPU engines)."""
+    for cpu_engines in (False, True):
+        model = tiny(cpu_engines=cpu_engines, use_moe=True).eval()
         ids = torch.randint(0, 97, (2, 20))
         full = model(ids).logits
         out1 = model(ids[:, :7], use_cache=True)
@@ -193,14 +203,14 @@ def test_kv_cache_matches_full_forward():
         out3 = model(ids[:, 12:13], past_key_values=out2.past_key_values, use_cache=True)
         got = torch.cat([out1.logits, out2.logits, out3.logits], dim=1)
         # Different query-block shapes change the GEMM/attention blocking: equal up to fp32 rounding.
-        assert torch.allclose(got, full[:, :13], atol=2e-5, rtol=1e-4), (swap, (got - full[:, :13]).abs().max())
+        assert torch.allclose(got, full[:, :13], atol=2e-5, rtol=1e-4), (cpu_engines, (got - full[:, :13]).abs().max())
 
 
 def test_generate_cache_equals_no_cache():
     """Greedy ids with and without the KV cache are equal, seeded sampling repeats: dense and MoE, the plain
-    model and the one with the trainer's CPU engines swapped in (the end-of-run sample uses that one)."""
-    for use_moe, swap in ((True, False), (False, False), (True, True), (False, True)):
-        model = tiny(swap=swap, use_moe=use_moe).eval()
+    model and the one built with the trainer's CPU engines (the end-of-run sample uses that one)."""
+    for use_moe, cpu_engines in ((True, False), (False, False), (True, True), (False, True)):
+        model = tiny(cpu_engines=cpu_engines, use_moe=use_moe).eval()
         prompt = torch.randint(0, 97, (2, 5))
         a = model.generate(prompt, max_new_tokens=24, temperature=0, use_cache=True)
         b = model.generate(prompt, max_new_tokens=24, temperature=0, use_cache=False)
@@ -229,8 +239,8 @@ def test_generate_stops_at_eos_and_max_len():
 
 def test_overfit_one_batch():
     """The whole model can learn: 60 Adam steps on one batch drive the loss far down (with the engines the
-    trainer swaps in on CPU fp32: the chunked LM loss and OneDNNLinear)."""
-    model = tiny(swap=True).train()
+    trainer builds with on CPU fp32: the chunked LM loss and OneDNNLinear)."""
+    model = tiny(cpu_engines=True).train()
     ids = torch.randint(0, 97, (4, 16))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     first = None
@@ -256,9 +266,9 @@ def _padded(prompts, side):
 
 def test_attention_mask_hides_left_and_right_padding():
     """A padded batch: every real token's logits equal those of its sequence alone (1e-5), whichever side
-    the padding is on, for the dense model and both MoE paths, the fused one also with its engines swapped in
-    (kernels.swap: FusedExpertsMoE, KernelRowMapDispatcher) (positions count real tokens only)."""
-    for kw in (dict(use_moe=False), dict(moe_impl="sorted"), dict(moe_impl="fused"), dict(moe_impl="fused", swap=True)):
+    the padding is on, for the dense model and both MoE paths, the fused one also built with the trainer's
+    CPU engines (kernels.engines: GroupedExperts, KernelRowMapDispatcher) (positions count real tokens only)."""
+    for kw in (dict(use_moe=False), dict(moe_impl="sorted"), dict(moe_impl="fused"), dict(moe_impl="fused", cpu_engines=True)):
         model = tiny(**kw).eval()
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 11, 7, 1)]
@@ -275,10 +285,10 @@ def test_attention_mask_hides_left_and_right_padding():
 
 def test_batched_generation_of_different_lengths():
     """Left-padded prompts of lengths 2..9 generated in one batch: greedy ids equal generating each alone,
-    with and without the KV cache; the padding stays in front of each row (the fused MoE path also with its
-    engines swapped in)."""
+    with and without the KV cache; the padding stays in front of each row (the fused MoE path also built
+    with the trainer's CPU engines)."""
     from model.model_minimind import left_pad
-    for kw in (dict(use_moe=False), dict(moe_impl="sorted"), dict(moe_impl="fused"), dict(moe_impl="fused", swap=True)):
+    for kw in (dict(use_moe=False), dict(moe_impl="sorted"), dict(moe_impl="fused"), dict(moe_impl="fused", cpu_engines=True)):
         model = tiny(**kw).eval()
         g = torch.Generator().manual_seed(2)
         prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (2, 9, 5)]

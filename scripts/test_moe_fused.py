@@ -4,14 +4,15 @@
 
 The fused layer is MOEFeedForward with a RowMapDispatcher (model/dispatch.py). Its experts run three ways,
 and every equivalence test runs all three (ENGINES):
-  "plain"    the plain model: MOEFeedForward.run_experts, one nn.Linear chain per expert (reads the
-             counts to the host, so it is not the zero-sync path);
-  "cpu"   after kernels.swap.swap_engines: FusedExpertsMoE with the CPU oneDNN expert GEMMs
-             (kernels/cpu_experts.py, what run_experts picks on CPU where kernels.cpu_experts.cpu_experts_run
-             holds) and the KernelRowMapDispatcher (kernels/permute.py autograd);
-  "grouped"  the same swapped layer with the grouped-GEMM engine (kernels/grouped_gemm.py: grouped_swiglu,
-             torch's grouped_mm where it takes the operands, else the per-expert reference loop), forced on
-             CPU by making kernels.swap.cpu_experts_run return False.
+  "plain"    the layer built with the plain engines (model/engines.py: PLAIN): model/moe.py's ExpertLoop,
+             one nn.Linear chain per expert (reads the counts to the host, so it is not the zero-sync path);
+  "cpu"      the layer built with kernels.engines.engines_for's engines (a copy with the same weights:
+             kernels.engines.rebuilt): GroupedExperts (kernels/experts.py) running the CPU oneDNN expert
+             GEMMs (what it picks on CPU where kernels.experts.cpu_experts_run holds) and the
+             KernelRowMapDispatcher (kernels/permute.py autograd);
+  "grouped"  the same engine-built layer with GroupedExperts' grouped-GEMM engine (kernels/grouped_gemm.py:
+             grouped_swiglu, torch's grouped_mm where it takes the operands, else the per-expert reference
+             loop), forced on CPU by making kernels.experts.cpu_experts_run return False.
 Each engine run checks which expert engine actually ran (`engine`).
 
 Tolerance, fp32: forward and every gradient within 1e-5 absolute on outputs of size ~0.1-1 (the grouped
@@ -23,59 +24,64 @@ both paths round the expert outputs to bf16 once, at different points).
 import contextlib
 import copy
 import warnings
+from unittest import mock
 
 import torch
 
 from testlib import Skip, run  # noqa: F401
 from sync_count import SyncCounter, count_syncs
-import kernels.swap as swap_module
-from kernels.cpu_experts import cpu_experts_run
-from kernels.swap import FusedExpertsMoE, KernelRowMapDispatcher, swap_engines
+import kernels.experts as experts_module
+from kernels.engines import describe, engines_for, rebuilt
+from kernels.experts import GroupedExperts, cpu_experts_run
+from kernels.permute import KernelRowMapDispatcher
 from model.dispatch import RowLayout, RowMapDispatcher, SortedDispatcher
 from model.model_minimind import MiniMindConfig, MOEFeedForward
+from model.moe import ExpertLoop
 
 D = 32
 ENGINES = ("plain", "cpu", "grouped")
-SWAPS = {"FusedExpertsMoE": 1, "KernelRowMapDispatcher": 1}
+FUSED_ENGINES = "engines: KernelRowMapDispatcher x1, GroupedExperts x1"  # describe() of one engine-built fused layer
 
 
-def swapped(fused, dtype=torch.float32):
-    """A copy of the plain fused layer with the engines of kernels/swap.py swapped in (same weights)."""
-    layer = copy.deepcopy(fused)
-    done = swap_engines(layer, "cpu", dtype)
-    assert done == SWAPS, done
-    assert type(layer) is FusedExpertsMoE and type(layer.dispatcher) is KernelRowMapDispatcher
+def with_engines(fused, device="cpu", dtype=torch.float32):
+    """A copy of the plain fused layer built with the engines kernels/engines.py picks for `device` and
+    autocast `dtype` (same weights and buffers, same train/eval mode). The build's initialisation draws
+    are kept off the caller's random stream, so a test's inputs do not depend on how its layers are made."""
+    with torch.random.fork_rng(devices=[]):
+        layer = rebuilt(fused, engines_for(fused.config, device, dtype))
+    assert type(layer) is MOEFeedForward and layer.training == fused.training
+    assert type(layer.experts) is GroupedExperts and type(layer.dispatcher) is KernelRowMapDispatcher
+    assert describe(layer) == FUSED_ENGINES, describe(layer)
     return layer
 
 
 @contextlib.contextmanager
 def engine(layers, name):
-    """Run the fused layer with expert engine `name` (ENGINES): layers = (plain fused, swapped). Yields the
-    layer to call; on leaving checks that the intended expert engine (and no other) ran."""
-    plain, swapped_layer = layers
-    calls = {"expert_gemms": 0, "grouped_swiglu": 0}
-    saved = {n: getattr(swap_module, n) for n in ("expert_gemms", "grouped_swiglu", "cpu_experts_run")}
+    """Run the fused layer with expert engine `name` (ENGINES): layers = (plain fused, engine-built). Yields
+    the layer to call; on leaving checks that the intended expert engine (and no other) ran: the CPU expert
+    GEMMs (kernels.experts._ExpertGEMMs) or the grouped GEMM (kernels.experts.grouped_swiglu)."""
+    plain, built = layers
+    calls = {"ExpertGEMMs": 0, "grouped_swiglu": 0}
+    real = {"ExpertGEMMs": experts_module._ExpertGEMMs.apply, "grouped_swiglu": experts_module.grouped_swiglu}
 
     def counting(n):
         def f(*args, **kwargs):
             calls[n] += 1
-            return saved[n](*args, **kwargs)
+            return real[n](*args, **kwargs)
         return f
 
-    swap_module.expert_gemms, swap_module.grouped_swiglu = counting("expert_gemms"), counting("grouped_swiglu")
-    if name == "grouped":
-        swap_module.cpu_experts_run = lambda device, dtype: False
-    elif name not in ("plain", "cpu"):
+    if name not in ENGINES:
         raise ValueError(name)
-    try:
-        yield plain if name == "plain" else swapped_layer
-    finally:
-        for n, f in saved.items():
-            setattr(swap_module, n, f)
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(experts_module._ExpertGEMMs, "apply", counting("ExpertGEMMs")))
+        patches.enter_context(mock.patch.object(experts_module, "grouped_swiglu", counting("grouped_swiglu")))
+        if name == "grouped":
+            patches.enter_context(mock.patch.object(experts_module, "cpu_experts_run", lambda device, dtype: False))
+        yield plain if name == "plain" else built
     if name == "plain":
-        assert calls == {"expert_gemms": 0, "grouped_swiglu": 0}, f"plain run_experts ran an engine: {calls}"
+        assert calls == {"ExpertGEMMs": 0, "grouped_swiglu": 0}, f"plain ExpertLoop ran an engine: {calls}"
     else:
-        ran, other = ("expert_gemms", "grouped_swiglu") if name == "cpu" else ("grouped_swiglu", "expert_gemms")
+        ran, other = ("ExpertGEMMs", "grouped_swiglu") if name == "cpu" else ("grouped_swiglu", "ExpertGEMMs")
         assert calls[other] == 0, f"engine {name}: {other} ran ({calls})"
         assert calls[ran] > 0 or sum(calls.values()) == 0, f"engine {name}: {ran} did not run ({calls})"
 
@@ -88,11 +94,12 @@ def engines_here(dtype=torch.float32):
 def dispatch_experts_combine(layer, x_TD, topk_idx_TK, topk_weight_TK, layout=RowLayout()):
     """The MoE layer's steps 3-5 on given routing (the dispatch contract): x_TD [T, D] -> y_TD [T, D]."""
     d = layer.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout)
-    return layer.dispatcher.combine(layer.run_experts(d), d)
+    rows_out_PD = layer.experts(d.rows_PD, d.tokens_per_expert, d.row_weight_P, d.first_expert)
+    return layer.dispatcher.combine(rows_out_PD, d)
 
 
 def pair(E, k, seed=0, **kw):
-    """(sorted layer, plain fused layer, swapped fused layer) with the same weights."""
+    """(sorted layer, plain fused layer, engine-built fused layer) with the same weights."""
     torch.manual_seed(seed)
     cfg = dict(hidden_size=D, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True,
                num_experts=E, num_experts_per_tok=k, moe_intermediate_size=24, **kw)
@@ -100,7 +107,8 @@ def pair(E, k, seed=0, **kw):
     fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).train()
     fused.load_state_dict(ref.state_dict())
     assert type(ref.dispatcher) is SortedDispatcher and type(fused.dispatcher) is RowMapDispatcher
-    return ref, fused, swapped(fused)
+    assert type(ref.experts) is ExpertLoop and type(fused.experts) is ExpertLoop
+    return ref, fused, with_engines(fused)
 
 
 def fwd_bwd(mod, x, g):
@@ -186,11 +194,13 @@ def test_deterministic():
 
 
 def test_zero_syncs():
-    """After swap_engines, no sync-inducing call in forward or backward, in training and eval, with
-    capacity, padding and alignment: with the CPU expert GEMMs (which read their segment bounds from CPU
-    memory: not a sync), and with the grouped engine on torch's grouped_mm, whose offsets never leave
-    the device (the CUDA design). The plain fused layer reads the counts at most once (its run_experts),
-    the sorted layer exactly once. Also through a module tree: swap_engines swaps every fused MoE layer."""
+    """Built with engines_for's engines, no sync-inducing call in forward or backward, in training and eval,
+    with capacity, padding and alignment: with the CPU expert GEMMs (which read their segment bounds from
+    CPU memory: not a sync), and with the grouped engine on torch's grouped_mm, whose offsets never leave
+    the device (the CUDA design). The plain fused layer reads the counts at most once (its ExpertLoop),
+    the sorted layer exactly once. Also through a module tree: every fused MoE layer of a model built with
+    engines_for's engines gets them (and a sorted layer keeps the plain ones); rebuilding an engine-built
+    layer with the same engines gives the same engines and state."""
     variants = [e for e in engines_here() if e != "plain"]
     for E, k, kw in CONFIGS + [(64, 8, {}), (16, 4, {"capacity_factor": 1.25, "moe_pad_to_capacity": True})]:
         ref, *layers = pair(E, k, **kw)
@@ -207,21 +217,37 @@ def test_zero_syncs():
             assert count_syncs(layers[0], x)[1] <= 1, f"plain fused E={E} k={k} {kw}"
             ref.train(train)
             assert count_syncs(ref, x)[1] == 1
-    # a module tree: two fused layers and a sorted one; only the fused ones are swapped
+    # a module tree: two fused layers, each built with engines_for's engines
     torch.manual_seed(0)
     cfg = dict(hidden_size=D, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True, num_experts=4,
                num_experts_per_tok=2, moe_intermediate_size=24)
-    tree = torch.nn.Sequential(MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")),
-                               MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused", capacity_factor=1.0)))
-    plain_tree = copy.deepcopy(tree)
-    assert swap_engines(tree, "cpu", torch.float32) == {"FusedExpertsMoE": 2, "KernelRowMapDispatcher": 2}
-    assert swap_engines(tree, "cpu", torch.float32) == {}, "a second swap must find nothing left to swap"
+    plain_tree = torch.nn.Sequential(MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")),
+                                     MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused", capacity_factor=1.0)))
+    tree = torch.nn.Sequential(*(rebuilt(m, engines_for(m.config, "cpu", torch.float32)) for m in plain_tree))
+    assert describe(tree) == "engines: KernelRowMapDispatcher x2, GroupedExperts x2", describe(tree)
+    assert describe(plain_tree) == "engines: plain PyTorch", describe(plain_tree)
+    again = rebuilt(tree[0], engines_for(tree[0].config, "cpu", torch.float32))
+    assert type(again.experts) is GroupedExperts and type(again.dispatcher) is KernelRowMapDispatcher
+    assert list(again.state_dict()) == list(tree[0].state_dict()) and all(
+        torch.equal(a, b) for a, b in zip(again.state_dict().values(), tree[0].state_dict().values()))
     x = torch.randn(2, 30, D)
     y, n = count_syncs(tree, x)
-    assert n == 0, f"swapped tree: {n} syncs"
-    assert_close(y, plain_tree(x), 1e-5, "swapped tree vs plain tree")
-    sorted_layer = MOEFeedForward(MiniMindConfig(**cfg))
-    assert swap_engines(sorted_layer, "cpu", torch.float32) == {} and type(sorted_layer) is MOEFeedForward
+    assert n == 0, f"engine-built tree: {n} syncs"
+    assert_close(y, plain_tree(x), 1e-5, "engine-built tree vs plain tree")
+    # a model: every fused MoE layer built with the engines, for any layer count
+    from model.model_minimind import MiniMindForCausalLM
+    config = MiniMindConfig(**cfg, moe_impl="fused", num_hidden_layers=3, vocab_size=64)
+    model = MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float32))
+    assert all(type(b.mlp.experts) is GroupedExperts and type(b.mlp.dispatcher) is KernelRowMapDispatcher
+               for b in model.model.layers)
+    assert "KernelRowMapDispatcher x3, GroupedExperts x3" in describe(model), describe(model)
+    # a sorted layer keeps the plain experts and dispatcher
+    sorted_config = MiniMindConfig(**cfg)
+    sorted_engines = engines_for(sorted_config, "cpu", torch.float32)
+    assert sorted_engines.experts is ExpertLoop
+    sorted_layer = rebuilt(MOEFeedForward(sorted_config), sorted_engines)
+    assert type(sorted_layer) is MOEFeedForward and type(sorted_layer.experts) is ExpertLoop
+    assert type(sorted_layer.dispatcher) is SortedDispatcher and describe(sorted_layer) == "engines: plain PyTorch"
 
 
 def test_empty_and_tiny_inputs():
@@ -253,27 +279,31 @@ def test_empty_and_tiny_inputs():
     assert not failures, f"{len(failures)} cases failed:\n  " + "\n  ".join(failures)
 
 
-def test_state_dict_and_swap():
-    """swap_engines changes classes only: the same keys as the sorted layer, the same Parameter objects,
-    the same values; the swapped layer survives an optimizer step, .to(dtype), load_state_dict (also with
-    assign=True), inference_mode and deepcopy, and keeps computing the plain layer's function."""
+def test_state_dict_and_engines():
+    """The engines change no parameter: the layer built with them has the plain layer's parameter names
+    and state_dict keys (the sorted layer's too) and equal values, in copies of its own (an optimizer step
+    on it leaves the plain layer alone); it survives an optimizer step, .to(dtype), load_state_dict (also
+    with assign=True), inference_mode and deepcopy, and keeps computing the plain layer's function."""
     ref, fused, _ = pair(4, 2)
     assert list(ref.state_dict()) == list(fused.state_dict())
-    layer = copy.deepcopy(fused)
-    params = {n: p for n, p in layer.named_parameters()}
-    assert swap_engines(layer, "cpu", torch.float32) == SWAPS
-    assert [n for n, _ in layer.named_parameters()] == list(params) and all(
-        params[n] is p for n, p in layer.named_parameters()), "swap_engines replaced a parameter"
+    layer = with_engines(fused)
+    params = {n: p for n, p in fused.named_parameters()}
+    assert [n for n, _ in layer.named_parameters()] == list(params)
+    assert all(p is not params[n] and p.data_ptr() != params[n].data_ptr() for n, p in layer.named_parameters()), \
+        "rebuilt shares a parameter with the plain layer"
     assert list(layer.state_dict()) == list(ref.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(layer.state_dict().values(), ref.state_dict().values()))
+    before = {n: t.clone() for n, t in fused.state_dict().items()}
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
     layer(torch.randn(1, 9, D)).sum().backward()
     opt.step()
+    assert all(torch.equal(t, before[n]) for n, t in fused.state_dict().items()), "a step changed the plain layer"
+    assert not all(torch.equal(t, before[n]) for n, t in layer.state_dict().items()), "the step changed nothing"
     x = torch.randn(1, 9, D)
     ref.load_state_dict(layer.state_dict())
     assert_close(layer(x), ref(x), 1e-5, "after an optimizer step")
     layer.to(torch.float64)  # fp64: no oneDNN GEMMs, the grouped engine's reference loop
-    assert type(layer) is FusedExpertsMoE and layer.experts[0].gate_proj.weight.dtype == torch.float64
+    assert type(layer.experts) is GroupedExperts and layer.experts[0].gate_proj.weight.dtype == torch.float64
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert_close(layer(x.double()), ref.double()(x.double()), 1e-5, "float64")
@@ -287,14 +317,14 @@ def test_state_dict_and_swap():
     with torch.inference_mode():
         assert_close(layer(x), want, 1e-5, "inference_mode")
     twin = copy.deepcopy(layer)
-    assert type(twin) is FusedExpertsMoE and type(twin.dispatcher) is KernelRowMapDispatcher
+    assert type(twin.experts) is GroupedExperts and type(twin.dispatcher) is KernelRowMapDispatcher
     assert_close(twin(x), want, 1e-5, "deepcopy")
     assert_close(fused(x), want, 1e-5, "plain fused layer")
 
 
 def test_bf16_autocast_cpu():
     ref, fused, _ = pair(8, 2)
-    layers = (fused, swapped(fused, torch.bfloat16))
+    layers = (fused, with_engines(fused, "cpu", torch.bfloat16))
     x, g = torch.randn(2, 16, D), torch.randn(2, 16, D)
     for impl in engines_here(torch.bfloat16):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -321,7 +351,7 @@ def test_odd_sizes_fall_back():
         ref = MOEFeedForward(MiniMindConfig(**cfg)).train()
         fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).train()
         fused.load_state_dict(ref.state_dict())
-        layers = (fused, swapped(fused, dtype or torch.float32))
+        layers = (fused, with_engines(fused, "cpu", dtype or torch.float32))
         x, g = torch.randn(2, 11, D_), torch.randn(2, 11, D_)
         tol = 1e-5 if dtype is None else 5e-2
         for variant in engines_here(dtype or torch.float32):
@@ -353,9 +383,9 @@ def test_direct_call_with_dropped_pairs():
 
 
 def test_compiles_without_graph_breaks():
-    """torch.compile(fullgraph=True) traces the swapped fused layer's forward and backward in one graph (no
-    data-dependent shape, no host read: under compile run_experts takes the grouped engine) and computes
-    the same values."""
+    """torch.compile(fullgraph=True) traces the engine-built fused layer's forward and backward in one graph
+    (no data-dependent shape, no host read: under compile GroupedExperts takes the grouped engine) and
+    computes the same values."""
     ref, _, fused = pair(4, 2)
     x, g = torch.randn(2, 16, D), torch.randn(2, 16, D)
     compiled = torch.compile(fused, fullgraph=True)
@@ -373,9 +403,10 @@ def test_cuda_matches_sorted():
     if not torch.cuda.is_available():
         raise Skip("needs CUDA")
     for E, k, kw in CONFIGS[:6]:
-        ref, fused, _ = pair(E, k, **kw)
-        ref.cuda(), fused.cuda()
-        assert swap_engines(fused, "cuda", torch.float32) == SWAPS
+        ref, plain, _ = pair(E, k, **kw)
+        ref.cuda(), plain.cuda()
+        fused = with_engines(plain, "cuda", torch.float32)
+        assert fused.experts[0].gate_proj.weight.is_cuda
         x, g = torch.randn(4, 64, D, device="cuda"), torch.randn(4, 64, D, device="cuda")
         a, b = fwd_bwd(ref, x, g), fwd_bwd(fused, x, g)
         assert_close(a[0], b[0], 1e-5, "cuda fp32 forward")
@@ -390,7 +421,7 @@ def test_cuda_matches_sorted():
 
 
 TESTS = [test_matches_sorted_fp32, test_idle_experts_get_zero_grads, test_deterministic, test_zero_syncs,
-         test_empty_and_tiny_inputs, test_state_dict_and_swap, test_bf16_autocast_cpu, test_odd_sizes_fall_back,
+         test_empty_and_tiny_inputs, test_state_dict_and_engines, test_bf16_autocast_cpu, test_odd_sizes_fall_back,
          test_direct_call_with_dropped_pairs, test_compiles_without_graph_breaks, test_cuda_matches_sorted]
 
 if __name__ == "__main__":

@@ -189,6 +189,7 @@ def test_sync_counter_sees_known_syncs():
                            ("masked_select", lambda: t.masked_select(t > 0), 1), ("unique", lambda: t.unique(), 1),
                            ("repeat_interleave", lambda: torch.repeat_interleave(t), 1),
                            ("tolist", lambda: t.tolist(), 1), ("one_hot", lambda: F.one_hot(t, 4), 2),
+                           ("tolist of a tensor made from a list", lambda: torch.tensor([0, 3]).tolist(), 0),
                            ("sort/gather", lambda: t.sort().values.gather(0, t.argsort()), 0)]:
         _, n = count_syncs(fn)
         assert n == want, f"{name}: counted {n}, expected {want}"
@@ -264,20 +265,22 @@ def test_masked_impl_equals_sorted():
             assert (load_s is None) == (load_m is None) and (load_s is None or torch.equal(load_s, load_m)), what
 
 
-def test_swap_engines_keeps_sorted_layer():
-    """kernels.swap.swap_engines leaves the sorted layer (and its nn.Linear experts) alone, in a module
-    tree too, on CPU under fp32 and bf16: nothing swapped, still bitwise the masked reference."""
-    from kernels.swap import swap_engines
-    mod = build(seed=3, num_experts=8, num_experts_per_tok=2).train()
-    tree = torch.nn.Sequential(mod)
+def test_trainer_engines_keep_sorted_layer():
+    """kernels.engines.engines_for gives the sorted layer its plain experts (nn.Linear per expert) and
+    dispatcher on CPU under fp32 and bf16: the layer the trainer builds is still bitwise the masked
+    reference, with one sync."""
+    from kernels.engines import engines_for, rebuilt
+    from model.dispatch import SortedDispatcher
+    from model.moe import ExpertLoop
+    plain = build(seed=3, num_experts=8, num_experts_per_tok=2).train()
     for dtype in (torch.float32, torch.bfloat16):
-        assert swap_engines(tree, "cpu", dtype) == {}, dtype
-    assert type(mod) is MOEFeedForward and all(type(m) is torch.nn.Linear for m in mod.experts.modules()
-                                               if isinstance(m, torch.nn.Linear))
+        mod = rebuilt(plain, engines_for(plain.config, "cpu", dtype))
+        assert type(mod.experts) is ExpertLoop and type(mod.dispatcher) is SortedDispatcher, (dtype, mod)
+        assert all(type(m) is torch.nn.Linear for m in mod.experts.modules() if isinstance(m, torch.nn.Linear))
     torch.manual_seed(21)
-    assert_same(*run_both(mod, torch.randn(3, 11, 64)), 2, "after swap_engines")
-    _, n = count_syncs(tree, torch.randn(2, 8, 64))
-    assert n == 1, f"{n} syncs after swap_engines"
+    assert_same(*run_both(mod, torch.randn(3, 11, 64)), 2, "built with the trainer's engines")
+    _, n = count_syncs(torch.nn.Sequential(mod), torch.randn(2, 8, 64))
+    assert n == 1, f"{n} syncs with the trainer's engines"
 
 
 def test_user_acceptance_file():
@@ -294,7 +297,7 @@ def test_user_acceptance_file():
 TESTS = [test_bitwise_vs_masked_reference, test_odd_hidden_and_intermediate_sizes, test_idle_experts_and_tiny_batches,
          test_zero_token_grads_train_vs_eval, test_empty_input, test_bf16_on_cpu, test_aux_loss_and_state_dict,
          test_single_sync_per_layer, test_sync_counter_sees_known_syncs, test_deterministic,
-         test_cuda_bitwise_and_syncs, test_masked_impl_equals_sorted, test_swap_engines_keeps_sorted_layer,
+         test_cuda_bitwise_and_syncs, test_masked_impl_equals_sorted, test_trainer_engines_keep_sorted_layer,
          test_user_acceptance_file]
 
 if __name__ == "__main__":

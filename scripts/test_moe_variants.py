@@ -5,8 +5,8 @@
 Shared experts (config n_shared_experts / shared_expert_intermediate_size): the layer's output is the routed
 layer's plus a plain FeedForward of the same weights, bitwise on the sorted and masked paths (the same ops
 in the same order; x's gradient within 1e-6: autograd sums its three branches in its own order) and
-within 1e-6 on the fused path and after kernels.swap.swap_engines (the shared FFN's
-GEMMs run on oneDNN there, and its sum with the routed output rounds once more); under EP on 2 ranks
+within 1e-6 on the fused path, plain and built with kernels.engines.engines_for's CPU engines (the shared
+FFN's GEMMs run on oneDNN there, and its sum with the routed output rounds once more); under EP on 2 ranks
 training equals one process. routed_scaling_factor s: the layer equals the unscaled layer with every
 expert's down projection times s (within 1e-6: one product rounds in another place), sorted == masked stays
 bitwise. Upcycling (`--upcycle_from`, MOEFeedForward.upcycle_from): at step 0 the
@@ -20,7 +20,9 @@ import torch
 
 import testlib
 from testlib import run, spawn_ranks  # noqa: F401
-from kernels.swap import swap_engines
+from kernels.cpu_linear import OneDNNLinear, onednn_runs
+from kernels.engines import engines_for, rebuilt
+from kernels.experts import GroupedExperts
 from model.hf_adapter import ExportError, check_exportable
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, MOEFeedForward
 from model.moe import FeedForward
@@ -30,10 +32,12 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 
 
 def _layer(impl, **kw):
+    """The layer of moe_impl `impl` ("fused+engines": "fused" built with the trainer's CPU fp32 engines)."""
     torch.manual_seed(0)
-    cfg = MiniMindConfig(**TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_impl=impl,
-                         n_shared_experts=1, shared_expert_intermediate_size=48, **kw)
-    return MOEFeedForward(cfg)
+    cfg = MiniMindConfig(**TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                         moe_impl=impl.split("+")[0], n_shared_experts=1, shared_expert_intermediate_size=48, **kw)
+    layer = MOEFeedForward(cfg)
+    return rebuilt(layer, engines_for(cfg, "cpu", torch.float32)) if impl.endswith("+engines") else layer
 
 
 def _fwd_bwd(layer, x, dy):
@@ -46,13 +50,15 @@ def _fwd_bwd(layer, x, dy):
 def test_shared_expert_is_the_routed_layer_plus_a_plain_ffn():
     """y(layer with a shared expert) == y(the same layer without it) + FeedForward(x) with its weights, forward and
     backward, on every path: bitwise for sorted / masked (but x's gradient), within 1e-6 for fused (plain and
-    swapped) and for x's gradient."""
+    with the trainer's CPU engines) and for x's gradient."""
     x, dy = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
-    for impl in ("sorted", "masked", "fused", "fused+swaps"):
-        layer = _layer(impl.split("+")[0]).train()
-        if impl.endswith("swaps"):
-            done = swap_engines(layer, "cpu", torch.float32)
-            assert done.get("FusedExpertsMoE") == 1 and done.get("OneDNNLinear", 3) == 3, done  # (the shared FFN)
+    for impl in ("sorted", "masked", "fused", "fused+engines"):
+        layer = _layer(impl).train()
+        if impl.endswith("engines"):  # GroupedExperts, and OneDNNLinear in the shared FFN only where oneDNN runs
+            assert type(layer.experts) is GroupedExperts, layer
+            onednn = {n for n, m in layer.named_modules() if type(m) is OneDNNLinear}
+            assert onednn == ({f"shared_experts.{p}_proj" for p in ("gate", "up", "down")}
+                              if onednn_runs("cpu", torch.float32) else set()), onednn
         ffn = FeedForward(64, 48)
         ffn.load_state_dict(layer.shared_experts.state_dict())
         routed = copy.deepcopy(layer)
@@ -99,14 +105,11 @@ def test_routed_scaling_factor_is_the_down_projections_times_s():
     (every path, within 1e-6); sorted == masked bitwise; a bad s is refused. (Export: scripts/test_export.py.)"""
     x, dy = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
     outs = {}
-    for impl in ("sorted", "masked", "fused", "fused+swaps"):
-        scaled, plain = _layer(impl.split("+")[0], routed_scaling_factor=2.5).train(), _layer(impl.split("+")[0]).train()
+    for impl in ("sorted", "masked", "fused", "fused+engines"):
+        scaled, plain = _layer(impl, routed_scaling_factor=2.5).train(), _layer(impl).train()
         with torch.no_grad():
             for e in plain.experts:
                 e.down_proj.weight.mul_(2.5)
-        if impl.endswith("swaps"):
-            swap_engines(scaled, "cpu", torch.float32)
-            swap_engines(plain, "cpu", torch.float32)
         (y, gx, _), (y_p, gx_p, _) = _fwd_bwd(scaled, x, dy), _fwd_bwd(plain, x, dy)
         assert (y - y_p).abs().max() < 1e-6 and (gx - gx_p).abs().max() < 1e-6, impl
         outs[impl] = y, gx

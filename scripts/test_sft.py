@@ -123,13 +123,13 @@ def test_labels_shift_and_masked_labels_do_not_matter():
         want = ids[t + 1] if mask[t + 1] and not last_of_conv else IGNORE_INDEX
         assert y[0, t] == want, (t, int(y[0, t]), want)
     assert (y[0, len(ids) - 1:] == IGNORE_INDEX).all() and (seg[0, len(ids):] == -1).all()
-    for swap in (False, True):  # the plain model and the trainer's (chunked LM loss, kernels/swap.py)
-        model = _model(vocab=len(tok), swap=swap)
+    for cpu_engines in (False, True):  # the plain model and the trainer's (chunked LM loss: kernels/engines.py)
+        model = _model(vocab=len(tok), cpu_engines=cpu_engines)
         loss = model(x, labels=y, segment_ids=seg).ce_loss
         y_full = torch.cat([x[:, 1:], x[:, -1:]], dim=1)
         changed = torch.where(y == IGNORE_INDEX, (y_full * 7 + 3) % len(tok), y_full)  # other targets where masked
         again = model(x, labels=torch.where(y == IGNORE_INDEX, IGNORE_INDEX, changed), segment_ids=seg).ce_loss
-        assert torch.equal(loss, again), swap
+        assert torch.equal(loss, again), cpu_engines
 
 
 def _conversations(tok, convs):
@@ -139,17 +139,17 @@ def _conversations(tok, convs):
                          np.concatenate(([0], np.cumsum(lengths))).astype(np.int64))
 
 
-def _model(vocab=300, use_moe=False, swap=False):
-    """A tiny dense (or MoE) model; swap=True: with the engines the trainer swaps in on CPU fp32
-    (kernels.swap.swap_engines: the chunked LM loss, OneDNNLinear)."""
+def _model(vocab=300, use_moe=False, cpu_engines=False):
+    """A tiny dense (or MoE) model; cpu_engines=True: built with the engines the trainer builds it with on
+    CPU fp32 (kernels.engines.engines_for: the chunked LM loss, OneDNNLinear); the same weights either way."""
+    config = MiniMindConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, use_moe=use_moe, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32)
     torch.manual_seed(0)
-    model = MiniMindForCausalLM(MiniMindConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2,
-                                               num_attention_heads=2, num_key_value_heads=1, use_moe=use_moe,
-                                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
-    if swap:
-        from kernels.swap import swap_engines
-        swap_engines(model, "cpu", torch.float32)
-    return model
+    if cpu_engines:
+        from kernels.engines import engines_for
+        return MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float32))
+    return MiniMindForCausalLM(config)
 
 
 def _batch(n_supervised, seed, S=128):
@@ -182,46 +182,47 @@ def _close(a, b, rel=1e-6):
 def test_accumulation_is_a_token_mean():
     """Micro-batches with 11 and 101 supervised tokens, accumulated, give the gradient of one batch holding
     both (a mean over the 112 tokens, not a mean of the two means), 1e-6 relative; the plain model and the
-    trainer's (engines swapped in)."""
+    trainer's (built with its CPU engines)."""
     a, b = _batch(11, 0), _batch(101, 1)
     both = (torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]))
-    for swap in (False, True):
-        _close(_grads_after(_model(swap=swap), [a, b], 112), _grads_after(_model(swap=swap), [both], 112))
+    for cpu_engines in (False, True):
+        _close(_grads_after(_model(cpu_engines=cpu_engines), [a, b], 112),
+               _grads_after(_model(cpu_engines=cpu_engines), [both], 112))
 
 
 def _ddp_rank(rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
     x, y = _batch(11, 0) if rank == 0 else _batch(101, 1)
-    return _grads_after(DDP(_model(swap=True)), [(x, y)], 112, world=world)
+    return _grads_after(DDP(_model(cpu_engines=True)), [(x, y)], 112, world=world)
 
 
 def test_two_rank_ddp_is_the_same_token_mean():
     """The same two micro-batches on two DDP ranks (gloo) give the one-batch gradient, 1e-6 relative (the
-    trainer's model: engines swapped in)."""
+    trainer's model: built with its CPU engines)."""
     a, b = _batch(11, 0), _batch(101, 1)
-    want = _grads_after(_model(swap=True), [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]))], 112)
+    want = _grads_after(_model(cpu_engines=True), [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]))], 112)
     got = spawn_ranks(_ddp_rank, 2)
     for g in got:
         _close({k.removeprefix("module."): v for k, v in g.items()}, want)
 
 
 def test_packing_keeps_conversations_apart_and_resumes():
-    """A packed window gives every conversation the logits it has alone (the plain model and the one with
-    the trainer's engines swapped in); PackedBatches resumes exactly."""
+    """A packed window gives every conversation the logits it has alone (the plain model and the one built
+    with the trainer's CPU engines); PackedBatches resumes exactly."""
     tok = tokenizer()
     conv = _conversations(tok, CONVERSATIONS * 5)
     windows = pack(np.diff(conv.offsets), range(len(conv)), 160)
     assert all(sum(len(conv[i][0]) for i in w) <= 160 for w in windows) and sum(map(len, windows)) == len(conv)
     assert len(windows[0]) >= 2, "the test needs a window holding several conversations"
     x, y, seg = window_tensors(conv, windows[:1], 160, 0)
-    for swap in (False, True):
-        model = _model(len(tok), swap=swap).eval()
+    for cpu_engines in (False, True):
+        model = _model(len(tok), cpu_engines=cpu_engines).eval()
         out = model(x, segment_ids=seg).logits[0]
         pos = 0
         for i in windows[0]:
             ids = torch.from_numpy(conv[i][0])
             alone = model(ids[None]).logits[0]
-            assert torch.allclose(out[pos:pos + len(ids)], alone, atol=1e-5), (swap, i)
+            assert torch.allclose(out[pos:pos + len(ids)], alone, atol=1e-5), (cpu_engines, i)
             pos += len(ids)
     a = PackedBatches(conv, 160, 3, 0, seed=1)
     seq = [a.next() for _ in range(12)]

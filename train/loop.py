@@ -1,8 +1,9 @@
 """The training loop every stage shares, in one file that reads top to bottom (nanoGPT's train.py,
 nanochat's base_train.py):
 
-    1. setup     device, run folder, checkpoint (read once), data, config (built once), model, faster
-                 engines (kernels/swap.py), optimizer, restore, then EP -> DDP -> compile (torchtitan's order)
+    1. setup     device, run folder, checkpoint (read once), data, config (built once), model (built with
+                 the engines that pay here: kernels/engines.py), optimizer, restore, then EP -> DDP -> compile
+                 (torchtitan's order)
     2. loop      train_step: micro-steps -> gradient reduction -> clip -> optimizer -> router update
                  after_step: log, evaluate, save a checkpoint, stop
     3. finish    final evaluation, summary, a short sample
@@ -28,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from data.atomic import atomic_write_text
 from data.dataset import IGNORE_INDEX, DataError
 from data.tokenizer import stop_token_ids
-from kernels.swap import bf16_pays, describe as describe_engines, swap_engines
+from kernels.engines import bf16_pays, describe as describe_engines, engines_for
 from model.model_minimind import MiniMindForCausalLM
 from train import flags
 from train.stage import Stage, StageData
@@ -273,7 +274,7 @@ def setup(stage, args, ctx, device_type, log):
                        "holds every expert")
             log(f"distributed: world size {ctx.world_size} ({dist.get_backend()}), data parallel size {ctx.world_size}, "
                 f"expert parallel size {ctx.ep_size} ({experts})")
-        model = MiniMindForCausalLM(config)
+        model = MiniMindForCausalLM(config, engines_for(config, device, dtype))
         if init_model is not None and args.upcycle_from:
             upcycle(model, init_model, args.seed)
             log(f"upcycled the dense model {args.upcycle_from} into {config.num_experts} experts per layer")
@@ -288,7 +289,7 @@ def setup(stage, args, ctx, device_type, log):
         if ckpt:
             restore(args, ckpt, model, optimizer, state, data, log)
         log(describe_model(model, config, device, dtype))
-        log(describe_engines(swap_engines(model, device, dtype)))
+        log(describe_engines(model))
         train_model = wrap(model, args, ctx, device_type)
         metrics = MetricsLog(args.out_dir, state.step if ckpt else None, ctx.is_main,
                              open_wandb(args, config, args.out_dir) if ctx.is_main else None)

@@ -6,7 +6,7 @@ experts sharded (rank r of a group owns experts [r*E/M, (r+1)*E/M)); the expert-
 the ranks holding the same experts. DDP reduces the dense grads over all W, reduce_expert_grads the
 experts' over their group. Per MoE layer: dispatch = rows by destination rank -> all-to-all (rows,
 routing weights, local expert ids) -> the layer's own dispatcher on the received rows; the layer's
-run_experts runs the rank's experts; combine = local combine -> all-to-all back -> each token's partial
+the layer's experts run the rank's; combine = local combine -> all-to-all back -> each token's partial
 sums added in ascending rank. A token goes once to each rank that holds one of its experts (as
 Megatron-LM's alltoall dispatcher and DeepEP). Counts travel in one small all-to-all, read to the host
 once per layer; every rank runs the same collectives whatever it receives, so backward always pairs up.
@@ -198,23 +198,35 @@ class AllToAllDispatcher:
         pad_to = max(layout.pad_to * M, *recv_per_local_expert) if layout.pad_to is not None else None
         local = self.local.dispatch(x_recv, idx_recv, w_recv, RowLayout(pad_to, layout.alignment, may_drop=True),
                                     host_tokens_per_expert=recv_per_local_expert)
-        return dataclasses.replace(local, first_expert=self.first_expert, routed_E=pairs_E, state=dict(
-            local=local, send_token=send_token, send_rows=send_rows, recv_rows=recv_rows, shape_TD=(T, D),
-            dtype=x_TD.dtype))
+        return dataclasses.replace(local, first_expert=self.first_expert, routed_E=pairs_E, state=AllToAllState(
+            local, send_token, send_rows, recv_rows, (T, D), x_TD.dtype))
 
     def combine(self, rows_out_PD, d):
         s = d.state
-        y_recv = self.local.combine(rows_out_PD, s["local"])
-        y_send = all_to_all_autograd(y_recv.new_empty(sum(s["send_rows"]), y_recv.shape[1]), y_recv, s["send_rows"],
-                                     s["recv_rows"], self.group)
+        y_recv = self.local.combine(rows_out_PD, s.local)
+        y_send = all_to_all_autograd(y_recv.new_empty(sum(s.send_rows), y_recv.shape[1]), y_recv, s.send_rows,
+                                     s.recv_rows, self.group)
         # Add the partial sums in ascending destination rank; empty slices too: the output must reach every
         # all-to-all even when this rank sent nothing, since backward runs the same collectives everywhere.
-        y_TD = torch.zeros(s["shape_TD"], dtype=s["dtype"], device=y_send.device)
+        y_TD = torch.zeros(s.shape_TD, dtype=s.dtype, device=y_send.device)
         start = 0
-        for n in s["send_rows"]:
-            y_TD = y_TD.index_add(0, s["send_token"][start:start + n], y_send[start:start + n].to(s["dtype"]))
+        for n in s.send_rows:
+            y_TD = y_TD.index_add(0, s.send_token[start:start + n], y_send[start:start + n].to(s.dtype))
             start += n
         return y_TD
+
+
+@dataclass
+class AllToAllState:
+    """AllToAllDispatcher's combine metadata: local, the wrapped dispatcher's Dispatched (received rows);
+    send_token int64 [sum(send_rows)] the token of each row sent, ordered by destination rank; send_rows /
+    recv_rows: rows sent to / received from each rank of the group (host lists); shape_TD and dtype of x."""
+    local: object
+    send_token: torch.Tensor
+    send_rows: list
+    recv_rows: list
+    shape_TD: tuple
+    dtype: torch.dtype
 
 
 def moe_layers(model):

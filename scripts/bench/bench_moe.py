@@ -7,11 +7,12 @@
 Implementations:
   masked      MiniMind's per-expert masked loop (scripts/moe_reference.py), the bitwise reference
   sorted      ours, moe_impl="sorted": one host sync per layer, bitwise equal to masked
-  fused       ours, moe_impl="fused" with kernels/swap.py's engines: zero syncs, grouped GEMM and Triton
-              permute/combine on CUDA; on CPU its experts run as per-expert oneDNN GEMMs
+  fused       ours, moe_impl="fused" built with kernels/engines.py's engines (GroupedExperts,
+              KernelRowMapDispatcher): zero syncs, grouped GEMM and Triton permute/combine on CUDA; on CPU
+              its experts run as oneDNN expert GEMMs (kernels/experts.py)
   fused-grouped
-              (CPU, where the expert GEMMs run) the same layer with the grouped-GEMM engine (torch's CPU
-              grouped_mm): the row that tells whether the expert GEMMs pay for themselves
+              (CPU, where the expert GEMMs run) the same layer with GroupedExperts' grouped-GEMM engine (torch's
+              CPU grouped_mm): the row that tells whether the expert GEMMs pay for themselves
   hf-eager, hf-grouped_mm, hf-batched_mm
               transformers' Qwen3MoeSparseMoeBlock with each `experts_implementation` (same weights,
               converted to its fused gate_up layout)
@@ -45,10 +46,10 @@ import torch  # noqa: E402
 
 from moe_reference import reference_masked_forward  # noqa: E402
 from sync_count import count_syncs  # noqa: E402
-from kernels import swap as S  # noqa: E402
-from kernels.cpu_experts import cpu_experts_run  # noqa: E402
+from kernels import experts as X  # noqa: E402
 from kernels.cpu_linear import _OneDNNLinear, onednn_runs  # noqa: E402  (the oneDNN linear, forward + backward)
-from kernels.swap import swap_engines  # noqa: E402
+from kernels.engines import engines_for  # noqa: E402
+from kernels.experts import cpu_experts_run  # noqa: E402
 from train.threads import keep_freed_memory  # noqa: E402
 from model.model_minimind import FeedForward, MiniMindConfig, MOEFeedForward  # noqa: E402
 
@@ -229,18 +230,19 @@ def main():
         cfg = dict(hidden_size=d, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True,
                    num_experts=e, num_experts_per_tok=k, moe_intermediate_size=f, router_aux_loss_coef=0.0)
         moe = MOEFeedForward(MiniMindConfig(**cfg)).to(device).train()
-        fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).to(device).train()
+        fused_cfg = MiniMindConfig(**cfg, moe_impl="fused")
+        engines = engines_for(fused_cfg, device, ptdtype)  # the trainer's engines for the fused path
+        fused = MOEFeedForward(fused_cfg, engines.experts, engines.row_map_dispatcher, engines.linear).to(device).train()
         fused.load_state_dict(moe.state_dict())
-        swap_engines(fused, device, ptdtype)  # the trainer's engines for the fused path
         onednn = onednn_runs(device, torch.float32)
         cpu_gemms = cpu_experts_run(device, ptdtype)
 
         def grouped(t):  # the fused layer with the grouped-GEMM engine where the expert GEMMs would run
-            saved, S.cpu_experts_run = S.cpu_experts_run, (lambda *a: False)
+            saved, X.cpu_experts_run = X.cpu_experts_run, (lambda *a: False)
             try:
                 return fused(t)
             finally:
-                S.cpu_experts_run = saved
+                X.cpu_experts_run = saved
         builders = {"dense": lambda: dense_equivalent(moe).to(device).train(),
                     "dense-onednn": lambda: DenseOneDNN(dense_equivalent(moe)).to(device).train(),
                     "masked": lambda: (lambda t: reference_masked_forward(moe, t)),
@@ -304,7 +306,7 @@ def main():
                     line += f"{tflops:>9.1f}" + (f"{100 * tflops / peak:>7.1f}%" if peak else f"{'n/a':>8}")
                 say(line)
             if "fused-grouped" in cell and "fused" in cell:
-                say(f"cpu_experts: fused-grouped / fused = {med['fused-grouped', False] / med['fused', False]:.3f} fwd, "
+                say(f"CPU expert GEMMs: fused-grouped / fused = {med['fused-grouped', False] / med['fused', False]:.3f} fwd, "
                     f"{med['fused-grouped', True] / med['fused', True]:.3f} fwd+bwd (> 1: the per-expert GEMMs are faster)")
             ours = min(med["sorted", True], med["fused", True]) if "fused" in cell and "sorted" in cell else None
             if ours is not None:

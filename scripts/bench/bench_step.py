@@ -11,8 +11,9 @@ Engines mode: the main job's model (D=256, 4 layers, E=4 top-2, F=384, batch 16 
 is a freshly built model with the same weights, run in rounds (`--rounds` x `--steps` steps per variant
 per round) so that machine drift hits all alike; tokens/s = total tokens / total time of the timed rounds.
 Variants: the plain model (nn.Linear on MKL, SDPA) in fp32, with the oneDNN linears, the plain model
-under bf16 autocast, then adding kernels/swap.py's swaps one by one (written-out attention, chunked
-LM-head loss, fused MoE engines) and torch's fused AdamW: the last is what the trainer runs.
+under bf16 autocast, then adding kernels/engines.py's engines one by one (each variant built with an
+Engines holding only the chosen ones: written-out attention, chunked LM-head loss, fused MoE engines) and
+torch's fused AdamW: the last is what the trainer runs.
 
 Busy mode (`--busy N`): starts N single-threaded busy loops first (the other jobs of a shared machine) and
 times 1, 2, ... threads, printing each as a share of the idle figure measured just before.
@@ -29,6 +30,7 @@ too. Check `uptime` first: numbers from a loaded machine are noise.
 """
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -42,14 +44,17 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from kernels import swap as S  # noqa: E402
+from kernels.attention import explicit_attention  # noqa: E402
 from kernels.cpu_linear import OneDNNLinear  # noqa: E402
+from kernels.engines import bf16_pays, engines_for  # noqa: E402
+from kernels.experts import GroupedExperts  # noqa: E402
 from kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
-from model.model_minimind import Attention, MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from model.moe import MOEFeedForward  # noqa: E402
+from kernels.permute import KernelRowMapDispatcher  # noqa: E402
+from model.engines import PLAIN  # noqa: E402
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from train.threads import keep_freed_memory  # noqa: E402
 
-# name: (autocast bf16, the swaps of kernels/swap.py applied, fused AdamW); the last is what the trainer runs
+# name: (autocast bf16, the engines of kernels/engines.py built in, fused AdamW); the last is what the trainer runs
 VARIANTS = {
     "plain PyTorch, fp32": (False, (), False),
     "fp32, oneDNN linears": (False, ("linear",), False),
@@ -61,35 +66,34 @@ VARIANTS = {
 }
 
 
-def apply_swaps(model, swaps):
-    """The chosen swaps of kernels/swap.py, one by one (swap_engines applies all that pay)."""
-    done = {}
-    moe_linears = {id(m) for moe in model.modules() if isinstance(moe, MOEFeedForward) for m in moe.modules()}
-    for m in list(model.modules()):
-        if "linear" in swaps and type(m) is torch.nn.Linear and id(m) not in moe_linears:
-            S._swap(m, OneDNNLinear, done)
-        elif "attention" in swaps and type(m) is Attention:
-            S._swap(m, S.ExplicitAttention, done)
-        elif "loss" in swaps and type(m) is MiniMindForCausalLM:
-            S._swap(m, S.ChunkedLossCausalLM, done)
-        elif "moe" in swaps and type(m) is MOEFeedForward and m.config.moe_impl == "fused":
-            S._swap(m, S.FusedExpertsMoE, done)
-            S._swap(m.dispatcher, S.KernelRowMapDispatcher, done)
-    return model
+def chosen_engines(config, chosen):
+    """Plain engines but the chosen ones of kernels/engines.py (engines_for picks all that pay): "linear"
+    OneDNNLinear, "attention" explicit_attention, "loss" the chunked LM loss, "moe" (moe_impl "fused" only)
+    GroupedExperts and KernelRowMapDispatcher."""
+    engines = {"linear": dict(linear=OneDNNLinear), "attention": dict(attend=explicit_attention),
+               "loss": dict(lm_loss=linear_cross_entropy),
+               "moe": dict(experts=GroupedExperts, row_map_dispatcher=KernelRowMapDispatcher)
+               if config.use_moe and config.moe_impl == "fused" else {}}
+    return dataclasses.replace(PLAIN, **{k: v for name in chosen for k, v in engines[name].items()})
 
 
-def build(args, use_moe=None, num_experts=4, top_k=2, expert_width=384):
+def config(args, use_moe=None, num_experts=4, top_k=2, expert_width=384):
+    return MiniMindConfig(vocab_size=6400, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+                          num_attention_heads=4, num_key_value_heads=2,
+                          use_moe=bool(args.use_moe if use_moe is None else use_moe), num_experts=num_experts,
+                          num_experts_per_tok=top_k, moe_intermediate_size=expert_width, intermediate_size=768,
+                          moe_impl=args.impl)
+
+
+def build(cfg, engines=PLAIN):
+    """The model built with `engines`: the same weights whatever the engines (same seed)."""
     torch.manual_seed(0)
-    cfg = MiniMindConfig(vocab_size=6400, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         use_moe=bool(args.use_moe if use_moe is None else use_moe), num_experts=num_experts,
-                         num_experts_per_tok=top_k, moe_intermediate_size=expert_width, intermediate_size=768,
-                         moe_impl=args.impl)
-    return MiniMindForCausalLM(cfg).train()
+    return MiniMindForCausalLM(cfg, engines).train()
 
 
-def make_step(args, bf16, swaps, fused_adamw):
-    model = apply_swaps(build(args), swaps)
+def make_step(args, bf16, chosen, fused_adamw):
+    cfg = config(args)
+    model = build(cfg, chosen_engines(cfg, chosen))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused_adamw)
     gen = torch.Generator().manual_seed(1)
     batch = torch.randint(0, 6400, (args.batch_size, args.seq_len + 1), generator=gen)
@@ -141,7 +145,7 @@ def busy_loops(n):
 
 
 def busy(args):
-    name = "the trainer's engines (bf16, every swap, fused AdamW)"
+    name = "the trainer's engines (bf16, every engine, fused AdamW)"
     step = make_step(args, *VARIANTS["+ fused AdamW"])
     counts = [n for n in (os.cpu_count(), 2, 1) if n <= os.cpu_count()]
     idle = {}
@@ -165,20 +169,21 @@ SPLIT_ROWS = {  # name: (num_experts, top-k, expert width); equal active FFN wid
     "E=64 k=8 F=96": (64, 8, 96)}
 
 
-def _identity_experts(d):  # the layer with experts that cost nothing: what routing + dispatch + combine cost
-    return d.rows_PD * d.row_weight_P.unsqueeze(-1).to(d.rows_PD.dtype)
+def _identity_experts(rows_PD, tokens_per_expert, row_weight_P=None, first_expert=0):
+    """Experts that cost nothing (each row times its routing weight): what routing + dispatch + combine cost."""
+    return rows_PD if row_weight_P is None else rows_PD * row_weight_P.unsqueeze(-1).to(rows_PD.dtype)
 
 
 def _no_experts(b, x):  # block b's MoE sublayer with _identity_experts
-    b.mlp.run_experts = _identity_experts  # (an instance attribute: shadows the class's)
+    b.mlp.experts.forward = _identity_experts  # (an instance attribute: shadows the class's)
     try:
         return b.mlp(b.post_attention_layernorm(x))
     finally:
-        del b.mlp.run_experts
+        del b.mlp.experts.forward
 
 
 def split(args):
-    bf16 = S.bf16_pays()[0]  # as --dtype auto decides
+    bf16 = bf16_pays()[0]  # as --dtype auto decides
     dtype = torch.bfloat16 if bf16 else torch.float32
     B, T, D = args.batch_size, args.seq_len, args.hidden_size
     print(f"ms per step (forward + backward of all {args.num_layers} layers), batch {B} x {T}, D={D}, "
@@ -187,8 +192,8 @@ def split(args):
     h, labels = torch.randn(B, T, D), torch.randint(0, 6400, (B, T))
     parts = {}  # (row, part) -> run()
     for name, (E, K, F_) in SPLIT_ROWS.items():
-        model = build(args, E > 0, E or 4, K or 2, F_)
-        S.swap_engines(model, "cpu", dtype)  # the trainer's engines
+        cfg = config(args, E > 0, E or 4, K or 2, F_)
+        model = build(cfg, engines_for(cfg, "cpu", dtype))  # the trainer's engines
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as train/loop.py's
         cos, sin = model.model.rope(0, T, "cpu")
 

@@ -20,7 +20,7 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  
 
 import torch  # noqa: E402
 
-from kernels.swap import swap_engines  # noqa: E402
+from kernels.engines import engines_for  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 
 
@@ -47,8 +47,7 @@ def main():
                              num_attention_heads=4, num_key_value_heads=2, use_moe=True, num_experts=args.num_experts,
                              num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_intermediate_size,
                              moe_impl=impl)
-        model = MiniMindForCausalLM(cfg).to(device).train()
-        swap_engines(model, device, ptdtype)  # the engines the trainer runs
+        model = MiniMindForCausalLM(cfg, engines_for(cfg, device, ptdtype)).to(device).train()  # the trainer's engines
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     runs = {impl: make(impl) for impl in ("masked", "sorted", "fused")}

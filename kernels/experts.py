@@ -1,4 +1,11 @@
-"""The fused MoE path's experts on CPU: a few batched GEMMs per projection, everything else once per layer.
+"""GroupedExperts: the routed experts of the fused MoE path, one engine for every device.
+
+`GroupedExperts` is model/moe.py's ExpertLoop (the same FeedForward modules, parameters and state_dict
+keys) whose forward runs all experts at once: on CPU (oneDNN, fp32 or native bf16) the batched expert
+GEMMs below, elsewhere (CUDA, or CPU without oneDNN) the grouped GEMMs of kernels/grouped_gemm.py
+(torch's grouped_mm or our Triton kernels). No host read of the counts on either path.
+
+The CPU engine: a few batched GEMMs per projection, everything else once per layer.
 
     x_R = the rows gathered into per-expert segments, experts sorted by count and batched in groups, each
     expert of a group padded to its largest's bucket size;  gu_R = x_R[seg e] @ W_gu[e]^T (one bmm a group)
@@ -16,8 +23,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from kernels.backend import cpu_values
-from kernels.cpu_linear import onednn_linear, onednn_runs
-from kernels.grouped_gemm import scaled_swiglu_backward, scaled_swiglu_forward
+from kernels.cpu_linear import onednn_runs
+from kernels.grouped_gemm import grouped_swiglu, scaled_swiglu_backward, scaled_swiglu_forward
+from model.moe import ExpertLoop
 
 
 def _bucket(n):
@@ -31,11 +39,11 @@ def _bucket(n):
 
 def _bmm(a, b, out):
     """out[i] = a[i] @ b[i] in place: bf16 by one torch.bmm (oneDNN), fp32 by oneDNN's linear per matrix
-    (torch's fp32 matmuls are MKL)."""
+    (kernels/cpu_linear.py's op; torch's fp32 matmuls are MKL)."""
     if a.dtype == torch.bfloat16:
         return torch.bmm(a, b, out=out)
     for i in range(a.shape[0]):
-        out[i].copy_(onednn_linear(a[i], b[i].t()))
+        out[i].copy_(torch.ops.mkldnn._linear_pointwise(a[i], b[i].t(), None, "none", [], ""))
 
 
 def _seg(t_R_, a, b, s, m):
@@ -110,19 +118,14 @@ def cpu_experts_run(device, dtype) -> bool:
     return onednn_runs(device, dtype) and not torch.compiler.is_compiling()
 
 
-def expert_gemms(experts, rows_PD, tokens_per_expert_E, row_weight_P):
-    """Each expert's SwiGLU on its rows of the expert-sorted buffer, the routing weight applied before the
-    down projection (see module doc). experts: E SwiGLU FeedForward modules; rows_PD [P, D] CPU in the
-    compute dtype; tokens_per_expert_E int64 [E] CPU rows per expert (padding included; real rows first);
-    row_weight_P [P]. Returns [P, D] in rows' dtype, zero rows outside the segments. Differentiable in
-    rows, row weights and the expert weights. Raises ValueError when the device or dtype do not fit."""
-    if not cpu_experts_run(rows_PD.device, rows_PD.dtype):
-        raise ValueError(f"expert_gemms: needs CPU fp32 (or native-bf16) rows and oneDNN, got {rows_PD.dtype} "
-                         f"on {rows_PD.device}")
-    counts = cpu_values(tokens_per_expert_E)
+def _cpu_layout(counts, dtype):
+    """The CPU engine's row layout for host row counts per expert: (groups [(first, end, padded start, M)]
+    over the experts in `order`, each of its end - first experts padded to M rows; padded rows R; dst_N each
+    routed row's padded row; src_R each padded row's source row; real_R not a padding row; order: the
+    experts by count, descending)."""
     # ~8 batched GEMMs per projection beat one small GEMM per expert despite the padding (bf16); a group takes
     # only experts of >= 2/3 its largest count, so a skewed routing cannot multiply the padded rows
-    group = max(1, len(counts) // 8) if rows_PD.dtype == torch.bfloat16 else 1
+    group = max(1, len(counts) // 8) if dtype == torch.bfloat16 else 1
     order = sorted(range(len(counts)), key=lambda e: -counts[e])
     groups, first_row, start, a = [], [0] * len(counts), 0, 0  # first_row: each expert's first padded row
     while a < len(order):
@@ -133,10 +136,32 @@ def expert_gemms(experts, rows_PD, tokens_per_expert_E, row_weight_P):
         for e in order[a:b]:
             first_row[e], start = start, start + m
         a = b
-    n_E, end = torch.tensor(counts), sum(counts)  # dst_N: each routed row's padded row
+    n_E, end = torch.tensor(counts), sum(counts)
     shift_E = torch.tensor(first_row) - n_E.cumsum(0) + n_E
     dst_N = torch.arange(end) + torch.repeat_interleave(shift_E, n_E, output_size=end)
-    weights = [w for ex in experts for w in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)]
     src_R = torch.zeros(start, dtype=torch.int64).index_copy_(0, dst_N, torch.arange(end))
     real_R = torch.zeros(start, dtype=torch.bool).index_fill_(0, dst_N, True)
-    return _ExpertGEMMs.apply(rows_PD, row_weight_P, (groups, start, dst_N, src_R, real_R, order), *weights)
+    return groups, start, dst_N, src_R, real_R, order
+
+
+class GroupedExperts(ExpertLoop):
+    """ExpertLoop's experts and interface, all experts at once: forward(rows_PD [P, D], tokens_per_expert
+    int64 [E'] (on rows' device; padding included, real rows first), row_weight_P [P] or None (= 1),
+    first_expert=0) -> [P, D] in the rows' dtype, zero rows outside the segments; the routing weight is
+    applied before the down projection (see the module doc). Differentiable in rows, row weights and the
+    expert weights; autocast is left: the engines cast the fp32 master weights to the rows' dtype."""
+
+    def forward(self, rows_PD, tokens_per_expert, row_weight_P=None, first_expert=0):
+        experts = list(self)[first_expert:first_expert + tokens_per_expert.shape[0]]
+        if row_weight_P is None:
+            row_weight_P = rows_PD.new_ones(rows_PD.shape[0])
+        with torch.autocast(rows_PD.device.type, enabled=False):
+            if cpu_experts_run(rows_PD.device, rows_PD.dtype):
+                weights = [w for ex in experts for w in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)]
+                layout = _cpu_layout(cpu_values(tokens_per_expert), rows_PD.dtype)
+                return _ExpertGEMMs.apply(rows_PD, row_weight_P, layout, *weights)
+            w_gate_up_E2FD = torch.stack([torch.cat([ex.gate_proj.weight, ex.up_proj.weight]) for ex in experts])
+            w_down_EDF = torch.stack([ex.down_proj.weight for ex in experts])
+            offsets_E = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
+            return grouped_swiglu(rows_PD, w_gate_up_E2FD.to(rows_PD.dtype), w_down_EDF.to(rows_PD.dtype), offsets_E,
+                                  row_weight_P)

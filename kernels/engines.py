@@ -1,0 +1,83 @@
+"""The one place that decides which engines a model is built with on a device (torchtitan's model
+converters, applied before the model is built rather than after).
+
+`engines_for(config, device, dtype)` returns the model/engines.py `Engines` that pay on `device` under
+autocast `dtype` (fp32 = none); the trainer builds `MiniMindForCausalLM(config, engines)` with them and
+logs `describe(model)`. Each engine keeps the parameters and state_dict keys of the plain part, so
+checkpoints and exports are the same either way. The rules (measured ones, not the CPU's name):
+
+    Engines.linear        OneDNNLinear (cpu_linear.py)              CPU fp32 where oneDNN runs (it beats MKL)
+    Engines.attend        explicit_attention (attention.py)         CPU under bf16 autocast
+    Engines.lm_loss       linear_cross_entropy (chunked, no logits) CPU
+    Engines.experts       GroupedExperts (experts.py)               moe_impl "fused" (oneDNN batched GEMMs
+                                                                    on CPU, grouped GEMMs elsewhere)
+    row_map_dispatcher    KernelRowMapDispatcher (permute.py)       always (moe_impl "fused")
+
+moe_impl "sorted" keeps the plain ExpertLoop of nn.Linear experts: its contract is bitwise equality with
+the masked loop. Tolerances of each engine against the plain part: scripts/test_kernels.py, test_model.py.
+"""
+import torch
+from torch import nn
+
+from kernels.attention import explicit_attention
+from kernels.cpu_linear import OneDNNLinear, bf16_gemm_speedup, onednn_runs
+from kernels.experts import GroupedExperts
+from kernels.linear_cross_entropy import linear_cross_entropy
+from kernels.permute import KernelRowMapDispatcher
+from model.engines import PLAIN, Engines
+from model.moe import MOEFeedForward
+
+BF16_MIN_SPEEDUP = 1.5  # bf16 autocast also pays for casts and slower non-GEMM ops: ask for a wide margin
+
+
+def bf16_pays():
+    """(whether bf16 autocast pays on this CPU, the measured speedup): a 1024 x 512 x 2048 GEMM in bf16 at
+    least BF16_MIN_SPEEDUP x as fast as in fp32 (native bf16: AVX512-BF16 or AMX; emulated bf16 is slower).
+    The margin is wide, so one machine always gives the same answer."""
+    speedup = bf16_gemm_speedup(1024, 512, 2048, reps=5)
+    return speedup >= BF16_MIN_SPEEDUP, speedup
+
+
+def engines_for(config, device, dtype) -> Engines:
+    """The engines that pay for `config` on `device` ("cpu" | "cuda...") under autocast `dtype` (see the
+    module doc)."""
+    cpu = torch.device(device).type == "cpu"
+    fused = config.use_moe and config.moe_impl == "fused"
+    return Engines(linear=OneDNNLinear if cpu and dtype == torch.float32 and onednn_runs("cpu", torch.float32) else nn.Linear,
+                   attend=explicit_attention if cpu and dtype == torch.bfloat16 else PLAIN.attend,
+                   lm_loss=linear_cross_entropy if cpu else None,
+                   experts=GroupedExperts if fused else PLAIN.experts,
+                   row_map_dispatcher=KernelRowMapDispatcher)
+
+
+def describe(model):
+    """One log line naming the engines `model` runs that are not plain PyTorch."""
+    counts = {}
+    for m in model.modules():
+        names = [type(m).__name__] if type(m) in (OneDNNLinear, GroupedExperts) else []
+        if isinstance(m, MOEFeedForward) and type(m.dispatcher) is KernelRowMapDispatcher:
+            names.append(type(m.dispatcher).__name__)
+        if getattr(m, "attend", None) is explicit_attention:
+            names.append("explicit_attention")
+        if getattr(m, "chunked_lm_loss", None) is not None:
+            names.append(m.chunked_lm_loss.__name__)
+        for n in names:
+            counts[n] = counts.get(n, 0) + 1
+    return "engines: " + (", ".join(f"{name} x{n}" for name, n in counts.items()) if counts else "plain PyTorch")
+
+
+def rebuilt(module, engines):
+    """A copy of `module` (a MiniMindForCausalLM or an MOEFeedForward) built with `engines` and holding
+    its weights and buffers (load_state_dict, strict): how the tests and benchmarks put a plain model's
+    weights onto other engines."""
+    from model.model_minimind import MiniMindForCausalLM
+    if isinstance(module, MiniMindForCausalLM):
+        twin = MiniMindForCausalLM(module.config, engines)
+    elif isinstance(module, MOEFeedForward):
+        twin = MOEFeedForward(module.config, engines.experts, engines.row_map_dispatcher, engines.linear)
+    else:
+        raise ValueError(f"rebuilt: a MiniMindForCausalLM or MOEFeedForward, got {type(module).__name__}")
+    param = next(module.parameters())
+    twin = twin.to(device=param.device, dtype=param.dtype)
+    twin.load_state_dict(module.state_dict(), strict=True)
+    return twin.train(module.training)
