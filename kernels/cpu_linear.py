@@ -89,12 +89,12 @@ def bf16_gemm_speedup(M, K, N, reps=3):
     x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen)
     best = {}
     for dtype in (torch.float32, torch.bfloat16):
-        a, b = x.to(dtype), w.to(dtype)
-        onednn_linear(a, b)
+        x_cast, w_cast = x.to(dtype), w.to(dtype)
+        onednn_linear(x_cast, w_cast)
         times = []
         for _ in range(reps):
-            t = time.perf_counter()
-            onednn_linear(a, b)
-            times.append(time.perf_counter() - t)
+            start = time.perf_counter()
+            onednn_linear(x_cast, w_cast)
+            times.append(time.perf_counter() - start)
         best[dtype] = min(times)
     return best[torch.float32] / max(best[torch.bfloat16], 1e-9)

@@ -19,6 +19,9 @@ mixed-dtype elementwise ops cost far more than their arithmetic on a CPU. torch'
 slower than this; on GPUs the fused path runs grouped GEMMs (kernels/grouped_gemm.py). Segment
 bounds are read from CPU memory: no device sync.
 """
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -28,87 +31,112 @@ from kernels.grouped_gemm import grouped_swiglu, scaled_swiglu_backward, scaled_
 from model.moe import ExpertLoop
 
 
-def _bucket(n):
-    """n rows padded to a multiple of 1/16 of n's power of two and of 8 (<= 6.25% from 128 rows; idempotent):
+def _bucket(rows):
+    """`rows` padded to a multiple of 1/16 of its power of two and of 8 (<= 6.25% from 128 rows; idempotent):
     exact counts, new every step, would keep building oneDNN kernels and grow its cache without bound."""
-    if n <= 16:
-        return n
-    g = 1 << max(3, n.bit_length() - 5)
-    return -(-n // g) * g
+    if rows <= 16:
+        return rows
+    step = 1 << max(3, rows.bit_length() - 5)
+    return -(-rows // step) * step
 
 
-def _bmm(a, b, out):
-    """out[i] = a[i] @ b[i] in place: bf16 by one torch.bmm (oneDNN), fp32 by oneDNN's linear per matrix
+def _bmm(lhs, rhs, out):
+    """out[i] = lhs[i] @ rhs[i] in place: bf16 by one torch.bmm (oneDNN), fp32 by oneDNN's linear per matrix
     (kernels/cpu_linear.py's op; torch's fp32 matmuls are MKL)."""
-    if a.dtype == torch.bfloat16:
-        return torch.bmm(a, b, out=out)
-    for i in range(a.shape[0]):
-        out[i].copy_(torch.ops.mkldnn._linear_pointwise(a[i], b[i].t(), None, "none", [], ""))
+    if lhs.dtype == torch.bfloat16:
+        return torch.bmm(lhs, rhs, out=out)
+    for i in range(lhs.shape[0]):
+        out[i].copy_(torch.ops.mkldnn._linear_pointwise(lhs[i], rhs[i].t(), None, "none", [], ""))
 
 
-def _seg(t_R_, a, b, s, m):
-    """The rows of a group of b - a experts padded to m rows each, from padded row s: a [b - a, m, ...] view."""
-    return t_R_[s:s + (b - a) * m].view(b - a, m, *t_R_.shape[1:])
+class ExpertGroup(NamedTuple):
+    """Experts first..end-1 (positions in CPULayout.order) batched in one GEMM, each padded to `rows_each`
+    rows, from padded row `row_start` on."""
+    first: int
+    end: int
+    row_start: int
+    rows_each: int
+
+    @property
+    def experts(self):
+        return slice(self.first, self.end)
+
+    def rows(self, padded_R):
+        """The group's rows of a [R, ...] tensor as a [end - first, rows_each, ...] view."""
+        count = self.end - self.first
+        return padded_R[self.row_start:self.row_start + count * self.rows_each].view(count, self.rows_each,
+                                                                                  *padded_R.shape[1:])
 
 
-def _from_padded(t_R_, dst_N, P):
-    """[P, ...]: row i = t[dst[i]] for the routed rows, zero after them (rows of no expert)."""
-    out = t_R_.new_empty(P, *t_R_.shape[1:])
+@dataclass
+class CPULayout:
+    """Where the CPU engine puts each routed row: the experts sorted by count (`order`, descending) and
+    batched in `groups`; padded_rows R in all; dst_N int64 [N] each routed row's padded row; src_R int64 [R]
+    each padded row's source row (a padding row repeats a routed row); real_R bool [R] not a padding row."""
+    groups: list
+    padded_rows: int
+    dst_N: torch.Tensor
+    src_R: torch.Tensor
+    real_R: torch.Tensor
+    order: list
+
+
+def _from_padded(padded_R, dst_N, P):
+    """[P, ...]: row i = padded_R[dst_N[i]] for the N routed rows, zero after them (rows of no expert)."""
+    out = padded_R.new_empty(P, *padded_R.shape[1:])
     out[dst_N.shape[0]:].zero_()
-    torch.index_select(t_R_, 0, dst_N, out=out[:dst_N.shape[0]])
+    torch.index_select(padded_R, 0, dst_N, out=out[:dst_N.shape[0]])
     return out
 
 
 class _ExpertGEMMs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows_PD, scale_P, layout, *weights):
-        # layout: (host list of (first, end, padded start, M) per group of the experts in `order`, each of its
-        # end - first experts padded to M rows; padded rows R; dst_N each routed row's padded row; src_R each
-        # padded row's source row; real_R not a padding row; order the experts by count, descending);
-        # weights: gate_0, up_0, down_0, gate_1, ... in their own dtype (fp32 master weights under autocast),
-        # cast to the rows' dtype by the copy that joins them in `order` (one pass, not two)
-        groups, R, dst_N, src_R, real_R, order = layout
-        (P, D), dtype = rows_PD.shape, rows_PD.dtype
+        # layout: a CPULayout; weights: gate_0, up_0, down_0, gate_1, ... in their own dtype (fp32 master
+        # weights under autocast), cast to the rows' dtype by the copy that joins them in `order` (one pass)
+        (P, D), dtype, order, R = rows_PD.shape, rows_PD.dtype, layout.order, layout.padded_rows
         gate_up = [w for e in order for w in weights[3 * e:3 * e + 2]]
         w_gu = torch.cat(gate_up, out=rows_PD.new_empty(sum(w.shape[0] for w in gate_up), D)).view(len(order), -1, D)
         w_down = torch.stack([weights[3 * e + 2] for e in order], out=rows_PD.new_empty(len(order), *weights[2].shape))
-        x_RD, s_R = rows_PD.index_select(0, src_R), torch.where(real_R, scale_P.to(dtype).index_select(0, src_R), 0)
+        x_RD = rows_PD.index_select(0, layout.src_R)
+        scale_R = torch.where(layout.real_R, scale_P.to(dtype).index_select(0, layout.src_R), 0)
         gu_R2F, out_RD = rows_PD.new_empty(R, w_gu.shape[1]), rows_PD.new_empty(R, D)
-        for a, b, s, m in groups:
-            _bmm(_seg(x_RD, a, b, s, m), w_gu[a:b].transpose(1, 2), _seg(gu_R2F, a, b, s, m))
-        h_RF, silu_RF = scaled_swiglu_forward(gu_R2F, s_R)
-        for a, b, s, m in groups:
-            _bmm(_seg(h_RF, a, b, s, m), w_down[a:b].transpose(1, 2), _seg(out_RD, a, b, s, m))
+        for group in layout.groups:
+            _bmm(group.rows(x_RD), w_gu[group.experts].transpose(1, 2), group.rows(gu_R2F))
+        h_RF, silu_RF = scaled_swiglu_forward(gu_R2F, scale_R)
+        for group in layout.groups:
+            _bmm(group.rows(h_RF), w_down[group.experts].transpose(1, 2), group.rows(out_RD))
         ctx.layout, ctx.scale_dtype, ctx.weight_dtype = layout, scale_P.dtype, weights[0].dtype
-        ctx.save_for_backward(x_RD, s_R, gu_R2F, silu_RF, h_RF, w_gu, w_down)
-        return _from_padded(out_RD, dst_N, P)
+        ctx.save_for_backward(x_RD, scale_R, gu_R2F, silu_RF, h_RF, w_gu, w_down)
+        return _from_padded(out_RD, layout.dst_N, P)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_PD):
-        x_RD, s_R, gu_R2F, silu_RF, h_RF, w_gu, w_down = ctx.saved_tensors
-        (groups, R, dst_N, src_R, _, order), (need_x, need_scale) = ctx.layout, ctx.needs_input_grad[:2]
+        x_RD, scale_R, gu_R2F, silu_RF, h_RF, w_gu, w_down = ctx.saved_tensors
+        layout, (need_x, need_scale) = ctx.layout, ctx.needs_input_grad[:2]
         (E, F2, D), P = w_gu.shape, grad_PD.shape[0]
-        gy_RD = grad_PD.to(x_RD.dtype).index_select(0, src_R)
+        gy_RD = grad_PD.to(x_RD.dtype).index_select(0, layout.src_R)
         # weight gradients (zero for an idle expert) in the rows' dtype, cast to the weights' dtype at once
         gw_down, gw_gu = x_RD.new_zeros(E, D, F2 // 2), x_RD.new_zeros(E, F2, D)
         gh_RF = h_RF.new_empty(h_RF.shape)
-        for a, b, s, m in groups:
-            gy = _seg(gy_RD, a, b, s, m)
-            _bmm(gy.transpose(1, 2), _seg(h_RF, a, b, s, m), gw_down[a:b])
-            _bmm(gy, w_down[a:b], _seg(gh_RF, a, b, s, m))
-        ggu_R2F, gs_R = scaled_swiglu_backward(gh_RF, gu_R2F, silu_RF, s_R, need_scale)
-        gx_RD = x_RD.new_empty(R, D) if need_x else None
-        for a, b, s, m in groups:
-            ggu = _seg(ggu_R2F, a, b, s, m)
-            _bmm(ggu.transpose(1, 2), _seg(x_RD, a, b, s, m), gw_gu[a:b])
+        for group in layout.groups:
+            gy = group.rows(gy_RD)
+            _bmm(gy.transpose(1, 2), group.rows(h_RF), gw_down[group.experts])
+            _bmm(gy, w_down[group.experts], group.rows(gh_RF))
+        ggu_R2F, gscale_R = scaled_swiglu_backward(gh_RF, gu_R2F, silu_RF, scale_R, need_scale)
+        gx_RD = x_RD.new_empty(layout.padded_rows, D) if need_x else None
+        for group in layout.groups:
+            ggu = group.rows(ggu_R2F)
+            _bmm(ggu.transpose(1, 2), group.rows(x_RD), gw_gu[group.experts])
             if need_x:
-                _bmm(ggu, w_gu[a:b], _seg(gx_RD, a, b, s, m))
-        F_, gw_gu, gw_down = F2 // 2, gw_gu.to(ctx.weight_dtype), gw_down.to(ctx.weight_dtype)
-        grad_w = [g for i in sorted(range(E), key=order.__getitem__) for g in (gw_gu[i, :F_], gw_gu[i, F_:], gw_down[i])]
+                _bmm(ggu, w_gu[group.experts], group.rows(gx_RD))
+        F, gw_gu, gw_down = F2 // 2, gw_gu.to(ctx.weight_dtype), gw_down.to(ctx.weight_dtype)
+        by_expert = sorted(range(E), key=layout.order.__getitem__)  # position in `order` of expert 0, 1, ...
+        grad_w = [g for i in by_expert for g in (gw_gu[i, :F], gw_gu[i, F:], gw_down[i])]
         grad_w = [g if need else None for g, need in zip(grad_w, ctx.needs_input_grad[3:])]
-        grad_x = _from_padded(gx_RD, dst_N, P) if need_x else None
-        grad_scale = _from_padded(gs_R, dst_N, P).to(ctx.scale_dtype) if need_scale else None
+        grad_x = _from_padded(gx_RD, layout.dst_N, P) if need_x else None
+        grad_scale = _from_padded(gscale_R, layout.dst_N, P).to(ctx.scale_dtype) if need_scale else None
         return (grad_x, grad_scale, None, *grad_w)
 
 
@@ -119,29 +147,27 @@ def cpu_experts_run(device, dtype) -> bool:
 
 
 def _cpu_layout(counts, dtype):
-    """The CPU engine's row layout for host row counts per expert: (groups [(first, end, padded start, M)]
-    over the experts in `order`, each of its end - first experts padded to M rows; padded rows R; dst_N each
-    routed row's padded row; src_R each padded row's source row; real_R not a padding row; order: the
-    experts by count, descending)."""
+    """The CPULayout of host row counts per expert (a list of ints)."""
     # ~8 batched GEMMs per projection beat one small GEMM per expert despite the padding (bf16); a group takes
     # only experts of >= 2/3 its largest count, so a skewed routing cannot multiply the padded rows
-    group = max(1, len(counts) // 8) if dtype == torch.bfloat16 else 1
+    max_group = max(1, len(counts) // 8) if dtype == torch.bfloat16 else 1
     order = sorted(range(len(counts)), key=lambda e: -counts[e])
-    groups, first_row, start, a = [], [0] * len(counts), 0, 0  # first_row: each expert's first padded row
-    while a < len(order):
-        m, b = _bucket(counts[order[a]]), a + 1
-        while b < min(a + group, len(order)) and 3 * counts[order[b]] >= 2 * m:
-            b += 1
-        groups += [(a, b, start, m)] if m else []
-        for e in order[a:b]:
-            first_row[e], start = start, start + m
-        a = b
-    n_E, end = torch.tensor(counts), sum(counts)
-    shift_E = torch.tensor(first_row) - n_E.cumsum(0) + n_E
-    dst_N = torch.arange(end) + torch.repeat_interleave(shift_E, n_E, output_size=end)
-    src_R = torch.zeros(start, dtype=torch.int64).index_copy_(0, dst_N, torch.arange(end))
-    real_R = torch.zeros(start, dtype=torch.bool).index_fill_(0, dst_N, True)
-    return groups, start, dst_N, src_R, real_R, order
+    groups, first_row, padded_rows, first = [], [0] * len(counts), 0, 0  # first_row: each expert's first padded row
+    while first < len(order):
+        rows_each, end = _bucket(counts[order[first]]), first + 1
+        while end < min(first + max_group, len(order)) and 3 * counts[order[end]] >= 2 * rows_each:
+            end += 1
+        if rows_each:
+            groups.append(ExpertGroup(first, end, padded_rows, rows_each))
+        for e in order[first:end]:
+            first_row[e], padded_rows = padded_rows, padded_rows + rows_each
+        first = end
+    count_E, routed = torch.tensor(counts), sum(counts)
+    shift_E = torch.tensor(first_row) - count_E.cumsum(0) + count_E
+    dst_N = torch.arange(routed) + torch.repeat_interleave(shift_E, count_E, output_size=routed)
+    src_R = torch.zeros(padded_rows, dtype=torch.int64).index_copy_(0, dst_N, torch.arange(routed))
+    real_R = torch.zeros(padded_rows, dtype=torch.bool).index_fill_(0, dst_N, True)
+    return CPULayout(groups, padded_rows, dst_N, src_R, real_R, order)
 
 
 class GroupedExperts(ExpertLoop):

@@ -308,5 +308,5 @@ def grouped_swiglu(x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_scale_P, bac
     w_gate_up_E2FD [E, 2F, D]: gate_proj.weight then up_proj.weight (nn.Linear layout); w_down_EDF [E, D, F];
     offsets_E int32 [E] cumulative row counts; row_scale_P [P] the factor s (routing weights, differentiable)."""
     gate_up = grouped_mm(x_PD, w_gate_up_E2FD.transpose(1, 2), offsets_E, backend)
-    h = ScaledSwiGLU.apply(gate_up, row_scale_P)
-    return grouped_mm(h, w_down_EDF.transpose(1, 2), offsets_E, backend)
+    h_PF = ScaledSwiGLU.apply(gate_up, row_scale_P)
+    return grouped_mm(h_PF, w_down_EDF.transpose(1, 2), offsets_E, backend)

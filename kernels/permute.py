@@ -29,31 +29,31 @@ if triton_importable():
     @triton.jit
     def _gather_rows_kernel(x_ptr, src_ptr, out_ptr, D, stride_x, stride_out, BLOCK_D: tl.constexpr):
         # out[p] = x[src[p]], zero where src[p] < 0. Grid: (P, cdiv(D, BLOCK_D)).
-        p = tl.program_id(0)
+        out_row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         in_row = cols < D
-        src = tl.load(src_ptr + p) + cols * 0  # broadcast to the block: a per-element mask
+        src = tl.load(src_ptr + out_row) + cols * 0  # broadcast to the block: a per-element mask
         valid = src >= 0
         row = tl.load(x_ptr + tl.where(valid, src, 0).to(tl.int64) * stride_x + cols, mask=in_row & valid, other=0.0)
-        tl.store(out_ptr + p.to(tl.int64) * stride_out + cols, _round_to(row.to(tl.float32), out_ptr.dtype.element_ty),
+        tl.store(out_ptr + out_row.to(tl.int64) * stride_out + cols, _round_to(row.to(tl.float32), out_ptr.dtype.element_ty),
                  mask=in_row)
 
     @triton.jit
     def _combine_rows_kernel(h_ptr, row_ptr, out_ptr, K, D, stride_h, stride_out, BLOCK_D: tl.constexpr):
         # out[t] = sum_{j=0..K-1} h[row[t, j]] over rows >= 0, in fp32, j ascending. Grid: (T, cdiv(D, BLOCK_D)).
-        t = tl.program_id(0)
+        token = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         in_row = cols < D
-        r = tl.load(row_ptr + t * K) + cols * 0
-        valid = r >= 0
-        acc = tl.load(h_ptr + tl.where(valid, r, 0).to(tl.int64) * stride_h + cols, mask=in_row & valid,
+        row = tl.load(row_ptr + token * K) + cols * 0
+        valid = row >= 0
+        acc = tl.load(h_ptr + tl.where(valid, row, 0).to(tl.int64) * stride_h + cols, mask=in_row & valid,
                       other=0.0).to(tl.float32)
         for j in range(1, K):
-            r = tl.load(row_ptr + t * K + j) + cols * 0
-            valid = r >= 0
-            acc = acc + tl.load(h_ptr + tl.where(valid, r, 0).to(tl.int64) * stride_h + cols, mask=in_row & valid,
+            row = tl.load(row_ptr + token * K + j) + cols * 0
+            valid = row >= 0
+            acc = acc + tl.load(h_ptr + tl.where(valid, row, 0).to(tl.int64) * stride_h + cols, mask=in_row & valid,
                                 other=0.0).to(tl.float32)
-        tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, _round_to(acc, out_ptr.dtype.element_ty), mask=in_row)
+        tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, _round_to(acc, out_ptr.dtype.element_ty), mask=in_row)
 
 
 def _block_d(D):
@@ -64,8 +64,8 @@ def _block_d(D):
 _LAUNCH = {"enable_fp_fusion": False}
 
 
-def _launch_options(t):
-    return _LAUNCH if t.is_cuda else {}
+def _launch_options(tensor):
+    return _LAUNCH if tensor.is_cuda else {}
 
 
 def gather_rows(x_TD, src_P, backend="auto", out_dtype=None, has_holes=True):

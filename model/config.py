@@ -19,6 +19,45 @@ HF_CONFIG_KEYS = {"transformers_version", "architectures", "output_hidden_states
                   "_name_or_path", "model_type", "output_attentions"}
 
 
+@dataclass(frozen=True)
+class Range:
+    """The numbers a field or flag accepts: finite, within [lo, hi] (an end is excluded when *_open)."""
+    lo: float
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, value):
+        return (math.isfinite(value) and (value > self.lo if self.lo_open else value >= self.lo)
+                and (value < self.hi if self.hi_open or self.hi == math.inf else value <= self.hi))
+
+    def __str__(self):
+        if self.hi == math.inf:
+            return f"{'>' if self.lo_open else '>='} {self.lo}"
+        return f"{'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+
+    def worded(self, value):
+        """What `value` must be, for an error message: `in [0, 1)`, `> 0 and finite` (a float), `>= 1`."""
+        if self.hi != math.inf:
+            return f"in {self}"
+        return f"{self} and finite" if isinstance(value, float) else str(self)
+
+
+AT_LEAST_1, AT_LEAST_0, POSITIVE = Range(1), Range(0), Range(0, lo_open=True)
+# The numbers each numeric field accepts (None, where a field allows it, is not checked here). The trainer's
+# flags of the same names show these in --help and check them at parse time (train/flags.py). Loss weights
+# above 10 and a bias step above 1 (the router scores are probabilities) are typos.
+FIELD_RANGES = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "max_position_embeddings", "intermediate_size", "num_experts", "num_experts_per_tok",
+                     "moe_intermediate_size", "shared_expert_intermediate_size", "moe_expert_alignment"), AT_LEAST_1),
+    **dict.fromkeys(("n_shared_experts", "initializer_range"), AT_LEAST_0),
+    **dict.fromkeys(("rope_theta", "rms_norm_eps", "capacity_factor", "routed_scaling_factor"), POSITIVE),
+    "dropout": Range(0, 1, hi_open=True),
+    "router_aux_loss_coef": Range(0, 10), "router_z_loss_coef": Range(0, 10), "router_bias_update_rate": Range(0, 1),
+}
+
+
 def _training(default):
     return field(default=default, metadata={"training": True})
 
@@ -26,7 +65,7 @@ def _training(default):
 @dataclass(kw_only=True)
 class MiniMindConfig:
     """Raises TypeError naming the field for a value of the wrong type (`hidden_size="64"`) or an unknown
-    field, ValueError naming the field (`MiniMindConfig.<field> ...`) for an invalid value or combination."""
+    field, ConfigError (a ValueError) naming the fields for a value outside FIELD_RANGES or a bad combination."""
 
     model_type: typing.ClassVar[str] = "minimind"
 
@@ -56,8 +95,8 @@ class MiniMindConfig:
     moe_drop_policy: str = "probs"          # which pairs an over-full expert keeps: "probs" (highest weight) | "position"
     moe_pad_to_capacity: bool = False       # pad every expert's rows to the capacity (fixed GEMM shapes)
     moe_expert_alignment: int = _training(1)  # pad every expert's rows to a multiple of this
-    # "sorted": one host sync per layer, bitwise the masked loop; "fused": no host sync, equal up to rounding
-    # (what training runs, train/flags.py); "masked": the per-expert loop, 3 syncs per expert (a baseline)
+    # "sorted": one host sync per layer, bitwise the masked loop (scripts/moe_reference.py); "fused": no host
+    # sync, equal up to rounding (what training runs, train/flags.py)
     moe_impl: str = _training("sorted")
     # balance loss per layer (model/router.py): "minimind" (coef * K when balanced), "switch" (coef when
     # balanced), "sequence" (DeepSeek-V3 sequence-wise) or "none"
@@ -90,9 +129,9 @@ class MiniMindConfig:
         ValueError as the constructor."""
         return cls(**{k: v for k, v in fields.items() if k not in HF_CONFIG_KEYS})
 
-    def _check(self, ok, message):
+    def _check(self, ok, template, **fields):
         if not ok:
-            raise ValueError(f"MiniMindConfig.{message}")
+            raise ConfigError(template, **fields)
 
     def _check_types(self):
         for name, f in self.__dataclass_fields__.items():
@@ -101,49 +140,68 @@ class MiniMindConfig:
                 wanted = f.type.__name__ if isinstance(f.type, type) else str(f.type)
                 raise TypeError(f"MiniMindConfig.{name} must be {wanted}, got {value!r} ({type(value).__name__})")
 
+    @staticmethod
+    def check_range(name, value):
+        """Raise ConfigError unless `value` (not None) lies in FIELD_RANGES[name]; the trainer's flags call this
+        at parse time, the constructor for every field."""
+        allowed = FIELD_RANGES[name]
+        if value is not None and value not in allowed:
+            raise ConfigError(f"{{{name}}} must be {allowed.worded(value)}, got {value}", **{name: None})
+
     def __post_init__(self):
         self._check_types()
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "max_position_embeddings", "num_experts", "num_experts_per_tok"):
-            self._check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in FIELD_RANGES:
+            self.check_range(name, getattr(self, name))
         if self.head_dim is None:
-            self._check(self.hidden_size % self.num_attention_heads == 0, f"num_attention_heads="
-                        f"{self.num_attention_heads} must divide hidden_size={self.hidden_size} (or set head_dim explicitly)")
+            self._check(self.hidden_size % self.num_attention_heads == 0, "{num_attention_heads} must divide "
+                        "{hidden_size}", num_attention_heads=self.num_attention_heads,
+                        hidden_size=self.hidden_size)
             self.head_dim = self.hidden_size // self.num_attention_heads
-        self._check(self.head_dim >= 2 and self.head_dim % 2 == 0, f"head_dim must be even and >= 2 for RoPE, got {self.head_dim}")
-        self._check(self.num_attention_heads % self.num_key_value_heads == 0, f"num_key_value_heads="
-                    f"{self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}")
+            self._check(self.head_dim % 2 == 0, "{hidden_size} / {num_attention_heads} must be even (RoPE's "
+                        "head_dim)", hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads)
+        self._check(self.head_dim >= 2 and self.head_dim % 2 == 0, "{head_dim} must be even and >= 2 (RoPE)",
+                    head_dim=self.head_dim)
+        self._check(self.num_attention_heads % self.num_key_value_heads == 0, "{num_key_value_heads} must divide "
+                    "{num_attention_heads}", num_key_value_heads=self.num_key_value_heads,
+                    num_attention_heads=self.num_attention_heads)
         if self.intermediate_size is None:
             self.intermediate_size = math.ceil(self.hidden_size * math.pi / 64) * 64
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
-        self._check(self.n_shared_experts >= 0, f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
-        self._check(self.n_shared_experts == 0 or self.use_moe, "n_shared_experts > 0 needs use_moe=True")
+        self._check(self.n_shared_experts == 0 or self.use_moe, "{n_shared_experts} needs {use_moe}",
+                    n_shared_experts=self.n_shared_experts, use_moe=True)
         self._check(self.shared_expert_intermediate_size is None or self.n_shared_experts > 0,
-                    "shared_expert_intermediate_size needs n_shared_experts > 0")
+                    "{shared_expert_intermediate_size} needs {n_shared_experts} > 0",
+                    shared_expert_intermediate_size=self.shared_expert_intermediate_size, n_shared_experts=None)
         if self.n_shared_experts and self.shared_expert_intermediate_size is None:
             self.shared_expert_intermediate_size = self.n_shared_experts * self.moe_intermediate_size
-        for name in ("intermediate_size", "moe_intermediate_size", "moe_expert_alignment") + \
-                (("shared_expert_intermediate_size",) if self.n_shared_experts else ()):
-            self._check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        self._check(self.num_experts_per_tok <= self.num_experts, f"num_experts_per_tok={self.num_experts_per_tok} "
-                    f"must be <= num_experts={self.num_experts}")
-        self._check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
-        self._check(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
-        self._check(self.rms_norm_eps > 0, f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        self._check(self.num_experts_per_tok <= self.num_experts, "{num_experts_per_tok} must be <= {num_experts}",
+                    num_experts_per_tok=self.num_experts_per_tok, num_experts=self.num_experts)
         self._check(not self.moe_pad_to_capacity or self.capacity_factor is not None,
-                    "moe_pad_to_capacity needs capacity_factor to be set")
-        for name, allowed in (("moe_drop_policy", ("probs", "position")), ("moe_impl", ("sorted", "fused", "masked")),
+                    "{moe_pad_to_capacity} needs {capacity_factor} to be set", moe_pad_to_capacity=True,
+                    capacity_factor=None)
+        for name, allowed in (("moe_drop_policy", ("probs", "position")), ("moe_impl", ("sorted", "fused")),
                               ("router_aux_loss_type", ("minimind", "switch", "sequence", "none")),
                               ("router_dtype", (None, "float32"))):
-            self._check(getattr(self, name) in allowed, f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name, v in (("capacity_factor", self.capacity_factor), ("routed_scaling_factor", self.routed_scaling_factor)):
-            self._check(v is None or (v > 0 and math.isfinite(v)), f"{name} must be finite and > 0, got {v}")
-        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
-            v = getattr(self, name)
-            self._check(v >= 0 and math.isfinite(v), f"{name} must be finite and >= 0, got {v}")
-        self._check(self.router_bias_update_rate == 0 or self.use_moe,
-                    "router_bias_update_rate > 0 needs use_moe=True (a dense model has no router)")
+            got = repr(getattr(self, name)).replace("{", "{{").replace("}", "}}")  # (literal text in the template)
+            self._check(getattr(self, name) in allowed, f"{{{name}}} must be one of {allowed}, got {got}", **{name: None})
+        self._check(self.router_bias_update_rate == 0 or self.use_moe, "{router_bias_update_rate} needs {use_moe} "
+                    "(a dense model has no router)", router_bias_update_rate=self.router_bias_update_rate, use_moe=True)
+
+
+class ConfigError(ValueError):
+    """An invalid MiniMindConfig value or combination. `template` names each field it is about as a `{field}`
+    placeholder; `fields` maps it to the value to show beside its name (None: the name alone). str():
+    `MiniMindConfig: num_experts_per_tok=8 must be <= num_experts=4`; `worded(name_value)` writes each field
+    as `name_value(field, value)` instead (the trainer's flags: `--num_experts_per_tok 8 must be <=
+    --num_experts 4`)."""
+
+    def __init__(self, template, **fields):
+        self.template, self.fields = template, fields
+        super().__init__("MiniMindConfig: " + self.worded(lambda name, value: name if value is None else f"{name}={value!r}"))
+
+    def worded(self, name_value):
+        return self.template.format_map({name: name_value(name, value) for name, value in self.fields.items()})
 
 
 def _is_a(value, annotation):

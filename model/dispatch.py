@@ -43,11 +43,11 @@ class RowLayout:
         return self.pad_to is not None or self.alignment != 1
 
 
-def padded_size(n, pad_to=None, alignment=1):
-    """max(n, pad_to) rounded up to a multiple of alignment; n an int or an int64 tensor (elementwise)."""
+def padded_size(rows, pad_to=None, alignment=1):
+    """max(rows, pad_to) rounded up to a multiple of alignment; rows an int or an int64 tensor (elementwise)."""
     if pad_to is not None:
-        n = torch.clamp(n, min=pad_to) if isinstance(n, torch.Tensor) else max(n, pad_to)
-    return n if alignment == 1 else (n + alignment - 1) // alignment * alignment
+        rows = torch.clamp(rows, min=pad_to) if isinstance(rows, torch.Tensor) else max(rows, pad_to)
+    return rows if alignment == 1 else (rows + alignment - 1) // alignment * alignment
 
 
 def apply_capacity(topk_idx_TK, topk_weight_TK, num_experts, capacity, policy):
@@ -175,14 +175,14 @@ class SortedDispatcher:
                           routed_E=routed_E[:E], padded=layout.pads,
                           state=SortedState(sorted_pair_N, topk_weight_TK, counts, skipped, x_TD.dtype))
 
-    def combine(self, rows_out_PD, d):
-        s = d.state
-        pair_N, dtype, skipped = s.sorted_pair_N, s.dtype, s.skipped
-        (T, K), D = s.topk_weight_TK.shape, rows_out_PD.shape[1]
-        weight_N1 = s.topk_weight_TK.reshape(-1)[pair_N].unsqueeze(-1)
+    def combine(self, rows_out_PD, dispatched):
+        state = dispatched.state
+        pair_N, dtype, skipped = state.sorted_pair_N, state.dtype, state.skipped
+        (T, K), D = state.topk_weight_TK.shape, rows_out_PD.shape[1]
+        weight_N1 = state.topk_weight_TK.reshape(-1)[pair_N].unsqueeze(-1)
         chunks = [rows_out_PD.new_zeros(skipped, D, dtype=dtype)] if skipped else []
         row, start = 0, skipped
-        for n, rows in zip(s.counts, d.tokens_per_expert.tolist()):
+        for n, rows in zip(state.counts, dispatched.tokens_per_expert.tolist()):
             chunks.append((rows_out_PD[row:row + n] * weight_N1[start:start + n]).to(dtype))
             row, start = row + rows, start + n
         with torch.autocast(pair_N.device.type, enabled=False):  # (CPU autocast's cat rejects fp16)
@@ -280,8 +280,8 @@ class RowMapDispatcher:
         return Dispatched(rows_PD=rows_PD, tokens_per_expert=rm.padded_E, row_weight_P=row_weight_P,
                           routed_E=rm.routed_E, padded=layout.pads, state=RowMapState(rm, x_TD.dtype))
 
-    def combine(self, rows_out_PD, d):
-        return self.combine_rows(rows_out_PD, d.state.row_map).to(d.state.dtype)
+    def combine(self, rows_out_PD, dispatched):
+        return self.combine_rows(rows_out_PD, dispatched.state.row_map).to(dispatched.state.dtype)
 
     def permute(self, x_TD, rm):
         """rows_PD = x[token_of_row] with zero rows where token_of_row < 0."""

@@ -84,8 +84,8 @@ def from_hf_config(hf_config) -> MiniMindConfig:
 def to_hf_state_dict(state_dict, config: MiniMindConfig):
     """Our state_dict -> HF keys (per-expert layout). Tied lm_head is omitted (HF re-ties it). Qwen3-MoE has
     no routed_scaling_factor s: the experts' down projections take it (the combine is linear in them)."""
-    s = config.routed_scaling_factor if config.use_moe else 1.0  # (our parameter names are the HF names)
-    return {k: v * s if s != 1.0 and ".mlp.experts." in k and k.endswith("down_proj.weight") else v
+    scale = config.routed_scaling_factor if config.use_moe else 1.0  # (our parameter names are the HF names)
+    return {k: v * scale if scale != 1.0 and ".mlp.experts." in k and k.endswith("down_proj.weight") else v
             for k, v in state_dict.items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
 
 
@@ -96,11 +96,11 @@ def from_hf_state_dict(hf_state, config: MiniMindConfig):
     """HF Qwen3 / Qwen3-MoE state_dict (per-expert or fused expert layout) -> our state_dict."""
     out = {}
     for k, v in hf_state.items():
-        m = _FUSED.match(k)
-        if m is None:
+        fused = _FUSED.match(k)
+        if fused is None:
             out[k] = v
             continue
-        prefix, kind = m.groups()
+        prefix, kind = fused.groups()
         for e in range(v.shape[0]):
             if kind == "gate_up_proj":  # [E, 2F, D]: gate rows first, then up rows
                 gate, up = v[e].chunk(2, dim=0)

@@ -9,9 +9,9 @@ F expert intermediate size, P dispatched rows.
     4. experts   (here: ExpertLoop) E SwiGLU FFNs, each on its rows        self.experts
     5. combine   (model/dispatch.py) each token's weighted sum of its rows self.dispatcher.combine
 
-moe_impl "sorted" (the default) is bitwise the per-expert masked loop (MiniMind's layer, kept below as
-`masked_expert_loop`; moe_impl "masked" runs it, for baselines) with one host sync per layer; "fused"
-builds the layout on the device (no host sync) and applies the routing weights inside the experts.
+moe_impl "sorted" (the default) is bitwise the per-expert masked loop (MiniMind's layer, kept as the
+reference in scripts/moe_reference.py) with one host sync per layer; "fused" builds the layout on the
+device (no host sync) and applies the routing weights inside the experts.
 The engines of steps 3-5 are chosen when the layer is built: `experts` (ExpertLoop here, one nn.Linear
 chain per expert; kernels/experts.py: GroupedExperts) and the fused path's dispatcher (RowMapDispatcher,
 or kernels/permute.py's); model/engines.py names them, kernels/engines.py picks the ones that pay.
@@ -66,8 +66,8 @@ class ExpertLoop(nn.ModuleList):
             if row_weight_P is None:
                 outs.append(expert(x_e))
             else:  # the routing weight before the down projection (linear: the same sum up to rounding)
-                h = F.silu(expert.gate_proj(x_e)) * expert.up_proj(x_e)
-                outs.append(expert.down_proj(h * row_weight_P[start:start + n, None].to(h.dtype)))
+                h_nF = F.silu(expert.gate_proj(x_e)) * expert.up_proj(x_e)
+                outs.append(expert.down_proj(h_nF * row_weight_P[start:start + n, None].to(h_nF.dtype)))
             start += n
         return torch.cat(outs) if outs else rows_PD[:0].clone()
 
@@ -120,15 +120,12 @@ class MOEFeedForward(nn.Module):
         token_mask_T = None if token_mask is None else token_mask.reshape(-1).to(device=x.device, dtype=torch.bool)
         topk_idx_TK, topk_weight_TK, balance_loss, z_loss = self.route(x_TD, token_mask_T, B)
         topk_idx_TK, layout = drop_and_pad(self.config, topk_idx_TK, topk_weight_TK, token_mask_T)
-        if self.config.moe_impl == "masked":
-            y_TD = masked_expert_loop(self.experts, x_TD, topk_idx_TK, topk_weight_TK, self.training)
-            self.stats = MoEStats(tokens_per_expert(topk_idx_TK, self.config.num_experts), None, balance_loss, z_loss)
-        else:
-            d = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout)
-            rows_out_PD = self.experts(d.rows_PD, d.tokens_per_expert, d.row_weight_P, d.first_expert)
-            y_TD = self.dispatcher.combine(rows_out_PD, d)
-            padded = torch.as_tensor(d.tokens_per_expert) if d.padded else None
-            self.stats = MoEStats(d.routed_E, padded, balance_loss, z_loss)
+        dispatched = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout)
+        rows_out_PD = self.experts(dispatched.rows_PD, dispatched.tokens_per_expert, dispatched.row_weight_P,
+                                   dispatched.first_expert)
+        y_TD = self.dispatcher.combine(rows_out_PD, dispatched)
+        self.stats = MoEStats(dispatched.routed_E, dispatched.tokens_per_expert if dispatched.padded else None,
+                              balance_loss, z_loss)
         if self.shared_experts is not None:  # every token, padding too (its output is never trained on)
             y_TD = y_TD + self.shared_experts(x_TD).to(y_TD.dtype)
         return y_TD.view(B, S, D)
@@ -200,19 +197,3 @@ class MOEFeedForward(nn.Module):
             warnings.warn("MoE with num_experts_per_tok=1 and norm_topk_prob=True: every combine weight is "
                           "exactly 1, so the router gets no gradient from the language-model loss (only from "
                           "the aux / z losses). Set norm_topk_prob=False or use k >= 2.", stacklevel=4)
-
-
-def masked_expert_loop(experts, x_TD, topk_idx_TK, topk_weight_TK, training):
-    """The per-expert masked loop that sorted dispatch replaced (MiniMind's layer): steps 3-5, the bitwise
-    reference of moe_impl="sorted", with 3 host syncs per expert (`mask.any()`, the length of `nonzero()`,
-    the boolean gather). topk_idx_TK int64 [T, K] in [-1, E). Returns y_TD [T, D] of x's dtype."""
-    y_TD = torch.zeros_like(x_TD)
-    for e, expert in enumerate(experts):
-        mask_TK = topk_idx_TK == e
-        if mask_TK.any():
-            token_idx = mask_TK.any(dim=-1).nonzero().flatten()
-            weight = topk_weight_TK[mask_TK].view(-1, 1)  # (a token holds expert e in at most one slot)
-            y_TD.index_add_(0, token_idx, (expert(x_TD[token_idx]) * weight).to(y_TD.dtype))
-        elif training:  # keep the idle expert in the graph with a zero gradient (DDP needs every grad)
-            y_TD[:1, :1] += 0 * sum(p.sum() for p in expert.parameters())  # (an empty slice when T = 0)
-    return y_TD

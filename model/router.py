@@ -13,8 +13,8 @@ def _masked_mean(values_T_, token_mask_T):
     are selected away (`where`), not multiplied by 0, so a NaN or Inf there cannot reach the result."""
     if token_mask_T is None:
         return values_T_.mean(0)
-    m = token_mask_T.view(-1, *([1] * (values_T_.dim() - 1)))
-    return torch.where(m, values_T_, 0).sum(0) / token_mask_T.sum().clamp(min=1)
+    mask_T_ = token_mask_T.view(-1, *([1] * (values_T_.dim() - 1)))
+    return torch.where(mask_T_, values_T_, 0).sum(0) / token_mask_T.sum().clamp(min=1)
 
 
 def slot_load(topk_idx_TK: torch.Tensor, num_experts: int, token_mask_T=None):
@@ -81,7 +81,7 @@ def router_losses(config, logits_TE, scores_TE, topk_idx_TK, token_mask_T=None, 
     """One layer's (balance_loss, z_loss) as the config asks, each a scalar or None (off). logits_TE /
     scores_TE [T, E]; topk_idx_TK the router's choice before capacity drops; num_sequences B (T = B*S)."""
     E, coef = config.num_experts, config.router_aux_loss_coef
-    balance = z = None
+    balance = z_loss = None
     if config.router_aux_loss_type == "sequence" and coef > 0:
         B = num_sequences
         balance = sequence_aux_loss(scores_TE.view(B, -1, E), topk_idx_TK.view(B, -1, topk_idx_TK.shape[1]), E,
@@ -89,8 +89,8 @@ def router_losses(config, logits_TE, scores_TE, topk_idx_TK, token_mask_T=None, 
     elif config.router_aux_loss_type != "none" and coef > 0:
         balance = AUX_LOSSES[config.router_aux_loss_type](scores_TE, topk_idx_TK, E, coef, token_mask_T)
     if config.router_z_loss_coef > 0:
-        z = router_z_loss(logits_TE, config.router_z_loss_coef, token_mask_T)
-    return balance, z
+        z_loss = router_z_loss(logits_TE, config.router_z_loss_coef, token_mask_T)
+    return balance, z_loss
 
 
 def layer_mean(per_layer_losses, like):

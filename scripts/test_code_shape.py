@@ -108,6 +108,31 @@ def test_no_class_swaps():
     assert not bad, f"__class__ assignments in {bad}"
 
 
+# The MoE core, where a reader most needs names that say what they hold
+MOE_CORE = ("model/moe.py", "model/dispatch.py", "model/router.py", "model/engines.py", "model/config.py",
+            "kernels/experts.py", "kernels/engines.py", "kernels/permute.py", "train/parallel.py", "train/flags.py",
+            "train/init_weights.py")
+ONE_LETTER_NAMES_ALLOWED = {"x", "e"}  # a module's input (nn.Module's convention); an exception
+
+
+def test_names_say_what_they_hold():
+    """No one-letter lowercase name bound in the MoE core outside a loop, a comprehension or a lambda (shape
+    letters such as B, T, D, and shape suffixes such as x_TD, are the project's notation)."""
+    bad = []
+    for path in MOE_CORE:
+        tree = ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read(), filename=path)
+        in_loops = {id(n) for node in ast.walk(tree) if isinstance(node, (ast.For, ast.comprehension))
+                    for n in ast.walk(node.target)}
+        in_loops |= {id(a) for node in ast.walk(tree) if isinstance(node, ast.Lambda) for a in node.args.args}
+        for node in ast.walk(tree):
+            name = (node.id if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)
+                    else node.arg if isinstance(node, ast.arg) else None)
+            if (name and len(name) == 1 and name.islower() and name not in ONE_LETTER_NAMES_ALLOWED
+                    and id(node) not in in_loops):
+                bad.append(f"{path}:{node.lineno} {name}")
+    assert not bad, f"one-letter names: {bad}"
+
+
 def test_one_loop_file():
     uses = [os.path.relpath(f, ROOT) for f in _files("train/*.py") if not f.endswith("loop.py")
             and re.search(r"def train_step|\.backward\(\)", open(f, encoding="utf-8").read())]
@@ -156,7 +181,7 @@ def test_readmes_name_every_source_file():
 
 
 TESTS = [test_imports_run_down_the_layers, test_model_is_plain_pytorch, test_moe_call_path_is_short, test_no_class_swaps,
-         test_one_loop_file, test_functions_fit_on_a_screen, test_one_atomic_write_helper,
+         test_names_say_what_they_hold, test_one_loop_file, test_functions_fit_on_a_screen, test_one_atomic_write_helper,
          test_no_machine_timings_in_docstrings, test_readmes_name_every_source_file]
 
 if __name__ == "__main__":

@@ -6,12 +6,13 @@ import os
 import subprocess
 import sys
 import warnings
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from testlib import ROOT, SHARED, Skip, run
-from moe_reference import reference_masked_forward
+from moe_reference import masked_layer_forward, reference_masked_forward
 from sync_count import SyncCounter, count_syncs
 from model.model_minimind import MiniMindConfig, MOEFeedForward
 
@@ -224,8 +225,8 @@ def test_cuda_bitwise_and_syncs():
         assert n == 1, f"E={e}: {n} CUDA syncs"
 
 
-def test_masked_impl_equals_sorted():
-    """moe_impl="masked" (the reference loop inside the layer) against "sorted" with the same weights, CPU fp32:
+def test_masked_layer_equals_sorted():
+    """The layer run by the masked loop (moe_reference.masked_layer_forward) against "sorted", CPU fp32:
     output and grads bitwise, and the same aux loss, router load and routed-pair counts, with padding
     tokens, capacity dropping, aux-loss-free bias and the balance loss types. (With moe_pad_to_capacity the
     sorted experts run on zero-padded row blocks, which changes the GEMMs' rounding, so only allclose there.)"""
@@ -239,15 +240,15 @@ def test_masked_impl_equals_sorted():
     mask = torch.ones(3, 11, dtype=torch.bool)
     mask[0, 8:] = mask[2, :3] = False  # right and left padding
     for kw in cases:
-        sorted_mod, masked = build(seed=3, **kw), build(seed=3, moe_impl="masked", **kw)
+        sorted_mod, masked = build(seed=3, **kw), build(seed=3, **kw)
         if sorted_mod.expert_bias is not None:
             sorted_mod.expert_bias.copy_(torch.linspace(-0.05, 0.05, kw["num_experts"]))
         masked.load_state_dict(sorted_mod.state_dict())
         for train in (True, False):
             res, seen = [], []
-            for mod in (sorted_mod.train(train), masked.train(train)):
+            for mod, forward in ((sorted_mod.train(train), sorted_mod), (masked.train(train), partial(masked_layer_forward, masked))):
                 xi = x.clone().requires_grad_()
-                y = mod(xi, token_mask=mask)
+                y = forward(xi, token_mask=mask)
                 loss = (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum() + mod.aux_loss
                 loss.backward()
                 res.append({"y": y.detach(), "x_grad": xi.grad,
@@ -297,7 +298,7 @@ def test_user_acceptance_file():
 TESTS = [test_bitwise_vs_masked_reference, test_odd_hidden_and_intermediate_sizes, test_idle_experts_and_tiny_batches,
          test_zero_token_grads_train_vs_eval, test_empty_input, test_bf16_on_cpu, test_aux_loss_and_state_dict,
          test_single_sync_per_layer, test_sync_counter_sees_known_syncs, test_deterministic,
-         test_cuda_bitwise_and_syncs, test_masked_impl_equals_sorted, test_trainer_engines_keep_sorted_layer,
+         test_cuda_bitwise_and_syncs, test_masked_layer_equals_sorted, test_trainer_engines_keep_sorted_layer,
          test_user_acceptance_file]
 
 if __name__ == "__main__":

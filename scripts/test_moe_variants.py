@@ -26,23 +26,27 @@ from kernels.experts import GroupedExperts
 from model.hf_adapter import ExportError, check_exportable
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, MOEFeedForward
 from model.moe import FeedForward
+from moe_reference import masked_layer_forward
 
 _TMP = testlib.scratch_dir("test_moe_variants_")
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
 
 
 def _layer(impl, **kw):
-    """The layer of moe_impl `impl` ("fused+engines": "fused" built with the trainer's CPU fp32 engines)."""
+    """The layer of moe_impl `impl` ("fused+engines": "fused" built with the trainer's CPU fp32 engines;
+    "masked": a sorted layer, for `_fwd_bwd` to run through scripts/moe_reference.py's masked loop)."""
     torch.manual_seed(0)
+    impl = "sorted" if impl == "masked" else impl
     cfg = MiniMindConfig(**TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                          moe_impl=impl.split("+")[0], n_shared_experts=1, shared_expert_intermediate_size=48, **kw)
     layer = MOEFeedForward(cfg)
     return rebuilt(layer, engines_for(cfg, "cpu", torch.float32)) if impl.endswith("+engines") else layer
 
 
-def _fwd_bwd(layer, x, dy):
+def _fwd_bwd(layer, x, dy, impl=None):
+    """y, x's gradient and the parameters' gradients of `layer` (impl "masked": run by the masked loop)."""
     x = x.clone().requires_grad_(True)
-    y = layer(x)
+    y = masked_layer_forward(layer, x) if impl == "masked" else layer(x)
     y.backward(dy)
     return y.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
 
@@ -63,8 +67,8 @@ def test_shared_expert_is_the_routed_layer_plus_a_plain_ffn():
         ffn.load_state_dict(layer.shared_experts.state_dict())
         routed = copy.deepcopy(layer)
         routed.shared_experts = None
-        y, gx, grads = _fwd_bwd(layer, x, dy)
-        y_r, gx_r, grads_r = _fwd_bwd(routed, x, dy)
+        y, gx, grads = _fwd_bwd(layer, x, dy, impl)
+        y_r, gx_r, grads_r = _fwd_bwd(routed, x, dy, impl)
         y_f, gx_f, grads_f = _fwd_bwd(ffn, x, dy)
         exact = impl in ("sorted", "masked")
         same = (lambda a, b: torch.equal(a, b)) if exact else (lambda a, b: (a - b).abs().max().item() < 1e-6)
@@ -110,7 +114,7 @@ def test_routed_scaling_factor_is_the_down_projections_times_s():
         with torch.no_grad():
             for e in plain.experts:
                 e.down_proj.weight.mul_(2.5)
-        (y, gx, _), (y_p, gx_p, _) = _fwd_bwd(scaled, x, dy), _fwd_bwd(plain, x, dy)
+        (y, gx, _), (y_p, gx_p, _) = _fwd_bwd(scaled, x, dy, impl), _fwd_bwd(plain, x, dy, impl)
         assert (y - y_p).abs().max() < 1e-6 and (gx - gx_p).abs().max() < 1e-6, impl
         outs[impl] = y, gx
     assert torch.equal(outs["sorted"][0], outs["masked"][0]) and torch.equal(outs["sorted"][1], outs["masked"][1])
@@ -153,7 +157,7 @@ def test_upcycled_model_computes_the_dense_model_at_step_0():
     """Fine-grained upcycling (dense F=128 into E=8 top-2 experts of F=64, and into E=16 top-4 of F=32, with and
     without a shared expert, with and without a routed scaling factor) and the classic copy (F=128, E=4 top-2): logits equal the dense model's within
     1e-5, and every expert is the top choice of some token."""
-    from train.checkpoint import upcycle
+    from train.init_weights import upcycle
     torch.manual_seed(0)
     dense = MiniMindForCausalLM(MiniMindConfig(**TINY, use_moe=False, intermediate_size=128)).eval()
     ids = torch.randint(0, 300, (4, 64))

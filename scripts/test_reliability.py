@@ -348,7 +348,7 @@ def test_init_from_hf_copies_the_tokenizer_only_and_outputs_get_umask_modes():
     (model.safetensors included); --init_from an exported HF folder copies only its tokenizer files into
     out_dir/tokenizer/, not the weights or configs."""
     import stat
-    from train.checkpoint import TOKENIZER_FILES
+    from train.run_dir import TOKENIZER_FILES
     umask = os.umask(0o022)
     try:
         out, exp, init = (os.path.join(_TMP, f"modes_{n}") for n in ("run", "export", "init"))

@@ -1,71 +1,18 @@
-"""Checkpoints: fp32 weights, optimizer, step, data position, RNG state, config and args in one file, written
-atomically (data/atomic.py), loaded strictly. Each carries a SHA-256 of its tensors (`checksum`), verified on
-every load, so a flipped bit is reported, never loaded (torch.load only notices a damaged container); HF exports
-carry it in model.safetensors' metadata (`safetensors_metadata`, checked by `load_safetensors`). A run folder
-is claimed by one run at a time (`claim_run_dir`: an flock on out_dir/.lock, dropped when the holder dies).
+"""Checkpoints and weight files: fp32 weights, optimizer, step, data position, RNG state, config and flags in
+one file, written atomically (data/atomic.py), loaded strictly; HF folders (config.json + safetensors) read
+into the same model. Each checkpoint carries a SHA-256 of its tensors (`checksum`), verified on every load, so
+a flipped bit is reported, never loaded (torch.load only notices a damaged container); HF exports carry it in
+model.safetensors' metadata (`safetensors_metadata`, checked by `load_safetensors`).
 """
-import fcntl
 import hashlib
 import os
-import re
-import shutil
-import socket
 
 import torch
 
-from data.atomic import atomic_dir, atomic_file
-from data.dataset import IGNORE_INDEX, DataError
-from data.tokenizer import token_byte_lengths
-from model.hf_adapter import is_hf_folder
+from data.atomic import atomic_file
 
 CKPT_NAME = "ckpt.pt"
 HF_CHECKSUM_KEY = "minimind_tensors_sha256"  # safetensors metadata entry written by export_hf.py
-LOCK_NAME = ".lock"
-_TEMP = re.compile(r"^\..+\.(tmp|old)[^/]*$")  # atomic_file / atomic_dir leftovers
-
-
-def claim_run_dir(out_dir, resuming, overwrite, is_main):
-    """Create out_dir, refuse it when it holds another run, lock it (rank 0) and clean temp leftovers. Returns the
-    open lock file (closing it releases the lock), None on other ranks. Raises ValueError saying what to do."""
-    os.makedirs(out_dir, exist_ok=True)
-    ckpt = os.path.join(out_dir, CKPT_NAME)
-    if not resuming and not overwrite and os.path.exists(ckpt):
-        raise ValueError(f"{out_dir} already holds a run ({CKPT_NAME}); continue it with --resume, start over "
-                         f"with --overwrite, or choose another --out_dir")
-    if not is_main:
-        return None
-    lock = open(os.path.join(out_dir, LOCK_NAME), "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "another process"
-        lock.close()
-        raise ValueError(f"{out_dir} is in use by another run ({holder}); wait for it to finish or choose "
-                         f"another --out_dir") from None
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    lock.flush()
-    remove_temp_leftovers(out_dir)
-    return lock
-
-
-def remove_temp_leftovers(out_dir):
-    """Delete the temp files / folders of interrupted atomic writes in out_dir (call under the lock)."""
-    for name in os.listdir(out_dir):
-        if _TEMP.match(name):
-            path = os.path.join(out_dir, name)
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
-
-
-def abandon_run_dir(out_dir, lock):
-    """Rank 0, a run failed before training: release the lock and remove out_dir if it holds nothing but the
-    lock, the tokenizer copy and temp leftovers (a refused run leaves nothing behind)."""
-    keep = [n for n in os.listdir(out_dir) if n not in (LOCK_NAME, "tokenizer") and not _TEMP.match(n)]
-    if not keep:
-        shutil.rmtree(out_dir, ignore_errors=True)
-    lock.close()
 
 
 def unwrap(model):
@@ -250,83 +197,3 @@ def load_hf_checked(hf_dir):
     ckpt = {"config": config.to_dict(), "model": {k: v.float() for k, v in state.items()}}
     check_weights_fit_config(ckpt, where)
     return model_from_checkpoint(ckpt)
-
-
-# What transformers' tokenizers save (and load from) besides the model's files
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
-
-
-def weights_source(args):
-    """(model to start from or None, tokenizer dir or None); a resumed / initialised run uses its own tokenizer."""
-    init_model, source_dir = None, None
-    if args.resume:
-        source_dir = os.path.dirname(os.path.abspath(args.resume))
-    elif args.init_from or args.upcycle_from:  # trained weights (ours or an exported HF folder), fresh optimizer
-        path = args.init_from or args.upcycle_from
-        if args.init_from and args.upcycle_from:
-            raise ValueError("--init_from and --upcycle_from: pass one")
-        if is_hf_folder(path):
-            init_model, source_dir = load_hf_checked(path), path
-        else:
-            init_model = model_from_checkpoint(load_checkpoint(path))
-            source_dir = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    if args.tokenizer is not None or source_dir is None:
-        return init_model, args.tokenizer
-    for cand in (os.path.join(source_dir, "tokenizer"), source_dir):
-        if os.path.exists(os.path.join(cand, "tokenizer.json")):
-            return init_model, cand
-    if init_model is not None:  # a fresh tokenizer would not match the trained embeddings
-        raise ValueError(f"{args.init_from or args.upcycle_from}: no tokenizer next to the weights; pass --tokenizer DIR")
-    return init_model, None
-
-
-@torch.no_grad()
-def upcycle(model, dense, seed=0):
-    """--upcycle_from, sparse upcycling (Komatsuzaki et al. 2022), fine-grained: `model` (an MoE with the dense
-    model's trunk) gets its embeddings, attention, norms and head. Each dense FFN is cut into G = F_dense / F
-    slices: expert e = slice e % G of copy e // G, its down projection times G / routed_scaling_factor, and
-    router row e a random row per copy, so top-k (k a multiple of G) takes whole copies; with norm_topk_prob
-    the MoE then computes the dense model (up to rounding), else as close as its weights allow. A shared
-    expert starts with a zero down projection. Raises ValueError (naming the flags) when the sizes do not tile."""
-    missing = model.load_state_dict({k: v for k, v in dense.state_dict().items() if ".mlp." not in k}, strict=False)
-    assert all(".mlp." in k for k in missing.missing_keys) and not missing.unexpected_keys, missing
-    g, c = torch.Generator().manual_seed(seed), model.config
-    F_dense, F = dense.config.intermediate_size, c.moe_intermediate_size
-    G = F_dense // F
-    if F_dense % F or c.num_experts % G:
-        raise ValueError(f"--moe_intermediate_size {F} must divide the dense intermediate_size {F_dense}, and "
-                         f"--num_experts {c.num_experts} be a multiple of the {max(G, 1)} slices")
-    for layer, dense_layer in zip(model.model.layers, dense.model.layers):
-        moe, ffn = layer.mlp, dense_layer.mlp
-        for e, expert in enumerate(moe.experts):
-            rows = slice((e % G) * F, (e % G + 1) * F)
-            expert.gate_proj.weight.copy_(ffn.gate_proj.weight[rows])
-            expert.up_proj.weight.copy_(ffn.up_proj.weight[rows])
-            expert.down_proj.weight.copy_(ffn.down_proj.weight[:, rows] * (G / c.routed_scaling_factor))
-        copies = torch.randn(c.num_experts // G, c.hidden_size, generator=g) * c.initializer_range
-        moe.gate.weight.copy_(copies.repeat_interleave(G, dim=0))
-        if moe.shared_experts is not None:
-            moe.shared_experts.down_proj.weight.zero_()
-
-
-def count_val_bytes(data):
-    """(supervised validation targets, UTF-8 bytes of the text they stand for)."""
-    lengths = torch.from_numpy(token_byte_lengths(data.tokenizer))
-    targets = nbytes = 0
-    for _, y, *_ in data.val_batches:
-        y = y[y != IGNORE_INDEX]
-        targets += y.numel()
-        nbytes += int(lengths[y.clamp(max=len(lengths) - 1)].sum())
-    if not targets:
-        raise DataError("the validation split has no token to predict (a corpus of a few tokens?); add data")
-    return targets, nbytes
-
-
-def copy_tokenizer(src, dst):
-    """Copy the tokenizer files of `src` (a tokenizer folder or an exported HF folder) into `dst`, atomically."""
-    if os.path.abspath(src) != os.path.abspath(dst):
-        with atomic_dir(dst) as tmp:
-            for name in TOKENIZER_FILES:
-                if os.path.isfile(os.path.join(src, name)):
-                    shutil.copyfile(os.path.join(src, name), os.path.join(tmp, name))

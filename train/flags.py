@@ -4,18 +4,19 @@ A flag that sets a `MiniMindConfig` field is named like the field and takes its 
 config is built by name (`build_config`) and a new field takes two edits: the field in model/config.py
 and its flag here. The one place training departs from the layer's defaults is `TRAINING_DEFAULTS`.
 
-`parse_args` checks everything that needs neither data nor the model: each flag's range (`RANGES`,
-also shown in --help), the device, and on --resume the flags saved in the checkpoint. An error is one
-line naming the flag as typed, exit code 2; nothing is written before that.
+`parse_args` checks everything that needs neither data nor the model: each flag's range (its field's
+FIELD_RANGES entry, or `RANGES`; shown in --help), the device, and on --resume the flags saved in the
+checkpoint; `build_config` checks how the model's fields combine (MiniMindConfig's own validation, its
+ConfigError worded in flags). An error is one line naming the flag as typed, exit code 2; nothing is
+written before that. `args` is not changed after parsing: what a run resolved later (the architecture
+of --resume / --init_from weights, --dtype auto) goes into the checkpoint through `flags_to_save`.
 """
 import argparse
-import math
 import os
 import re
 import sys
-from dataclasses import dataclass
 
-from model.config import MiniMindConfig
+from model.config import AT_LEAST_0, AT_LEAST_1, FIELD_RANGES, POSITIVE, ConfigError, MiniMindConfig, Range
 
 CONFIG_FIELDS = set(MiniMindConfig.__dataclass_fields__)
 # Training runs the fused MoE path (no host sync, the fastest); the layer's own default is "sorted",
@@ -26,41 +27,19 @@ PER_INVOCATION = ("resume", "stop_after", "ep_size", "overwrite", "threads")
 UNLIMITED_STEPS = 10**12  # --max_steps of a run given --time_budget_s on its command line without --max_steps
 
 
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric flag accepts: finite, within [lo, hi] (an end is excluded when *_open)."""
-    lo: float
-    hi: float = math.inf
-    lo_open: bool = False
-    hi_open: bool = False
-
-    def __contains__(self, v):
-        return (math.isfinite(v) and (v > self.lo if self.lo_open else v >= self.lo)
-                and (v < self.hi if self.hi_open or self.hi == math.inf else v <= self.hi))
-
-    def __str__(self):
-        if self.hi == math.inf:
-            return f"{'>' if self.lo_open else '>='} {self.lo}"
-        return f"{'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
-
-
-AT_LEAST_1, AT_LEAST_0, POSITIVE = Range(1), Range(0), Range(0, lo_open=True)
-# Loss weights above 10 and a bias step above 1 (the router scores are probabilities) are typos.
+# The flags' own ranges; a flag named like a MiniMindConfig field is checked against the field's range
+# (model/config.py: FIELD_RANGES) except --vocab_size, which sizes the tokenizer a run trains.
 RANGES = {
-    **dict.fromkeys(("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                     "shared_expert_intermediate_size", "max_position_embeddings", "moe_expert_alignment",
-                     "max_steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_tokens",
-                     "save_interval", "log_interval", "ep_size"), AT_LEAST_1),
-    **dict.fromkeys(("n_shared_experts", "warmup_steps", "weight_decay", "grad_clip", "stop_after", "sample_tokens",
-                     "time_budget_s"), AT_LEAST_0),
-    **dict.fromkeys(("learning_rate", "capacity_factor", "routed_scaling_factor"), POSITIVE),
-    "dropout": Range(0, 1, hi_open=True),
-    "router_aux_loss_coef": Range(0, 10), "router_z_loss_coef": Range(0, 10), "router_bias_update_rate": Range(0, 1),
+    **dict.fromkeys(("max_steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_tokens", "save_interval",
+                     "log_interval", "ep_size", "tokenizer_sample_mb"), AT_LEAST_1),
+    **dict.fromkeys(("warmup_steps", "weight_decay", "grad_clip", "stop_after", "sample_tokens", "time_budget_s",
+                     "data_workers"), AT_LEAST_0),
+    "learning_rate": POSITIVE,
     "seed": Range(0, 2**32 - 1),
     "vocab_size": Range(259),  # 256 bytes + 3 special tokens (data/tokenizer.py)
-    "tokenizer_sample_mb": AT_LEAST_1, "data_workers": AT_LEAST_0,
 }
+# Every range a trainer flag has
+ALL_RANGES = {**{k: r for k, r in FIELD_RANGES.items() if k != "vocab_size"}, **RANGES}
 
 
 class Parser(argparse.ArgumentParser):
@@ -107,23 +86,22 @@ class Switch(argparse.Action):
         setattr(namespace, self.dest, option_string == self.option_strings[0])
 
 
-def check_ranges(parser, args, ranges=RANGES):
+def check_ranges(parser, args, ranges):
     """parser.error naming the flag whose value is outside its range."""
     for dest, allowed in ranges.items():
-        v = getattr(args, dest, None)
-        if v is not None and v not in allowed:
-            what = f"in {allowed}" if allowed.hi != math.inf else str(allowed) + (" and finite" if isinstance(v, float) else "")
-            parser.error(f"--{dest} must be {what}, got {v}")
+        value = getattr(args, dest, None)
+        if value is not None and value not in allowed:
+            parser.error(f"--{dest} must be {allowed.worded(value)}, got {value}")
 
 
-def show_ranges(parser, ranges=RANGES):
+def show_ranges(parser, ranges):
     """Add each flag's allowed range to its --help text."""
     for action in parser._actions:
         if action.dest in ranges:
             action.help = f"{action.help} (allowed: {ranges[action.dest]})"
 
 
-def _field(g, name, help, **kw):
+def _field(group, name, help, **kw):
     """A flag for the MiniMindConfig field `name`, defaulting to the field's default (bools as 0/1)."""
     default = TRAINING_DEFAULTS.get(name, MiniMindConfig.__dataclass_fields__[name].default)
     if isinstance(default, bool):
@@ -131,98 +109,97 @@ def _field(g, name, help, **kw):
         default = int(default)
     elif default is not None and "choices" not in kw:
         kw.setdefault("type", type(default))
-    g.add_argument(f"--{name}", default=default, help=help, **kw)
+    group.add_argument(f"--{name}", default=default, help=help, **kw)
 
 
-def add_model_flags(p):
-    g = p.add_argument_group("model (MiniMindConfig fields, model/config.py; on --resume / --init_from the "
+def add_model_flags(parser):
+    group = parser.add_argument_group("model (MiniMindConfig fields, model/config.py; on --resume / --init_from the "
                              "architecture comes from the weights)")
-    _field(g, "hidden_size", "model width D")
-    _field(g, "num_hidden_layers", "transformer blocks")
-    _field(g, "num_attention_heads", "attention (query) heads")
-    _field(g, "num_key_value_heads", "key/value heads (GQA)")
-    _field(g, "intermediate_size", "dense FFN width (None: ~pi*D)", type=int)
-    _field(g, "use_moe", "1: MoE feed-forward, 0: dense")
-    _field(g, "num_experts", "experts per MoE layer")
-    _field(g, "num_experts_per_tok", "experts per token (top-k)")
-    _field(g, "moe_intermediate_size", "SwiGLU width of one expert")
-    _field(g, "n_shared_experts", "shared experts: a dense SwiGLU every token takes beside the routed ones")
-    _field(g, "shared_expert_intermediate_size", "shared experts' width (None: n_shared_experts x "
+    _field(group, "hidden_size", "model width D")
+    _field(group, "num_hidden_layers", "transformer blocks")
+    _field(group, "num_attention_heads", "attention (query) heads")
+    _field(group, "num_key_value_heads", "key/value heads (GQA)")
+    _field(group, "intermediate_size", "dense FFN width (None: ~pi*D)", type=int)
+    _field(group, "use_moe", "1: MoE feed-forward, 0: dense")
+    _field(group, "num_experts", "experts per MoE layer")
+    _field(group, "num_experts_per_tok", "experts per token (top-k)")
+    _field(group, "moe_intermediate_size", "SwiGLU width of one expert")
+    _field(group, "n_shared_experts", "shared experts: a dense SwiGLU every token takes beside the routed ones")
+    _field(group, "shared_expert_intermediate_size", "shared experts' width (None: n_shared_experts x "
            "moe_intermediate_size)", type=int)
-    _field(g, "routed_scaling_factor", "combine weights times this (DeepSeek-V3); default: top-k", type=float)
-    _field(g, "capacity_factor", "expert capacity = ceil(factor * tokens * top_k / experts); None: dropless",
+    _field(group, "routed_scaling_factor", "combine weights times this (DeepSeek-V3); default: top-k", type=float)
+    _field(group, "capacity_factor", "expert capacity = ceil(factor * tokens * top_k / experts); None: dropless",
            type=float)
-    _field(g, "moe_drop_policy", "which pairs an over-full expert keeps", choices=("probs", "position"))
-    _field(g, "moe_pad_to_capacity", "pad every expert's rows to the capacity (fixed GEMM shapes)")
-    _field(g, "router_bias_update_rate", "aux-loss-free balancing: selection bias step per optimizer step "
+    _field(group, "moe_drop_policy", "which pairs an over-full expert keeps", choices=("probs", "position"))
+    _field(group, "moe_pad_to_capacity", "pad every expert's rows to the capacity (fixed GEMM shapes)")
+    _field(group, "router_bias_update_rate", "aux-loss-free balancing: selection bias step per optimizer step "
            "(DeepSeek-V3; e.g. 1e-3; 0 = off)")
-    _field(g, "dropout", "dropout probability")
-    _field(g, "max_position_embeddings", "longest sequence the model supports")
-    g = p.add_argument_group("training choices (MiniMindConfig training fields: may change on --resume)")
-    _field(g, "moe_impl", "MoE dispatch: fused (no host sync; training's default), sorted (bitwise the masked "
-           "loop, 1 host sync per layer; the layer's default) or masked (the per-expert loop; a baseline)",
-           choices=("sorted", "fused", "masked"))
-    _field(g, "moe_expert_alignment", "pad each expert's rows to a multiple of this")
-    _field(g, "router_aux_loss_coef", "load-balancing loss weight")
-    _field(g, "router_aux_loss_type", "balance loss (model/router.py)", choices=("minimind", "switch", "sequence", "none"))
-    _field(g, "router_z_loss_coef", "router z-loss weight (ST-MoE; 0 = off)")
-    _field(g, "router_dtype", "float32: router logits/softmax/top-k in fp32 under autocast", choices=("float32",))
+    _field(group, "dropout", "dropout probability")
+    _field(group, "max_position_embeddings", "longest sequence the model supports")
+    group = parser.add_argument_group("training choices (MiniMindConfig training fields: may change on --resume)")
+    _field(group, "moe_impl", "MoE dispatch: fused (no host sync; training's default) or sorted (bitwise MiniMind's "
+           "masked loop, 1 host sync per layer; the layer's default)", choices=("sorted", "fused"))
+    _field(group, "moe_expert_alignment", "pad each expert's rows to a multiple of this")
+    _field(group, "router_aux_loss_coef", "load-balancing loss weight")
+    _field(group, "router_aux_loss_type", "balance loss (model/router.py)", choices=("minimind", "switch", "sequence", "none"))
+    _field(group, "router_z_loss_coef", "router z-loss weight (ST-MoE; 0 = off)")
+    _field(group, "router_dtype", "float32: router logits/softmax/top-k in fp32 under autocast", choices=("float32",))
 
 
-def add_train_flags(p, default_out_dir):
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--max_steps", type=int, default=1300, help="optimizer steps (with --time_budget_s an upper bound)")
-    g.add_argument("--batch_size", type=int, default=16, help="sequences per micro-batch and rank")
-    g.add_argument("--seq_len", type=int, default=128, help="tokens per sequence")
-    g.add_argument("--grad_accum", type=int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--learning_rate", type=float, default=3e-3, help="peak learning rate")
-    g.add_argument("--warmup_steps", type=int, default=50, help="linear warmup steps, then cosine to lr/10")
-    g.add_argument("--time_budget_s", type=float, default=0.0,
+def add_train_flags(parser, default_out_dir):
+    group = parser.add_argument_group("optimisation")
+    group.add_argument("--max_steps", type=int, default=1300, help="optimizer steps (with --time_budget_s an upper bound)")
+    group.add_argument("--batch_size", type=int, default=16, help="sequences per micro-batch and rank")
+    group.add_argument("--seq_len", type=int, default=128, help="tokens per sequence")
+    group.add_argument("--grad_accum", type=int, default=1, help="micro-batches per optimizer step")
+    group.add_argument("--learning_rate", type=float, default=3e-3, help="peak learning rate")
+    group.add_argument("--warmup_steps", type=int, default=50, help="linear warmup steps, then cosine to lr/10")
+    group.add_argument("--time_budget_s", type=float, default=0.0,
                    help="seconds of training (not setup, evaluation or saving; a resume continues them): the step "
                    "time measured over the first ~20 steps fixes the run's steps (at most --max_steps) and the cosine "
                    "runs over them; the run also stops once they are spent. 0 = train --max_steps steps")
-    g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay on matrices")
-    g.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0 = off)")
-    g.add_argument("--seed", type=int, default=1337, help="seed for init and data order")
-    g = p.add_argument_group("run")
-    g.add_argument("--out_dir", default=default_out_dir, help="where checkpoint, tokenizer and plots go")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+    group.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay on matrices")
+    group.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0 = off)")
+    group.add_argument("--seed", type=int, default=1337, help="seed for init and data order")
+    group = parser.add_argument_group("run")
+    group.add_argument("--out_dir", default=default_out_dir, help="where checkpoint, tokenizer and plots go")
+    group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    group.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="autocast dtype; auto = bfloat16 on CUDA, on CPU where bf16 GEMMs measure >= 1.5x fp32")
-    g.add_argument("--threads", default="auto", help="CPU threads: auto = re-measured while training "
+    group.add_argument("--threads", default="auto", help="CPU threads: auto = re-measured while training "
                    "(train/threads.py), or a fixed count")
-    g.add_argument("--eval_interval", type=int, default=250, help="steps between validation runs")
-    g.add_argument("--eval_tokens", type=int, default=16384, help="validation tokens per evaluation")
-    g.add_argument("--save_interval", type=int, default=250, help="steps between checkpoints")
-    g.add_argument("--log_interval", type=int, default=10, help="steps between progress/metrics updates")
-    g.add_argument("--resume", nargs="?", const="auto", default=None,
+    group.add_argument("--eval_interval", type=int, default=250, help="steps between validation runs")
+    group.add_argument("--eval_tokens", type=int, default=16384, help="validation tokens per evaluation")
+    group.add_argument("--save_interval", type=int, default=250, help="steps between checkpoints")
+    group.add_argument("--log_interval", type=int, default=10, help="steps between progress/metrics updates")
+    group.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="resume from a checkpoint (path, or out_dir/ckpt.pt without a value); architecture and "
                    "unspecified flags come from it")
-    g.add_argument("--overwrite", action="store_true", help="start a new run in an --out_dir that holds one")
-    g.add_argument("--init_from", default=None, help="start from these weights (a run dir / checkpoint, or an HF "
+    group.add_argument("--overwrite", action="store_true", help="start a new run in an --out_dir that holds one")
+    group.add_argument("--init_from", default=None, help="start from these weights (a run dir / checkpoint, or an HF "
                    "folder from export_hf.py); architecture and tokenizer from there, optimizer and step fresh")
-    g.add_argument("--upcycle_from", default=None, help="start an MoE from a dense run's weights (sparse upcycling): "
+    group.add_argument("--upcycle_from", default=None, help="start an MoE from a dense run's weights (sparse upcycling): "
                    "trunk and tokenizer from there, each FFN cut into the experts the MoE flags describe")
-    g.add_argument("--ep_size", type=int, default=1, help="expert-parallel group size (divides the world size and "
+    group.add_argument("--ep_size", type=int, default=1, help="expert-parallel group size (divides the world size and "
                    "num_experts); launch with torchrun --nproc_per_node N")
-    g.add_argument("--stop_after", type=int, default=0, help="stop after this many steps of this invocation, "
+    group.add_argument("--stop_after", type=int, default=0, help="stop after this many steps of this invocation, "
                    "with a checkpoint (0 = run to max_steps)")
-    g.add_argument("--compile", "--no_compile", action=Switch, help="torch.compile the model")
-    g.add_argument("--wandb", "--no_wandb", action=Switch, help="log to Weights & Biases, offline unless logged in")
-    g.add_argument("--wandb_project", default="minimind-moe", help="wandb project name")
-    g.add_argument("--sample_tokens", type=int, default=48, help="tokens to sample at the end (0 = none)")
-    g.add_argument("--show_load", type=int, default=1, choices=(0, 1), help="expert load in the progress bar")
-    g.add_argument("--no_progress", "--progress", action=Switch, help="no progress bar, logs only")
+    group.add_argument("--compile", "--no_compile", action=Switch, help="torch.compile the model")
+    group.add_argument("--wandb", "--no_wandb", action=Switch, help="log to Weights & Biases, offline unless logged in")
+    group.add_argument("--wandb_project", default="minimind-moe", help="wandb project name")
+    group.add_argument("--sample_tokens", type=int, default=48, help="tokens to sample at the end (0 = none)")
+    group.add_argument("--show_load", type=int, default=1, choices=(0, 1), help="expert load in the progress bar")
+    group.add_argument("--no_progress", "--progress", action=Switch, help="no progress bar, logs only")
 
 
 def build_parser(stage):
-    p = Parser(description=stage.description)
-    stage.add_data_flags(p.add_argument_group("data"))
-    add_model_flags(p)
-    add_train_flags(p, stage.default_out_dir)
-    p.set_defaults(**stage.defaults)
-    show_ranges(p)
-    return p
+    parser = Parser(description=stage.description)
+    stage.add_data_flags(parser.add_argument_group("data"))
+    add_model_flags(parser)
+    add_train_flags(parser, stage.default_out_dir)
+    parser.set_defaults(**stage.defaults)
+    show_ranges(parser, ALL_RANGES)
+    return parser
 
 
 def architecture_fields():
@@ -245,7 +222,7 @@ def parse_args(stage, argv=None):
     elif args.time_budget_s and given(argv, "time_budget_s") and not given(argv, "max_steps"):
         args.max_steps = UNLIMITED_STEPS  # the budget plans the run (a resume keeps the checkpoint's value)
     trains_tokenizer = getattr(args, "tokenizer", None) is None and not (args.resume or args.init_from or args.upcycle_from)
-    check_ranges(parser, args, {k: r for k, r in RANGES.items() if k != "vocab_size" or trains_tokenizer})
+    check_ranges(parser, args, {k: r for k, r in ALL_RANGES.items() if k != "vocab_size" or trains_tokenizer})
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
         parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
     if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
@@ -294,40 +271,32 @@ def _merge_resume(parser, stage, args, argv):
     return args
 
 
-def flag_names(message):
-    """A MiniMindConfig error in the user's terms: `MiniMindConfig.num_experts_per_tok=8 must be <=
-    num_experts=4` -> `--num_experts_per_tok 8 must be <= --num_experts 4`."""
-    fields = sorted(CONFIG_FIELDS - {"head_dim", "vocab_size"}, key=len, reverse=True)
-    pattern = r"(?:MiniMindConfig\.)?\b(" + "|".join(fields) + r")\b(?:=([^\s,;)]+))?"
-    message = re.sub(pattern, lambda m: f"--{m.group(1)}" + (f" {({'True': '1', 'False': '0'}.get(m.group(2), m.group(2)))}"
-                                                             if m.group(2) else ""), message)
-    message = message.replace(" (or set head_dim explicitly)", "")
-    if message.startswith("MiniMindConfig.head_dim"):  # derived: say which flags it comes from
-        message += " (head_dim = --hidden_size / --num_attention_heads)"
-    return message
+def as_flags(name, value):
+    """A config field in a ConfigError, as the trainer's user knows it: `--num_experts 4`, `--use_moe 1`;
+    head_dim, which no flag sets, as derived from the flags that do."""
+    if name == "head_dim":
+        return f"head_dim {value} (--hidden_size / --num_attention_heads)"
+    if value is None:
+        return f"--{name}"
+    return f"--{name} {int(value) if isinstance(value, bool) else value}"
 
 
-# What an upcycled model keeps of the dense one (--upcycle_from); its MoE fields come from the flags
-TRUNK_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "intermediate_size", "max_position_embeddings", "rope_theta", "rms_norm_eps", "dropout",
-                "tie_word_embeddings", "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id")
-
-
-def upcycled_base(args, dense):
-    """The config dict of the MoE that --upcycle_from makes of the dense config dict `dense`. Raises ValueError."""
-    if dense.get("use_moe"):
-        raise ValueError(f"{args.upcycle_from}: an MoE model already; --upcycle_from takes a dense one (--use_moe 0)")
-    defaults = MiniMindConfig.__dataclass_fields__
-    moe = {k: bool(v) if isinstance(defaults[k].default, bool) else v for k, v in vars(args).items()
-           if k in CONFIG_FIELDS and k not in TRUNK_FIELDS}
-    return {**dense, **moe, "use_moe": True}
+def flags_to_save(args, config, dtype_name):
+    """The flags a checkpoint records: `args` as parsed, with the architecture flags set to what the run's
+    `config` holds (flags ignored on --resume / --init_from are not kept, so the next resume has nothing to
+    warn about) and --dtype to what `auto` resolved to (`dtype_name`), so a resume rounds the same."""
+    saved = dict(vars(args), dtype=dtype_name)
+    for k in architecture_fields():
+        if k != "vocab_size" and k in saved:
+            value = getattr(config, k)
+            saved[k] = int(value) if isinstance(value, bool) else value
+    return saved
 
 
 def build_config(args, base=None, vocab_size=None):
     """The run's MiniMindConfig, built once: the architecture from `base` (the checkpoint's or the initial
     weights' config dict) or the flags, the training fields from the flags; vocab_size from the tokenizer
-    when known (else the flag). The architecture flags are then set to what the run uses, so the flags
-    saved with the next checkpoint are true. Raises ValueError naming the flags."""
+    when known (else the flag). Raises ValueError naming the flags."""
     training = {f: getattr(args, f) for f in MiniMindConfig.training_fields()}
     if base is not None:
         fields = {**base, **training}
@@ -339,16 +308,10 @@ def build_config(args, base=None, vocab_size=None):
         fields["routed_scaling_factor"] = float(fields["num_experts_per_tok"])
     try:
         config = MiniMindConfig.from_dict(fields) if base is not None else MiniMindConfig(**fields)
-    except (ValueError, TypeError) as e:
-        raise ValueError(flag_names(str(e).splitlines()[0])) from None
-    for k in architecture_fields():
-        if k != "vocab_size" and hasattr(args, k):
-            v = getattr(config, k)
-            setattr(args, k, int(v) if isinstance(v, bool) else v)
+    except ConfigError as e:
+        raise ValueError(e.worded(as_flags)) from None
     if args.seq_len > config.max_position_embeddings:
         raise ValueError(f"--seq_len {args.seq_len} exceeds --max_position_embeddings {config.max_position_embeddings}")
     if args.ep_size > 1 and (not config.use_moe or config.num_experts % args.ep_size):
         raise ValueError(f"--ep_size {args.ep_size} must divide --num_experts {config.num_experts} of an MoE model")
-    if args.ep_size > 1 and config.moe_impl == "masked":
-        raise ValueError(f"--ep_size {args.ep_size} needs --moe_impl sorted or fused, not masked")
     return config

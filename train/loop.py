@@ -28,21 +28,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data.atomic import atomic_write_text
 from data.dataset import IGNORE_INDEX, DataError
-from data.tokenizer import stop_token_ids
+from data.tokenizer import stop_token_ids, token_byte_lengths
 from kernels.engines import bf16_pays, describe as describe_engines, engines_for
 from model.model_minimind import MiniMindForCausalLM
 from train import flags
-from train.stage import Stage, StageData
-from train.checkpoint import (CKPT_NAME, abandon_run_dir, claim_run_dir, copy_tokenizer, count_val_bytes,
-                              load_checkpoint, save_checkpoint, upcycle, weights_source)
+from train.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
+from train.init_weights import upcycle, upcycled_base, weights_source
 from train.parallel import (PeerFailed, check_same_on_all_ranks, clip_grad_norm_ep, ep_dispatchers, expert_param_names,
                             gather_experts, init_distributed, install as install_ep, main_rank_first, moe_layers,
                             reduce_expert_grads, shutdown, uninstall as uninstall_ep)
 from train.report import (LoadTelemetry, MetricsLog, Progress, describe_model, load_summary, open_wandb, plot_expert_load,
                           plot_loss_curve)
+from train.run_dir import abandon_run_dir, claim_run_dir, copy_tokenizer
+from train.stage import Stage, StageData
 from train.threads import thread_tuner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def lr_at(step, max_steps, lr, warmup_steps, min_lr_ratio=0.1):
@@ -251,7 +253,7 @@ def setup(stage, args, ctx, device_type, log):
     init_model, tokenizer_dir = weights_source(args)
     base = ckpt["config"] if ckpt else (init_model.config.to_dict() if init_model is not None else None)
     if args.upcycle_from and not ckpt:
-        base = flags.upcycled_base(args, base)
+        base = upcycled_base(args, base)
     config = flags.build_config(args, base)  # checked before any folder is made or data read
     fresh = not os.path.isdir(args.out_dir)
     lock = main_rank_first(ctx, lambda: claim_run_dir(args.out_dir, bool(args.resume), args.overwrite, ctx.is_main))
@@ -303,18 +305,19 @@ def setup(stage, args, ctx, device_type, log):
 
 
 def resolve_dtype(args, ctx, device_type, log):
-    """--dtype: auto = bf16 on CUDA; on CPU bf16 where its GEMMs measure >= 1.5x fp32 (all ranks agree). The
-    choice is written back to args.dtype, so the checkpoint's flags carry it and a resume rounds the same."""
-    if args.dtype == "auto" and device_type == "cuda":
-        args.dtype = "bfloat16"
-    elif args.dtype == "auto":
-        pays, speedup = bf16_pays()
-        flag = torch.tensor(int(pays))
-        if ctx.distributed:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        args.dtype = "bfloat16" if flag.item() else "float32"
-        log(f"dtype auto: {args.dtype} (bf16 GEMMs {speedup:.1f}x as fast as fp32 here; kept on --resume)")
-    return DTYPES[args.dtype]
+    """The autocast dtype of --dtype: auto = bf16 on CUDA; on CPU bf16 where its GEMMs measure >= 1.5x fp32
+    (all ranks agree). The checkpoint's flags record the choice (flags.flags_to_save): a resume rounds the same."""
+    if args.dtype != "auto":
+        return DTYPES[args.dtype]
+    if device_type == "cuda":
+        return torch.bfloat16
+    pays, speedup = bf16_pays()
+    flag = torch.tensor(int(pays))
+    if ctx.distributed:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dtype = torch.bfloat16 if flag.item() else torch.float32
+    log(f"dtype auto: {DTYPE_NAMES[dtype]} (bf16 GEMMs {speedup:.1f}x as fast as fp32 here; kept on --resume)")
+    return dtype
 
 
 def make_optimizer(model, args):
@@ -512,13 +515,13 @@ def log_train(run, state, lr, ce, aux, grad_norm):
         parts = torch.stack([ce, aux])
         dist.all_reduce(parts)
         ce, aux = parts[0], parts[1]
-    r = {"step": state.step, "train_loss": float(ce), "aux_loss": float(aux), "lr": lr, "tok_per_s": tok_s,
-         "train_time_s": round(state.train_s, 3)}
+    record = {"step": state.step, "train_loss": float(ce), "aux_loss": float(aux), "lr": lr, "tok_per_s": tok_s,
+              "train_time_s": round(state.train_s, 3)}
     if grad_norm is not None:
-        r["grad_norm"] = float(grad_norm)
-    r.update(state.telemetry.flush())
-    run.metrics.record(r)
-    return r
+        record["grad_norm"] = float(grad_norm)
+    record.update(state.telemetry.flush())
+    run.metrics.record(record)
+    return record
 
 
 @torch.no_grad()
@@ -528,12 +531,12 @@ def evaluate(run):
     run.model.eval()
     total = count = 0
     for x, y, *segment_ids in run.data.val_batches:
-        n = int((y != IGNORE_INDEX).sum())
-        if n:
+        targets = int((y != IGNORE_INDEX).sum())
+        if targets:
             extra = {"segment_ids": segment_ids[0].to(run.device)} if segment_ids else {}
             with run.autocast():
                 out = run.model(x.to(run.device), labels=y.to(run.device), **extra)
-            total, count = total + out.ce_loss.item() * n, count + n
+            total, count = total + out.ce_loss.item() * targets, count + targets
     run.model.train(was_training)
     return total / max(count, 1)
 
@@ -543,6 +546,19 @@ def bits_per_byte(run, loss):
     return loss * run.data.val_targets / math.log(2) / run.data.val_bytes if run.data.val_bytes else None
 
 
+def count_val_bytes(data):
+    """(supervised validation targets, UTF-8 bytes of the text they stand for)."""
+    lengths = torch.from_numpy(token_byte_lengths(data.tokenizer))
+    targets = nbytes = 0
+    for _, y, *_ in data.val_batches:
+        y = y[y != IGNORE_INDEX]
+        targets += y.numel()
+        nbytes += int(lengths[y.clamp(max=len(lengths) - 1)].sum())
+    if not targets:
+        raise DataError("the validation split has no token to predict (a corpus of a few tokens?); add data")
+    return targets, nbytes
+
+
 def evaluate_and_record(run, state, progress, first=False):
     val = evaluate(run)
     bpb = bits_per_byte(run, val)
@@ -550,9 +566,9 @@ def evaluate_and_record(run, state, progress, first=False):
     run.metrics.record({"step": state.step, "val_loss": val, **({"val_bpb": bpb} if bpb is not None else {})})
     said = f"val loss {val:.4f}" + (f" ({bpb:.3f} bits/byte)" if bpb is not None else "")
     if first:
-        h = run.data.unigram_entropy
+        unigram = run.data.unigram_entropy
         run.log(f"step 0: {said} (uniform over the vocab would be {math.log(run.config.vocab_size):.4f}"
-                + (f"; unigram entropy of the validation tokens {h:.4f})" if h is not None else ")"))
+                + (f"; unigram entropy of the validation tokens {unigram:.4f})" if unigram is not None else ")"))
     else:
         progress.say(f"step {state.step}: {said}")
 
@@ -572,7 +588,7 @@ def save(run, state, plots=True):
         return
     out = run.args.out_dir
     save_checkpoint(os.path.join(out, CKPT_NAME), run.model, run.optimizer, {
-        **state.state_dict(), "args": dict(vars(run.args)), **run.data.identity, "world_size": run.ctx.world_size,
+        **state.state_dict(), "args": flags.flags_to_save(run.args, run.config, DTYPE_NAMES[run.dtype]), **run.data.identity, "world_size": run.ctx.world_size,
         "ep_size": run.ctx.ep_size})
     atomic_write_text(os.path.join(out, "config.json"), run.config.to_json_string())
     if not plots:
@@ -595,16 +611,16 @@ def finish(run, state):
     if state.last_val is None or state.last_val[0] != state.step:
         state.last_val = (state.step, evaluate(run))
     run.metrics.close()
-    val, first, h = state.last_val[1], run.metrics.first("val_loss"), run.data.unigram_entropy
+    val, first, unigram = state.last_val[1], run.metrics.first("val_loss"), run.data.unigram_entropy
     bpb = bits_per_byte(run, val)
-    summary = {"final_val_loss": val, "final_val_bpb": bpb, "first_val_loss": first, "unigram_entropy": h,
+    summary = {"final_val_loss": val, "final_val_bpb": bpb, "first_val_loss": first, "unigram_entropy": unigram,
                "checkpoint": os.path.join(args.out_dir, CKPT_NAME), "loss_curve": os.path.join(args.out_dir, "loss.png"),
                "records": run.metrics.records, "train_time_s": state.train_s, "stopped_by": state.stopped_by,
                "ep_bytes": [(d.bytes_sent, d.bytes_k_copies) for d in ep_dispatchers(run.model)]}
     run.log(f"final val loss {val:.4f}" + (f" ({bpb:.3f} bits/byte)" if bpb is not None else "")
             + (f" vs step-0 {first:.4f} ({100 * (1 - val / first):.1f}% lower)" if first else "")
-            + (f"; unigram entropy of the validation tokens {h:.4f} ({'below' if val < h else 'NOT below'} it)"
-               if h is not None else ""))
+            + (f"; unigram entropy of the validation tokens {unigram:.4f} ({'below' if val < unigram else 'NOT below'} it)"
+               if unigram is not None else ""))
     run.log(f"checkpoint: {summary['checkpoint']}\nloss curve: {summary['loss_curve']}")
     if state.telemetry.total is not None:
         summary["expert_load"] = state.telemetry.run_fractions()

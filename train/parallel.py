@@ -201,17 +201,17 @@ class AllToAllDispatcher:
         return dataclasses.replace(local, first_expert=self.first_expert, routed_E=pairs_E, state=AllToAllState(
             local, send_token, send_rows, recv_rows, (T, D), x_TD.dtype))
 
-    def combine(self, rows_out_PD, d):
-        s = d.state
-        y_recv = self.local.combine(rows_out_PD, s.local)
-        y_send = all_to_all_autograd(y_recv.new_empty(sum(s.send_rows), y_recv.shape[1]), y_recv, s.send_rows,
-                                     s.recv_rows, self.group)
+    def combine(self, rows_out_PD, dispatched):
+        state = dispatched.state
+        y_recv = self.local.combine(rows_out_PD, state.local)
+        y_send = all_to_all_autograd(y_recv.new_empty(sum(state.send_rows), y_recv.shape[1]), y_recv, state.send_rows,
+                                     state.recv_rows, self.group)
         # Add the partial sums in ascending destination rank; empty slices too: the output must reach every
         # all-to-all even when this rank sent nothing, since backward runs the same collectives everywhere.
-        y_TD = torch.zeros(s.shape_TD, dtype=s.dtype, device=y_send.device)
+        y_TD = torch.zeros(state.shape_TD, dtype=state.dtype, device=y_send.device)
         start = 0
-        for n in s.send_rows:
-            y_TD = y_TD.index_add(0, s.send_token[start:start + n], y_send[start:start + n].to(s.dtype))
+        for n in state.send_rows:
+            y_TD = y_TD.index_add(0, state.send_token[start:start + n], y_send[start:start + n].to(state.dtype))
             start += n
         return y_TD
 
@@ -264,9 +264,9 @@ def local_expert_params(model):
     """The parameters of the experts this rank owns (all of them where EP is not installed)."""
     out = []
     for moe in moe_layers(model):
-        d = moe.dispatcher if isinstance(moe.dispatcher, AllToAllDispatcher) else None
+        ep = moe.dispatcher if isinstance(moe.dispatcher, AllToAllDispatcher) else None
         for e, expert in enumerate(moe.experts):
-            if d is None or d.owns(e):
+            if ep is None or ep.owns(e):
                 out.extend(expert.parameters())
     return out
 
@@ -306,11 +306,11 @@ def gather_experts(model, optimizer, ep_group):
     the full single-process state_dict: checkpoints stay independent of the EP size."""
     ranks = dist.get_process_group_ranks(ep_group)
     for moe in moe_layers(model):
-        d = moe.dispatcher
-        if not isinstance(d, AllToAllDispatcher):
+        ep = moe.dispatcher
+        if not isinstance(ep, AllToAllDispatcher):
             continue
         for e, expert in enumerate(moe.experts):
-            src = ranks[e // d.experts_per_rank]
+            src = ranks[e // ep.experts_per_rank]
             for p in expert.parameters():
                 dist.broadcast(p.data, src=src, group=ep_group)
                 if optimizer is None:

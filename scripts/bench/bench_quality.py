@@ -21,8 +21,8 @@ tokens/s = tokens trained / training seconds. The load average is read just befo
 Rows (--rows picks and orders them; F = --moe_intermediate_size, default 384; every MoE row has the dense
 row's 2F active FFN width, and the trainer's --routed_scaling_factor, k):
   dense     dense SwiGLU FFN of width 2F
-  masked    E=4, top-2, experts of width F, --moe_impl masked (MiniMind's per-expert loop: the baseline)
-  sorted    E=4, top-2, F, --moe_impl sorted
+  sorted    E=4, top-2, experts of width F, --moe_impl sorted (bitwise MiniMind's masked loop, whose speed
+            scripts/bench/bench_train.py compares)
   fused     E=4, top-2, F, --moe_impl fused
   wide      E=16, top-2, F, fused (more experts of the same width: 4x fused's expert parameters)
   fine      E=16, top-4, experts of width F/2, fused (finer experts)
@@ -37,7 +37,7 @@ evaluation around its budget (the first run on a fresh machine also builds the d
 default six rows take about 30 minutes on 2 CPU cores.
 
 Prints the command line of every run (rerun one with it), then the table and the val-bpb differences
-(dense vs the best MoE row; masked vs the best of ours); writes results.json and results.md, and per row
+(dense vs the best MoE row); writes results.json and results.md, and per row
 its log and metrics.jsonl, to --out_dir.
 """
 import argparse
@@ -53,8 +53,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (this file: scripts/bench/)
 sys.path.insert(0, ROOT)
 
-ROWS = ("dense", "masked", "sorted", "fused", "wide", "fine", "shared", "upcycled")
-OUR_MOE_ROWS = ("sorted", "fused", "wide", "fine", "shared", "upcycled")
+ROWS = ("dense", "sorted", "fused", "wide", "fine", "shared", "upcycled")
 DEFAULT_ROWS = ("dense", "fused", "wide", "fine", "shared", "upcycled")
 UPCYCLE_AT = 0.5  # the upcycled row: this share of its budget (or steps) trains the dense model
 
@@ -179,10 +178,9 @@ def table(results):
 
 
 def comparisons(results):
-    """Lines comparing val bpb: dense vs the best of our MoE rows (not the masked baseline), and the masked
-    baseline vs that best."""
+    """A line comparing val bpb: dense vs the best MoE row."""
     ok = {r["row"]: r for r in results if "error" not in r and r["val_bpb"] is not None}
-    ours = [ok[r] for r in OUR_MOE_ROWS if r in ok]
+    ours = [r for name, r in ok.items() if name != "dense"]
     if not ours:
         return []
     best, lines = min(ours, key=lambda r: r["val_bpb"]), []
@@ -190,10 +188,6 @@ def comparisons(results):
         d = best["val_bpb"] - ok["dense"]["val_bpb"]
         lines.append(f"best MoE ({best['row']}) {best['val_bpb']:.3f} bpb vs dense {ok['dense']['val_bpb']:.3f}: "
                      f"{d:+.3f} bpb ({'MoE ahead' if d < 0 else 'dense ahead'})")
-    if "masked" in ok:
-        d = ok["masked"]["val_bpb"] - best["val_bpb"]
-        lines.append(f"masked baseline {ok['masked']['val_bpb']:.3f} bpb vs best of ours ({best['row']}) "
-                     f"{best['val_bpb']:.3f}: {d:+.3f} bpb ({'ours ahead' if d > 0 else 'masked not behind'})")
     return lines
 
 

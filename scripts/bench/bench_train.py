@@ -7,10 +7,11 @@
 
 The three runs share initial weights and batches (random token ids: throughput does not depend on the
 text). Steps run in rounds, one block of steps per implementation per round, so machine drift hits all
-alike; the figure is total tokens / total time over the timed rounds. The masked run is moe_impl="masked"
-(model/moe.py: masked_expert_loop; the same routing and aux loss as the others).
+alike; the figure is total tokens / total time over the timed rounds. The masked run is the sorted model
+with each MoE layer run by scripts/moe_reference.py's masked_layer_forward (the same routing and aux loss).
 """
 import argparse
+import functools
 import os
 import sys
 import time
@@ -22,6 +23,7 @@ import torch  # noqa: E402
 
 from kernels.engines import engines_for  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
+from moe_reference import masked_layer_forward  # noqa: E402
 
 
 def main():
@@ -46,8 +48,11 @@ def main():
         cfg = MiniMindConfig(vocab_size=6400, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
                              num_attention_heads=4, num_key_value_heads=2, use_moe=True, num_experts=args.num_experts,
                              num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_intermediate_size,
-                             moe_impl=impl)
+                             moe_impl="sorted" if impl == "masked" else impl)
         model = MiniMindForCausalLM(cfg, engines_for(cfg, device, ptdtype)).to(device).train()  # the trainer's engines
+        if impl == "masked":  # MiniMind's loop in place of steps 3-5 of every MoE layer
+            for layer in model.model.layers:
+                layer.mlp.forward = functools.partial(masked_layer_forward, layer.mlp)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     runs = {impl: make(impl) for impl in ("masked", "sorted", "fused")}
