@@ -19,16 +19,20 @@ HF_CONFIG_KEYS = {"transformers_version", "architectures", "output_hidden_states
                   "_name_or_path", "model_type", "output_attentions"}
 
 
+FP32_MAX = 3.4028234663852886e38  # a larger magnitude becomes inf in the fp32 tensors every value ends up in
+
+
 @dataclass(frozen=True)
 class Range:
-    """The numbers a field or flag accepts: finite, within [lo, hi] (an end is excluded when *_open)."""
+    """The numbers a field or flag accepts: finite in fp32 (|value| <= FP32_MAX), within [lo, hi] (an end is
+    excluded when *_open)."""
     lo: float
     hi: float = math.inf
     lo_open: bool = False
     hi_open: bool = False
 
     def __contains__(self, value):
-        return (math.isfinite(value) and (value > self.lo if self.lo_open else value >= self.lo)
+        return (math.isfinite(value) and abs(value) <= FP32_MAX and (value > self.lo if self.lo_open else value >= self.lo)
                 and (value < self.hi if self.hi_open or self.hi == math.inf else value <= self.hi))
 
     def __str__(self):
@@ -40,7 +44,7 @@ class Range:
         """What `value` must be, for an error message: `in [0, 1)`, `> 0 and finite` (a float), `>= 1`."""
         if self.hi != math.inf:
             return f"in {self}"
-        return f"{self} and finite" if isinstance(value, float) else str(self)
+        return f"{self} and finite in fp32" if isinstance(value, float) else str(self)
 
 
 AT_LEAST_1, AT_LEAST_0, POSITIVE = Range(1), Range(0), Range(0, lo_open=True)

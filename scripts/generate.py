@@ -22,7 +22,7 @@ from train.checkpoint import load_checkpoint, load_hf_checked, model_from_checkp
 from train.flags import Parser, Range, check_ranges, run_tool, show_ranges, utf8_text  # noqa: E402
 
 RANGES = {"max_new_tokens": Range(1), "num_samples": Range(1), "temperature": Range(0), "top_k": Range(0),
-          "top_p": Range(0, 1, lo_open=True)}
+          "top_p": Range(0, 1, lo_open=True), "seed": Range(0, 2**32 - 1)}
 
 
 def generate_hf(args, model, ids, streamer):

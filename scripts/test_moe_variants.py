@@ -173,12 +173,15 @@ def test_upcycled_model_computes_the_dense_model_at_step_0():
         h = dense.model.embed_tokens(ids).reshape(-1, 64)
         chosen = torch.topk(moe.model.layers[0].mlp.gate(h), k, dim=-1).indices.unique()
         assert len(chosen) == E, (E, chosen.tolist())
-    try:
-        upcycle(MiniMindForCausalLM(MiniMindConfig(**TINY, num_experts=4, moe_intermediate_size=48)), dense)
-    except ValueError as e:
-        assert "--moe_intermediate_size 48 must divide" in str(e), e
-    else:
-        raise AssertionError("an FFN that does not tile was upcycled")
+    for kw, message in ((dict(num_experts=4, moe_intermediate_size=48), "--moe_intermediate_size 48 must divide"),
+                        (dict(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=64),
+                         "--num_experts_per_tok 1 must be a multiple of the 2 slices")):
+        try:  # (k = 1 of 2 slices: top-1 takes half a copy, so step 0 would not compute the dense model)
+            upcycle(MiniMindForCausalLM(MiniMindConfig(**TINY, intermediate_size=128, **kw)), dense)
+        except ValueError as e:
+            assert message in str(e), e
+        else:
+            raise AssertionError(f"{kw} upcycled")
 
 
 def test_upcycle_from_trains_on():

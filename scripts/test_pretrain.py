@@ -373,6 +373,135 @@ def test_numeric_ranges_are_checked_at_parse_time():
                "checkpoint not found")
 
 
+def _parser_of(main):
+    """The argparse parser `main([])` builds (caught at its parse_args call: nothing runs)."""
+    import argparse
+    captured, original = {}, argparse.ArgumentParser.parse_args
+
+    def grab(self, *args, **kwargs):
+        captured["parser"] = self
+        raise SystemExit(0)
+    argparse.ArgumentParser.parse_args = grab
+    try:
+        main([])
+    except SystemExit:
+        pass
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    return captured["parser"]
+
+
+def test_every_tools_numeric_flags_refuse_nonsense():
+    """Table-driven, over every numeric flag of every tool that takes argv (both trainer stages, generate.py,
+    chat.py, scripts/hf/dpo.py and lora.py, bench_quality.py): nan, inf, -inf, 1e39 (inf in fp32) and -1 are
+    refused with one error line naming the flag, exit code 2, before any work."""
+    sys.path[:0] = [os.path.join(ROOT, "scripts", "hf"), os.path.join(ROOT, "scripts", "bench")]
+    import bench_quality
+    import chat
+    import dpo
+    import generate
+    import lora
+    from train import sft
+    from train.flags import build_parser
+    from train.pretrain import STAGE
+    tools = {"pretrain": (build_parser(STAGE), parse_args), "sft": (build_parser(sft.STAGE), sft.parse_args)}
+    tools.update({name: (_parser_of(main), main) for name, main in (("generate", generate.main), ("chat", chat.main),
+                  ("dpo", dpo.main), ("lora", lora.main), ("bench_quality", bench_quality.parse_cli))})
+    checked = []
+    for name, (parser, parse) in tools.items():
+        for action in parser._actions:
+            if action.type not in (int, float) or not action.option_strings:
+                continue
+            flag = action.option_strings[0]
+            for value in ("nan", "inf", "-inf", "1e39", "-1"):
+                code, lines = _refused(parse, [flag, value])
+                assert code == 2 and lines and lines[-1].startswith("error: ") and flag in lines[-1], \
+                    (name, flag, value, code, lines)
+            checked.append(f"{name} {flag}")
+    assert len(checked) > 40, checked
+
+
+def test_flags_that_cannot_apply_are_named():
+    """--ep_size on a dense model names the dense model; trunk flags given with --upcycle_from are named in a
+    warning; train/sft.py's default --init_from gives way to --upcycle_from, an explicit one is refused."""
+    import contextlib
+    import io
+    from train import sft
+    from train.flags import build_config
+    try:
+        build_config(parse_args(["--use_moe", "0", "--ep_size", "2"]))
+    except ValueError as e:
+        assert str(e).startswith("--ep_size 2 needs an MoE model (--use_moe 1)"), e
+    else:
+        raise AssertionError("--ep_size 2 accepted on a dense model")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        args = parse_args(["--upcycle_from", "dense_run", "--hidden_size", "128", "--num_experts", "8"])
+    assert "warning: --hidden_size ignored: the trunk comes from dense_run" in err.getvalue(), err.getvalue()
+    assert args.num_experts == 8
+    args = sft.parse_args(["--upcycle_from", "dense_run"])
+    assert args.init_from is None and args.upcycle_from == "dense_run"
+    _one_error(sft.parse_args, ["--upcycle_from", "dense_run", "--init_from", "other"], "--init_from and --upcycle_from")
+
+
+def test_interrupt_in_the_step_0_evaluation_leaves_no_folder():
+    """Ctrl-C while the step-0 evaluation runs (before any checkpoint) ends in one line, exit code 130, and
+    leaves no run folder."""
+    import contextlib
+    import io
+    from train import loop
+    from train.pretrain import STAGE
+    out_dir = os.path.join(_TMP, "interrupted")
+    original = loop.evaluate
+
+    def interrupted(run):
+        raise KeyboardInterrupt
+    loop.evaluate = interrupted
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            loop.run_cli(STAGE, parse_args(TINY + ["--data_path", text_file(), "--max_steps", "2", "--out_dir", out_dir]),
+                         log=quiet)
+    except SystemExit as e:
+        assert e.code == 130, e.code
+    else:
+        raise AssertionError("an interrupted run went on")
+    finally:
+        loop.evaluate = original
+    lines = [line for line in err.getvalue().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("interrupted: nothing saved"), lines
+    assert not os.path.exists(out_dir), os.listdir(out_dir)
+
+
+def test_hf_scripts_refuse_run_folders_and_non_finite_weights():
+    """scripts/hf: a training run folder as --model is named as one (export it first); non-finite weights or a
+    non-finite logged loss are refused by save_export, which then writes nothing."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "hf"))
+    from types import SimpleNamespace
+
+    import common
+    run_dir = os.path.join(_TMP, "hf_run_folder")
+    train(parse_args(TINY + ["--data_path", text_file(), "--max_steps", "1", "--out_dir", run_dir]), log=quiet)
+    try:
+        common.load_export(run_dir)
+    except ValueError as e:
+        assert "a training run, not an export; run scripts/export_hf.py" in str(e), e
+    else:
+        raise AssertionError("a training run folder loaded as an export")
+    out = os.path.join(_TMP, "hf_nan_out")
+    bad = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        bad.weight[0, 0] = float("nan")
+    for model, guard in ((bad, None), (torch.nn.Linear(2, 2), SimpleNamespace(bad_step=3))):
+        try:
+            common.save_export(model, None, out, guard=guard)
+        except ValueError as e:
+            assert "nothing written" in str(e), e
+        else:
+            raise AssertionError("non-finite training written")
+        assert not os.path.exists(out)
+
+
 def test_short_validation_split_is_announced():
     """Too few documents to hold every 20th out: the tail of the token stream validates, and the data
     step says so (also when the split comes from the cache); an ordinary split says nothing."""
@@ -400,6 +529,8 @@ TESTS = [test_tiny_run_learns_and_checkpoint_reloads, test_fused_impl_trains_lik
          test_corrupt_checkpoint_is_refused, test_help_shows_every_default_range_and_output_file,
          test_flags_answer_before_torch_is_imported, test_parse_errors_are_one_line_naming_the_flag_as_typed,
          test_config_errors_are_one_line_naming_the_flag_before_any_folder, test_numeric_ranges_are_checked_at_parse_time,
+         test_every_tools_numeric_flags_refuse_nonsense, test_flags_that_cannot_apply_are_named,
+         test_interrupt_in_the_step_0_evaluation_leaves_no_folder, test_hf_scripts_refuse_run_folders_and_non_finite_weights,
          test_short_validation_split_is_announced, test_time_budget_plans_the_schedule_and_resume_continues_it,
          test_bench_quality_smoke_run]
 

@@ -24,6 +24,10 @@ CONFIG_FIELDS = set(MiniMindConfig.__dataclass_fields__)
 TRAINING_DEFAULTS = {"moe_impl": "fused", "routed_scaling_factor": None}  # None: num_experts_per_tok
 # Flags a resume never takes from the checkpoint: they describe this invocation, not the run.
 PER_INVOCATION = ("resume", "stop_after", "ep_size", "overwrite", "threads")
+# What an upcycled model keeps of the dense one (--upcycle_from); its MoE fields come from the flags
+TRUNK_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "intermediate_size", "max_position_embeddings", "rope_theta", "rms_norm_eps", "dropout",
+                "tie_word_embeddings", "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id")
 UNLIMITED_STEPS = 10**12  # --max_steps of a run given --time_budget_s on its command line without --max_steps
 
 
@@ -227,9 +231,17 @@ def parse_args(stage, argv=None):
         parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
     if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
         parser.error(f"--threads must be auto or an integer >= 1, got {args.threads!r}")
-    ignored = [f"--{k}" for k in architecture_fields() if hasattr(args, k) and given(argv, k) and k != "vocab_size"]
-    if ignored and args.init_from and not args.resume:
-        print(f"warning: {', '.join(ignored)} ignored: the architecture comes from {args.init_from}", file=sys.stderr)
+    if args.upcycle_from and args.init_from:
+        if given(argv, "init_from"):
+            parser.error("--init_from and --upcycle_from: pass one")
+        args.init_from = None  # a stage's default start (train/sft.py's) gives way to --upcycle_from
+    if not args.resume:
+        ignored = [f"--{k}" for k in (TRUNK_FIELDS if args.upcycle_from else architecture_fields())
+                   if hasattr(args, k) and given(argv, k) and k != "vocab_size"]
+        source = args.upcycle_from or args.init_from
+        if ignored and source:
+            print(f"warning: {', '.join(ignored)} ignored: the {'trunk' if args.upcycle_from else 'architecture'} "
+                  f"comes from {source}", file=sys.stderr)
     args.stage = stage.name
     return args
 
@@ -312,6 +324,8 @@ def build_config(args, base=None, vocab_size=None):
         raise ValueError(e.worded(as_flags)) from None
     if args.seq_len > config.max_position_embeddings:
         raise ValueError(f"--seq_len {args.seq_len} exceeds --max_position_embeddings {config.max_position_embeddings}")
-    if args.ep_size > 1 and (not config.use_moe or config.num_experts % args.ep_size):
-        raise ValueError(f"--ep_size {args.ep_size} must divide --num_experts {config.num_experts} of an MoE model")
+    if args.ep_size > 1 and not config.use_moe:
+        raise ValueError(f"--ep_size {args.ep_size} needs an MoE model (--use_moe 1): a dense model has no experts to shard")
+    if args.ep_size > 1 and config.num_experts % args.ep_size:
+        raise ValueError(f"--ep_size {args.ep_size} must divide --num_experts {config.num_experts}")
     return config

@@ -8,21 +8,35 @@ import torch
 from model.config import MiniMindConfig
 from model.hf_adapter import is_hf_folder
 from train.checkpoint import load_checkpoint, load_hf_checked, model_from_checkpoint
-
-# What an upcycled model keeps of the dense one (--upcycle_from); its MoE fields come from the flags
-TRUNK_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "intermediate_size", "max_position_embeddings", "rope_theta", "rms_norm_eps", "dropout",
-                "tie_word_embeddings", "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id")
+from train.flags import TRUNK_FIELDS
 
 
 def upcycled_base(args, dense):
-    """The config dict of the MoE that --upcycle_from makes of the dense config dict `dense`. Raises ValueError."""
+    """The config dict of the MoE that --upcycle_from makes of the dense config dict `dense`. Raises ValueError
+    for an MoE source and for sizes with which step 0 would not compute the dense model (`slices_per_copy`)."""
     if dense.get("use_moe"):
         raise ValueError(f"{args.upcycle_from}: an MoE model already; --upcycle_from takes a dense one (--use_moe 0)")
     defaults = MiniMindConfig.__dataclass_fields__
     moe = {k: bool(v) if isinstance(defaults[k].default, bool) else v for k, v in vars(args).items()
            if k in defaults and k not in TRUNK_FIELDS}
+    slices_per_copy(dense["intermediate_size"], moe["moe_intermediate_size"] or dense["intermediate_size"],
+                    moe["num_experts"], moe["num_experts_per_tok"])
     return {**dense, **moe, "use_moe": True}
+
+
+def slices_per_copy(dense_width, expert_width, num_experts, top_k):
+    """G = dense_width / expert_width: each dense FFN is cut into G slices, the experts are E / G copies of
+    them, and top-k takes whole copies when k is a multiple of G; only then (with norm_topk_prob) does the
+    upcycled MoE compute the dense model at step 0. Raises ValueError naming the flags otherwise."""
+    G = dense_width // expert_width
+    if dense_width % expert_width or num_experts % G:
+        raise ValueError(f"--moe_intermediate_size {expert_width} must divide the dense intermediate_size "
+                         f"{dense_width}, and --num_experts {num_experts} be a multiple of the {max(G, 1)} slices")
+    if top_k % G:
+        raise ValueError(f"--num_experts_per_tok {top_k} must be a multiple of the {G} slices each dense FFN is cut "
+                         f"into (intermediate_size {dense_width} / --moe_intermediate_size {expert_width}): otherwise "
+                         f"step 0 does not compute the dense model")
+    return G
 
 
 def weights_source(args):
@@ -32,8 +46,6 @@ def weights_source(args):
         source_dir = os.path.dirname(os.path.abspath(args.resume))
     elif args.init_from or args.upcycle_from:  # trained weights (ours or an exported HF folder), fresh optimizer
         path = args.init_from or args.upcycle_from
-        if args.init_from and args.upcycle_from:
-            raise ValueError("--init_from and --upcycle_from: pass one")
         if is_hf_folder(path):
             init_model, source_dir = load_hf_checked(path), path
         else:
@@ -55,16 +67,13 @@ def upcycle(model, dense, seed=0):
     model's trunk) gets its embeddings, attention, norms and head. Each dense FFN is cut into G = F_dense / F
     slices: expert e = slice e % G of copy e // G, its down projection times G / routed_scaling_factor, and
     router row e a random row per copy, so top-k (k a multiple of G) takes whole copies; with norm_topk_prob
-    the MoE then computes the dense model (up to rounding), else as close as its weights allow. A shared
+    the MoE then computes the dense model (up to rounding). A shared
     expert starts with a zero down projection. Raises ValueError (naming the flags) when the sizes do not tile."""
     missing = model.load_state_dict({k: v for k, v in dense.state_dict().items() if ".mlp." not in k}, strict=False)
     assert all(".mlp." in k for k in missing.missing_keys) and not missing.unexpected_keys, missing
     generator, config = torch.Generator().manual_seed(seed), model.config
-    F_dense, F = dense.config.intermediate_size, config.moe_intermediate_size
-    G = F_dense // F
-    if F_dense % F or config.num_experts % G:
-        raise ValueError(f"--moe_intermediate_size {F} must divide the dense intermediate_size {F_dense}, and "
-                         f"--num_experts {config.num_experts} be a multiple of the {max(G, 1)} slices")
+    F = config.moe_intermediate_size
+    G = slices_per_copy(dense.config.intermediate_size, F, config.num_experts, config.num_experts_per_tok)
     for layer, dense_layer in zip(model.model.layers, dense.model.layers):
         moe, ffn = layer.mlp, dense_layer.mlp
         for e, expert in enumerate(moe.experts):

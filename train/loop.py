@@ -195,6 +195,7 @@ class Run:
     metrics: MetricsLog
     log: Callable
     lock: object = None      # rank 0's lock on out_dir, released when the run ends
+    fresh_dir: bool = False  # this run created out_dir
 
     def autocast(self):
         return (contextlib.nullcontext() if self.dtype == torch.float32
@@ -213,7 +214,13 @@ def train(args, log=print, stage=None):
     try:
         run, state = setup(stage, args, ctx, device_type, log if ctx.is_main else (lambda *_: None))
         if state.step == 0:
-            evaluate_and_record(run, state, None, first=True)
+            try:
+                evaluate_and_record(run, state, None, first=True)
+            except BaseException:  # (Ctrl-C included) no checkpoint yet: leave no folder this run made
+                if run.fresh_dir and run.lock is not None:
+                    run.metrics.close()
+                    abandon_run_dir(args.out_dir, run.lock)
+                raise
         run.log(f"setup: {time.time() - t_start:.1f} s to the first step")
         total = state.total_steps(args)
         progress = Progress(stage.name, state.step, None if total == flags.UNLIMITED_STEPS else total,
@@ -300,7 +307,7 @@ def setup(stage, args, ctx, device_type, log):
             abandon_run_dir(args.out_dir, lock)
         raise
     run = Run(args=args, stage=stage, ctx=ctx, device=device, dtype=dtype, config=config, data=data, model=model,
-              train_model=train_model, optimizer=optimizer, metrics=metrics, log=log, lock=lock)
+              train_model=train_model, optimizer=optimizer, metrics=metrics, log=log, lock=lock, fresh_dir=fresh)
     return run, state
 
 
@@ -657,3 +664,6 @@ def run_cli(stage, args, log=print):
     except PeerFailed as e:  # rank 0 printed the error; this rank only says why it stops
         print(f"note: rank {os.environ.get('RANK', '?')} stops: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # in setup or the step-0 evaluation, or a second signal (the first saves and stops)
+        sys.stderr.write(f"\ninterrupted: nothing saved (the last checkpoint in {args.out_dir}, if any, is untouched)\n")
+        sys.exit(130)

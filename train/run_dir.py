@@ -51,10 +51,10 @@ def remove_temp_leftovers(out_dir):
 
 
 def abandon_run_dir(out_dir, lock):
-    """Rank 0, a run failed before training: release the lock and remove out_dir if it holds nothing but the
-    lock, the tokenizer copy and temp leftovers (a refused run leaves nothing behind)."""
-    keep = [n for n in os.listdir(out_dir) if n not in (LOCK_NAME, "tokenizer") and not _TEMP.match(n)]
-    if not keep:
+    """Rank 0, a run that created out_dir failed or was interrupted before its first checkpoint: release the
+    lock and remove out_dir (its lock, tokenizer copy, step-0 metrics) unless it holds a checkpoint, so a
+    refused or interrupted run leaves either a valid checkpoint or no folder."""
+    if not os.path.exists(os.path.join(out_dir, CKPT_NAME)):
         shutil.rmtree(out_dir, ignore_errors=True)
     lock.close()
 

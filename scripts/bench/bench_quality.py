@@ -40,7 +40,6 @@ Prints the command line of every run (rerun one with it), then the table and the
 (dense vs the best MoE row); writes results.json and results.md, and per row
 its log and metrics.jsonl, to --out_dir.
 """
-import argparse
 import json
 import os
 import shlex
@@ -68,9 +67,19 @@ def row_flags(row, f):
             str(width), "--moe_impl", impl] + (["--n_shared_experts", "1"] if row == "shared" else [])
 
 
-def command(args, row, out_dir, share=1.0, extra=(), seed=None):
-    """argv of one row's training run (`share` of the budget, or of the steps with --steps; seed: --seed's)."""
-    length = ["--max_steps", str(round(args.steps * share)), "--time_budget_s", "0"] if args.steps else ["--time_budget_s", f"{args.budget_s * share:g}"]
+def upcycle_split(args):
+    """(dense phase, MoE phase) of the upcycled row: steps that add up to --steps (each >= 1), or seconds."""
+    if args.steps:
+        dense_steps = min(max(round(args.steps * UPCYCLE_AT), 1), args.steps - 1)
+        return dense_steps, args.steps - dense_steps
+    return args.budget_s * UPCYCLE_AT, args.budget_s * (1 - UPCYCLE_AT)
+
+
+def command(args, row, out_dir, length=None, extra=(), seed=None):
+    """argv of one row's training run (`length`: its steps with --steps, else its seconds; None: the row's
+    whole --steps / --budget_s; seed: --seed's)."""
+    length = (args.steps or args.budget_s) if length is None else length
+    length = ["--max_steps", str(length), "--time_budget_s", "0"] if args.steps else ["--time_budget_s", f"{length:g}"]
     argv = [sys.executable, os.path.join(ROOT, "train", "pretrain.py"), "--out_dir", out_dir,
             *length, "--hidden_size", str(args.hidden_size),
             "--num_hidden_layers", str(args.num_hidden_layers), "--batch_size", str(args.batch_size),
@@ -122,8 +131,9 @@ def run_row(args, row, flags):
     argvs = [command(args, row, run_dir)]
     if row == "upcycled":  # a dense phase, then the MoE made of it: the two share the row's budget
         dense_dir = run_dir + "_dense"
-        argvs = [command(args, "dense", dense_dir, UPCYCLE_AT),
-                 command(args, row, run_dir, 1 - UPCYCLE_AT, ["--upcycle_from", dense_dir],
+        dense_length, moe_length = upcycle_split(args)
+        argvs = [command(args, "dense", dense_dir, dense_length),
+                 command(args, row, run_dir, moe_length, ["--upcycle_from", dense_dir],
                          seed=args.seed + 1)]  # another seed: other batches than the dense phase's
     for argv in argvs:
         print(f"\n[{row}] {shlex.join(argv)}", flush=True)
@@ -192,7 +202,8 @@ def comparisons(results):
 
 
 def parse_cli(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from train.flags import AT_LEAST_0, AT_LEAST_1, POSITIVE, Parser, Range, check_ranges, show_ranges
+    p = Parser(description=__doc__)
     p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated rows, of {', '.join(ROWS)}")
     p.add_argument("--budget_s", type=float, default=240.0, help="training seconds per row (--time_budget_s)")
     p.add_argument("--steps", type=int, default=0, help="equal steps instead: this many optimizer steps per row")
@@ -211,13 +222,18 @@ def parse_cli(argv=None):
     p.add_argument("--extra", default="", help='more train/pretrain.py flags for every run, e.g. "--dtype bfloat16"')
     p.add_argument("--out_dir", default=os.path.join("bench_out", "quality"), help="results.json/.md and per-row logs")
     p.add_argument("--keep_runs", action="store_true", help="keep each run's folder (checkpoint, plots)")
+    ranges = {"budget_s": POSITIVE, "steps": AT_LEAST_0, "learning_rate": POSITIVE, "seed": Range(0, 2**32 - 1),
+              "vocab_size": Range(259), **dict.fromkeys(("hidden_size", "num_hidden_layers", "moe_intermediate_size",
+                                                          "batch_size", "seq_len", "eval_tokens"), AT_LEAST_1)}
+    show_ranges(p, ranges)
     args = p.parse_args(argv)
+    check_ranges(p, args, ranges)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     bad = [r for r in rows if r not in ROWS]
     if bad or not rows:
         p.error(f"--rows: unknown {bad} (choose from {', '.join(ROWS)})")
-    if not args.budget_s > 0:
-        p.error(f"--budget_s must be > 0, got {args.budget_s}")
+    if args.steps == 1 and "upcycled" in rows:
+        p.error("--steps must be >= 2 with the upcycled row (a dense and an MoE phase), got 1")
     args.rows = rows
     return args
 

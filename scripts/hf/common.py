@@ -5,6 +5,7 @@ The pairs are the SFT set's "What does `name` do?" turns (data/sft_corpus.py), w
 were never fine-tuned on, so their scores measure what a model learned, not what it memorised.
 """
 import json
+import math
 import os
 import random
 import sys
@@ -14,9 +15,11 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from data.atomic import atomic_dir  # noqa: E402
-from train.flags import Parser, Range, check_ranges, show_ranges  # noqa: E402
+from train.flags import AT_LEAST_1, POSITIVE, Parser, Range, check_ranges, show_ranges  # noqa: E402
 
-RANGES = {"steps": Range(1), "batch_size": Range(1), "max_train": Range(1), "max_eval": Range(1), "rank": Range(1)}
+# The flags both scripts take; each adds its own (run_training's `ranges`)
+RANGES = {"steps": AT_LEAST_1, "batch_size": AT_LEAST_1, "max_train": AT_LEAST_1, "lr": POSITIVE,
+          "seed": Range(0, 2**32 - 1)}
 
 
 def sft_conversations(split):
@@ -66,6 +69,9 @@ def load_export(path):
     """(model, tokenizer) of an HF folder (an export of scripts/export_hf.py or one written here), fp32, train mode
     off. Raises ValueError naming the folder when it is not one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    if os.path.isfile(os.path.join(path, "ckpt.pt")):
+        raise ValueError(f"{path}: a training run, not an export; run scripts/export_hf.py --ckpt {path} --out DIR "
+                         f"first and pass DIR")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path}: not an exported model folder (no config.json); export one with scripts/export_hf.py")
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -74,9 +80,34 @@ def load_export(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype="float32"), tokenizer
 
 
-def save_export(model, tokenizer, out_dir, json_files=None):
+def non_finite_guard():
+    """A transformers TrainerCallback that stops training at the first logged loss or gradient norm that is
+    NaN or inf, and remembers the step (`.bad_step`) for `save_export` to refuse."""
+    from transformers import TrainerCallback
+
+    class StopOnNonFinite(TrainerCallback):
+        bad_step = None
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            values = [v for k, v in (logs or {}).items() if ("loss" in k or k == "grad_norm") and isinstance(v, float)]
+            if not all(math.isfinite(v) for v in values):
+                self.bad_step = state.global_step
+                control.should_training_stop = True
+
+    return StopOnNonFinite()
+
+
+def save_export(model, tokenizer, out_dir, json_files=None, guard=None):
     """model.save_pretrained + tokenizer (+ {name: object} written as JSON) into out_dir as a whole (a temp
-    folder renamed into place)."""
+    folder renamed into place). Raises ValueError, writing nothing, when training hit a non-finite loss or
+    gradient (`guard`: non_finite_guard's callback) or a weight is not finite."""
+    if guard is not None and guard.bad_step is not None:
+        raise ValueError(f"non-finite loss or gradient norm by step {guard.bad_step}; stopped, nothing written "
+                         f"(lower --lr)")
+    bad = [name for name, p in model.named_parameters() if not bool(p.isfinite().all())]
+    if bad:
+        raise ValueError(f"the trained weights are not finite ({bad[0]}{' and more' if len(bad) > 1 else ''}); "
+                         f"nothing written (lower --lr)")
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -108,12 +139,14 @@ def training_parser(doc, out, lr, unit):
     return p
 
 
-def run_training(p, argv, fn):
-    """Parse argv (a flag out of range: parser error naming it), then fn(args); a ValueError or OSError (a folder
-    that is not an export, an --out that exists) ends the script with one `error:` line, exit code 2."""
-    show_ranges(p, RANGES)
+def run_training(p, argv, fn, ranges=None):
+    """Parse argv (a flag out of `ranges`, by default RANGES: parser error naming it), then fn(args); a ValueError
+    or OSError (a folder that is not an export, an --out that exists, non-finite training) ends the script with
+    one `error:` line, exit code 2."""
+    ranges = ranges or RANGES
+    show_ranges(p, ranges)
     args = p.parse_args(argv)
-    check_ranges(p, args, RANGES)
+    check_ranges(p, args, ranges)
     try:
         fn(args)
     except (ValueError, OSError) as e:

@@ -21,12 +21,15 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (check_out_dir, load_export, qa_pairs, quiet_hf, run_training, save_export,  # noqa: E402
-                    training_parser, wrong_answers)
+from common import (RANGES, check_out_dir, load_export, non_finite_guard, qa_pairs, quiet_hf,  # noqa: E402
+                    run_training, save_export, training_parser, wrong_answers)
 
 import torch  # noqa: E402
 
-from train.flags import run_tool  # noqa: E402
+from train.flags import AT_LEAST_0, POSITIVE, Range, run_tool  # noqa: E402
+
+# a rejected answer is another pair's: at least 2 pairs; a negative beta reverses the objective
+DPO_RANGES = {**RANGES, "max_train": Range(2), "max_eval": Range(2), "beta": POSITIVE, "sft_weight": AT_LEAST_0}
 
 
 def preference_dataset(pairs, seed=0):
@@ -89,7 +92,8 @@ def dpo(model_dir, out_dir, steps=100, batch_size=16, lr=5e-4, beta=0.1, sft_wei
                          lr_scheduler_type="cosine", max_length=model.config.max_position_embeddings, logging_steps=max(steps // 5, 1),
                          save_strategy="no", report_to="none", seed=seed, use_cpu=not torch.cuda.is_available(),
                          disable_tqdm=True, dataloader_num_workers=0)
-        trainer = DPOTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer)
+        guard = non_finite_guard()
+        trainer = DPOTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer, callbacks=[guard])
         trainer.train()
     results = {"held_out_pairs": len(held_out), "train_pairs": len(train), "steps": steps, "beta": beta, "lr": lr,
                "sft_weight": sft_weight, **accuracies(before, pair_logprobs(trainer.model, tokenizer, held_out))}
@@ -98,7 +102,7 @@ def dpo(model_dir, out_dir, steps=100, batch_size=16, lr=5e-4, beta=0.1, sft_wei
         f"{r['preference_accuracy_after']:.3f} after; per token {r['per_token_preference_accuracy_before']:.3f} -> "
         f"{r['per_token_preference_accuracy_after']:.3f}; reward accuracy (implicit reward margin > 0) "
         f"{r['reward_accuracy']:.3f}")
-    save_export(trainer.model, tokenizer, out_dir, {"dpo_results.json": results})
+    save_export(trainer.model, tokenizer, out_dir, {"dpo_results.json": results}, guard)
     log(f"wrote {out_dir}")
     return results
 
@@ -110,7 +114,7 @@ def main(argv=None):
                    "the DPO loss (RPO), which keeps the model fluent; 0 = plain DPO")
     p.add_argument("--max_eval", type=int, default=None, help="use only the first N held-out pairs")
     run_training(p, argv, lambda a: dpo(a.model, a.out, a.steps, a.batch_size, a.lr, a.beta, a.sft_weight,
-                                        a.max_train, a.max_eval, a.seed))
+                                        a.max_train, a.max_eval, a.seed), DPO_RANGES)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (check_out_dir, load_export, quiet_hf, run_training, save_export,  # noqa: E402
-                    sft_conversations, training_parser)
+from common import (RANGES, check_out_dir, load_export, non_finite_guard, quiet_hf, run_training,  # noqa: E402
+                    save_export, sft_conversations, training_parser)
 
 import torch  # noqa: E402
 
-from train.flags import run_tool  # noqa: E402
+from train.flags import AT_LEAST_1, run_tool  # noqa: E402
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -49,13 +49,14 @@ def lora(model_dir, out_dir, steps=100, batch_size=16, lr=1e-3, rank=8, max_trai
                          max_length=model.config.max_position_embeddings, logging_steps=max(steps // 5, 1),
                          save_strategy="no", report_to="none", seed=seed, use_cpu=not torch.cuda.is_available(),
                          disable_tqdm=True, dataloader_num_workers=0)
+        guard = non_finite_guard()
         trainer = SFTTrainer(model=model, args=args, train_dataset=conversations("train", max_train),
-                             processing_class=tokenizer, peft_config=peft_config)
+                             processing_class=tokenizer, peft_config=peft_config, callbacks=[guard])
         n_train = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         log(f"LoRA r={rank} on {', '.join(ATTENTION + (EXPERTS if moe else []))}: {n_train:,} trainable parameters")
         result = trainer.train()
     merged = trainer.model.merge_and_unload().eval()
-    save_export(merged, tokenizer, out_dir)
+    save_export(merged, tokenizer, out_dir, guard=guard)
     log(f"merged the adapters and wrote {out_dir} (final train loss {result.training_loss:.4f})")
     return merged, result.training_loss
 
@@ -63,7 +64,8 @@ def lora(model_dir, out_dir, steps=100, batch_size=16, lr=1e-3, rank=8, max_trai
 def main(argv=None):
     p = training_parser(__doc__, "exports/minimind-moe-lora", 1e-3, "conversations")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha = 2 x rank)")
-    run_training(p, argv, lambda a: lora(a.model, a.out, a.steps, a.batch_size, a.lr, a.rank, a.max_train, a.seed))
+    run_training(p, argv, lambda a: lora(a.model, a.out, a.steps, a.batch_size, a.lr, a.rank, a.max_train, a.seed),
+                 {**RANGES, "rank": AT_LEAST_1})
 
 
 if __name__ == "__main__":
