@@ -53,10 +53,11 @@ AT_LEAST_1, AT_LEAST_0, POSITIVE = Range(1), Range(0), Range(0, lo_open=True)
 # above 10 and a bias step above 1 (the router scores are probabilities) are typos.
 FIELD_RANGES = {
     **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "max_position_embeddings", "intermediate_size", "num_experts", "num_experts_per_tok",
+                     "intermediate_size", "num_experts", "num_experts_per_tok",
                      "moe_intermediate_size", "shared_expert_intermediate_size", "moe_expert_alignment"), AT_LEAST_1),
     **dict.fromkeys(("n_shared_experts", "initializer_range"), AT_LEAST_0),
     **dict.fromkeys(("rope_theta", "rms_norm_eps", "capacity_factor", "routed_scaling_factor"), POSITIVE),
+    "max_position_embeddings": Range(1, 2**20),  # RoPE tables are built for all of them (2 x 4 bytes x head_dim each)
     "dropout": Range(0, 1, hi_open=True),
     "router_aux_loss_coef": Range(0, 10), "router_z_loss_coef": Range(0, 10), "router_bias_update_rate": Range(0, 1),
 }

@@ -10,7 +10,6 @@ until <|im_end|>; the base model gets the same question as plain text plus a new
 as many tokens (it has no chat template). Both are greedy. Score: the word-level F1 between the output
 and the true answer (SQuAD's measure: lower-cased alphanumeric words as a bag), averaged over questions.
 """
-import argparse
 import json
 import os
 import re
@@ -67,14 +66,18 @@ def answer(model, tok, prompt_ids, max_new_tokens):
     return tok.decode(out[0, len(prompt_ids):].tolist(), skip_special_tokens=True).strip()
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    from train.flags import AT_LEAST_0, AT_LEAST_1, Parser, check_ranges, show_ranges
+    p = Parser(description=__doc__)
     p.add_argument("--base", default="checkpoints/pretrain", help="the pretrained run")
     p.add_argument("--sft", default="checkpoints/sft", help="the fine-tuned run")
     p.add_argument("--n", type=int, default=20, help="held-out questions")
     p.add_argument("--examples", type=int, default=3, help="answers to print")
     p.add_argument("--max_new_tokens", type=int, default=60, help="longest answer")
-    args = p.parse_args()
+    ranges = {"n": AT_LEAST_1, "examples": AT_LEAST_0, "max_new_tokens": AT_LEAST_1}
+    show_ranges(p, ranges)
+    args = p.parse_args(argv)
+    check_ranges(p, args, ranges)
     (base, base_tok), (sft, sft_tok) = load(args.base), load(args.sft)
     rows = []
     for q, truth in questions(args.n):

@@ -392,21 +392,28 @@ def _parser_of(main):
 
 
 def test_every_tools_numeric_flags_refuse_nonsense():
-    """Table-driven, over every numeric flag of every tool that takes argv (both trainer stages, generate.py,
-    chat.py, scripts/hf/dpo.py and lora.py, bench_quality.py): nan, inf, -inf, 1e39 (inf in fp32) and -1 are
-    refused with one error line naming the flag, exit code 2, before any work."""
+    """Table-driven, over every numeric flag of every tool (both trainer stages, the scripts/*.py tools with
+    numeric flags, scripts/hf/dpo.py and lora.py, the benchmarks): nan, inf, -inf, 1e39 (inf in fp32) and -1
+    are refused with one error line naming the flag, exit code 2, before any work."""
     sys.path[:0] = [os.path.join(ROOT, "scripts", "hf"), os.path.join(ROOT, "scripts", "bench")]
+    import bench_data
+    import bench_moe
     import bench_quality
+    import bench_step
+    import bench_train
     import chat
     import dpo
+    import eval_sft
     import generate
     import lora
     from train import sft
     from train.flags import build_parser
     from train.pretrain import STAGE
     tools = {"pretrain": (build_parser(STAGE), parse_args), "sft": (build_parser(sft.STAGE), sft.parse_args)}
-    tools.update({name: (_parser_of(main), main) for name, main in (("generate", generate.main), ("chat", chat.main),
-                  ("dpo", dpo.main), ("lora", lora.main), ("bench_quality", bench_quality.parse_cli))})
+    mains = (("generate", generate.main), ("chat", chat.main), ("eval_sft", eval_sft.main), ("dpo", dpo.main),
+             ("lora", lora.main), ("bench_quality", bench_quality.parse_cli), ("bench_moe", bench_moe.main),
+             ("bench_step", bench_step.main), ("bench_train", bench_train.main), ("bench_data", bench_data.main))
+    tools.update({name: (_parser_of(main), main) for name, main in mains})
     checked = []
     for name, (parser, parse) in tools.items():
         for action in parser._actions:
@@ -418,7 +425,7 @@ def test_every_tools_numeric_flags_refuse_nonsense():
                 assert code == 2 and lines and lines[-1].startswith("error: ") and flag in lines[-1], \
                     (name, flag, value, code, lines)
             checked.append(f"{name} {flag}")
-    assert len(checked) > 40, checked
+    assert len(checked) > 60, checked
 
 
 def test_flags_that_cannot_apply_are_named():
@@ -474,8 +481,8 @@ def test_interrupt_in_the_step_0_evaluation_leaves_no_folder():
 
 
 def test_hf_scripts_refuse_run_folders_and_non_finite_weights():
-    """scripts/hf: a training run folder as --model is named as one (export it first); non-finite weights or a
-    non-finite logged loss are refused by save_export, which then writes nothing."""
+    """scripts/hf: a training run folder as --model is named as one (export it first); the training callback
+    stops at a non-finite logged loss; non-finite weights or such a stop make save_export write nothing."""
     sys.path.insert(0, os.path.join(ROOT, "scripts", "hf"))
     from types import SimpleNamespace
 
@@ -488,6 +495,12 @@ def test_hf_scripts_refuse_run_folders_and_non_finite_weights():
         assert "a training run, not an export; run scripts/export_hf.py" in str(e), e
     else:
         raise AssertionError("a training run folder loaded as an export")
+    from transformers import TrainerControl
+    guard, control = common.non_finite_guard(), TrainerControl()
+    guard.on_log(None, SimpleNamespace(global_step=4), control, logs={"loss": 1.5, "grad_norm": 0.3})
+    assert guard.bad_step is None and not control.should_training_stop
+    guard.on_log(None, SimpleNamespace(global_step=5), control, logs={"loss": float("nan")})
+    assert guard.bad_step == 5 and control.should_training_stop
     out = os.path.join(_TMP, "hf_nan_out")
     bad = torch.nn.Linear(2, 2)
     with torch.no_grad():

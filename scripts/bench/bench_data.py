@@ -18,7 +18,6 @@ The corpora are English-like jsonl ({"text": ...} per line), 1-40 sentences of 1
 seeded, written once under --work_dir (see `synthetic_corpus` for the two kinds of word draws).
 Times on a shared 2-core machine are noisy: look at `uptime` before and after (printed).
 """
-import argparse
 import json
 import os
 import shutil
@@ -175,8 +174,9 @@ def bench(tree, label, corpus, work, steps, cold):
     return r
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    from train.flags import AT_LEAST_1, Parser, check_ranges, show_ranges
+    p = Parser(description=__doc__)
     p.add_argument("--sizes_mb", type=int, nargs="+", default=[20, 100, 400], help="corpus sizes (MB)")
     p.add_argument("--work_dir", default="/tmp/bench_data", help="where corpora and runs go")
     p.add_argument("--steps", type=int, default=20, help="training steps per run")
@@ -184,7 +184,12 @@ def main():
     p.add_argument("--old_max_mb", type=int, default=400, help="skip the old tree above this size")
     p.add_argument("--corpus", default="longtail", choices=("longtail", "plain"),
                    help="longtail: Zipf words over a 2M vocabulary, like real text; plain: the embedded corpus's words")
-    args = p.parse_args()
+    ranges = {"steps": AT_LEAST_1, "old_max_mb": AT_LEAST_1}
+    show_ranges(p, ranges)
+    args = p.parse_args(argv)
+    check_ranges(p, args, ranges)
+    if any(size < 1 for size in args.sizes_mb):
+        p.error(f"--sizes_mb must be >= 1 each, got {args.sizes_mb}")
     os.makedirs(args.work_dir, exist_ok=True)
     trees = [("ours", ROOT)] + ([("old", os.path.abspath(args.old_tree))] if args.old_tree else [])
     imports = {label: import_seconds(tree) for label, tree in trees}

@@ -31,7 +31,6 @@ events). On CUDA, TFLOP/s counts the expert GEMMs (6*N*k*D*F per forward, 3x tha
 % peak compares to the device's dense bf16 peak. hf-batched_mm copies one weight matrix per routed pair
 (k*N*3*D*F values), so it is skipped where that would not fit in --batched_mm_limit_gb.
 """
-import argparse
 import contextlib
 import os
 import statistics
@@ -177,8 +176,9 @@ def device_peak_tflops(device):
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    from train.flags import AT_LEAST_0, POSITIVE, Parser, check_ranges, show_ranges
+    p = Parser(description=__doc__)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="autocast dtype")
     p.add_argument("--tokens", default="256,4096", help="comma-separated token counts N")
@@ -191,7 +191,10 @@ def main():
     p.add_argument("--out", default="", help="also append the report to this file")
     p.add_argument("--os_malloc", action="store_true",
                    help="leave glibc's default thresholds (freed big blocks go back to the OS; see keep_freed_memory)")
-    args = p.parse_args()
+    ranges = {"repeats": AT_LEAST_0, "batched_mm_limit_gb": POSITIVE}
+    show_ranges(p, ranges)
+    args = p.parse_args(argv)
+    check_ranges(p, args, ranges)
     tuned = False
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     ptdtype = getattr(torch, args.dtype)

@@ -28,7 +28,6 @@ Old-tree mode: runs `train/pretrain.py --max_steps N` in this checkout and in `-
 metrics.jsonl (total tokens / total time of the log intervals after the first); `--busy` applies there
 too. Check `uptime` first: numbers from a loaded machine are noise.
 """
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -272,9 +271,10 @@ def old_tree(args):
           f"tokens/s, old tree {mean['old tree']:.0f}: {mean['this checkout'] / mean['old tree']:.2f}x")
 
 
-def main():
+def main(argv=None):
     keep_freed_memory()  # as the trainer does on CPU
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from train.flags import AT_LEAST_0, AT_LEAST_1, Parser, check_ranges, show_ranges
+    p = Parser(description=__doc__)
     p.add_argument("--impl", default="fused", choices=("sorted", "fused"))
     p.add_argument("--use_moe", type=int, default=1, choices=(0, 1))
     p.add_argument("--hidden_size", type=int, default=256)
@@ -287,7 +287,10 @@ def main():
     p.add_argument("--old_tree", default=None, help="another checkout: compare the main job's tokens/s")
     p.add_argument("--extra", default="", help="old-tree mode: flags added to both main jobs")
     p.add_argument("--split", action="store_true", help="time per step split into attention, FFN, LM head, AdamW")
-    args = p.parse_args()
+    ranges = {**dict.fromkeys(("hidden_size", "num_layers", "batch_size", "seq_len", "steps", "rounds"), AT_LEAST_1), "busy": AT_LEAST_0}
+    show_ranges(p, ranges)
+    args = p.parse_args(argv)
+    check_ranges(p, args, ranges)
     if args.split:
         split(args)
     elif args.old_tree:

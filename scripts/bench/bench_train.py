@@ -10,7 +10,6 @@ text). Steps run in rounds, one block of steps per implementation per round, so 
 alike; the figure is total tokens / total time over the timed rounds. The masked run is the sorted model
 with each MoE layer run by scripts/moe_reference.py's masked_layer_forward (the same routing and aux loss).
 """
-import argparse
 import functools
 import os
 import sys
@@ -26,8 +25,9 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E4
 from moe_reference import masked_layer_forward  # noqa: E402
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    from train.flags import AT_LEAST_1, Parser, check_ranges, show_ranges
+    p = Parser(description=__doc__)
     p.add_argument("--hidden_size", type=int, default=256)
     p.add_argument("--num_layers", type=int, default=4)
     p.add_argument("--num_experts", type=int, default=4)
@@ -39,7 +39,10 @@ def main():
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    args = p.parse_args()
+    ranges = dict.fromkeys(("hidden_size", "num_layers", "num_experts", "top_k", "moe_intermediate_size", "batch_size", "seq_len", "steps", "rounds"), AT_LEAST_1)
+    show_ranges(p, ranges)
+    args = p.parse_args(argv)
+    check_ranges(p, args, ranges)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     ptdtype = getattr(torch, args.dtype)
 
