@@ -145,25 +145,17 @@ class MiniMindConfig:
                 wanted = f.type.__name__ if isinstance(f.type, type) else str(f.type)
                 raise TypeError(f"MiniMindConfig.{name} must be {wanted}, got {value!r} ({type(value).__name__})")
 
-    @staticmethod
-    def check_range(name, value):
-        """Raise ConfigError unless `value` (not None) lies in FIELD_RANGES[name]; the trainer's flags call this
-        at parse time, the constructor for every field."""
-        allowed = FIELD_RANGES[name]
-        if value is not None and value not in allowed:
-            raise ConfigError(f"{{{name}}} must be {allowed.worded(value)}, got {value}", **{name: None})
-
     def __post_init__(self):
         self._check_types()
-        for name in FIELD_RANGES:
-            self.check_range(name, getattr(self, name))
+        for name, allowed in FIELD_RANGES.items():
+            value = getattr(self, name)
+            self._check(value is None or value in allowed, f"{{{name}}} must be {allowed.worded(value)}, got {value}",
+                        **{name: None})
         if self.head_dim is None:
             self._check(self.hidden_size % self.num_attention_heads == 0, "{num_attention_heads} must divide "
                         "{hidden_size}", num_attention_heads=self.num_attention_heads,
                         hidden_size=self.hidden_size)
             self.head_dim = self.hidden_size // self.num_attention_heads
-            self._check(self.head_dim % 2 == 0, "{hidden_size} / {num_attention_heads} must be even (RoPE's "
-                        "head_dim)", hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads)
         self._check(self.head_dim >= 2 and self.head_dim % 2 == 0, "{head_dim} must be even and >= 2 (RoPE)",
                     head_dim=self.head_dim)
         self._check(self.num_attention_heads % self.num_key_value_heads == 0, "{num_key_value_heads} must divide "

@@ -110,7 +110,7 @@ def _field(group, name, help, **kw):
     default = TRAINING_DEFAULTS.get(name, MiniMindConfig.__dataclass_fields__[name].default)
     if isinstance(default, bool):
         kw.update(type=int, choices=(0, 1))
-        default = int(default)
+        default = flag_value(default)
     elif default is not None and "choices" not in kw:
         kw.setdefault("type", type(default))
     group.add_argument(f"--{name}", default=default, help=help, **kw)
@@ -118,7 +118,7 @@ def _field(group, name, help, **kw):
 
 def add_model_flags(parser):
     group = parser.add_argument_group("model (MiniMindConfig fields, model/config.py; on --resume / --init_from the "
-                             "architecture comes from the weights)")
+                                      "architecture comes from the weights)")
     _field(group, "hidden_size", "model width D")
     _field(group, "num_hidden_layers", "transformer blocks")
     _field(group, "num_attention_heads", "attention (query) heads")
@@ -159,9 +159,9 @@ def add_train_flags(parser, default_out_dir):
     group.add_argument("--learning_rate", type=float, default=3e-3, help="peak learning rate")
     group.add_argument("--warmup_steps", type=int, default=50, help="linear warmup steps, then cosine to lr/10")
     group.add_argument("--time_budget_s", type=float, default=0.0,
-                   help="seconds of training (not setup, evaluation or saving; a resume continues them): the step "
-                   "time measured over the first ~20 steps fixes the run's steps (at most --max_steps) and the cosine "
-                   "runs over them; the run also stops once they are spent. 0 = train --max_steps steps")
+                       help="seconds of training (not setup, evaluation or saving; a resume continues them): the step "
+                       "time measured over the first ~20 steps fixes the run's steps (at most --max_steps) and the cosine "
+                       "runs over them; the run also stops once they are spent. 0 = train --max_steps steps")
     group.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay on matrices")
     group.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0 = off)")
     group.add_argument("--seed", type=int, default=1337, help="seed for init and data order")
@@ -169,25 +169,25 @@ def add_train_flags(parser, default_out_dir):
     group.add_argument("--out_dir", default=default_out_dir, help="where checkpoint, tokenizer and plots go")
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     group.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="autocast dtype; auto = bfloat16 on CUDA, on CPU where bf16 GEMMs measure >= 1.5x fp32")
+                       help="autocast dtype; auto = bfloat16 on CUDA, on CPU where bf16 GEMMs measure >= 1.5x fp32")
     group.add_argument("--threads", default="auto", help="CPU threads: auto = re-measured while training "
-                   "(train/threads.py), or a fixed count")
+                       "(train/threads.py), or a fixed count")
     group.add_argument("--eval_interval", type=int, default=250, help="steps between validation runs")
     group.add_argument("--eval_tokens", type=int, default=16384, help="validation tokens per evaluation")
     group.add_argument("--save_interval", type=int, default=250, help="steps between checkpoints")
     group.add_argument("--log_interval", type=int, default=10, help="steps between progress/metrics updates")
     group.add_argument("--resume", nargs="?", const="auto", default=None,
-                   help="resume from a checkpoint (path, or out_dir/ckpt.pt without a value); architecture and "
-                   "unspecified flags come from it")
+                       help="resume from a checkpoint (path, or out_dir/ckpt.pt without a value); architecture and "
+                       "unspecified flags come from it")
     group.add_argument("--overwrite", action="store_true", help="start a new run in an --out_dir that holds one")
     group.add_argument("--init_from", default=None, help="start from these weights (a run dir / checkpoint, or an HF "
-                   "folder from export_hf.py); architecture and tokenizer from there, optimizer and step fresh")
+                       "folder from export_hf.py); architecture and tokenizer from there, optimizer and step fresh")
     group.add_argument("--upcycle_from", default=None, help="start an MoE from a dense run's weights (sparse upcycling): "
-                   "trunk and tokenizer from there, each FFN cut into the experts the MoE flags describe")
+                       "trunk and tokenizer from there, each FFN cut into the experts the MoE flags describe")
     group.add_argument("--ep_size", type=int, default=1, help="expert-parallel group size (divides the world size and "
-                   "num_experts); launch with torchrun --nproc_per_node N")
+                       "num_experts); launch with torchrun --nproc_per_node N")
     group.add_argument("--stop_after", type=int, default=0, help="stop after this many steps of this invocation, "
-                   "with a checkpoint (0 = run to max_steps)")
+                       "with a checkpoint (0 = run to max_steps)")
     group.add_argument("--compile", "--no_compile", action=Switch, help="torch.compile the model")
     group.add_argument("--wandb", "--no_wandb", action=Switch, help="log to Weights & Biases, offline unless logged in")
     group.add_argument("--wandb_project", default="minimind-moe", help="wandb project name")
@@ -283,14 +283,17 @@ def _merge_resume(parser, stage, args, argv):
     return args
 
 
+def flag_value(value):
+    """A config value as its flag takes it: bools as 0/1."""
+    return int(value) if isinstance(value, bool) else value
+
+
 def as_flags(name, value):
     """A config field in a ConfigError, as the trainer's user knows it: `--num_experts 4`, `--use_moe 1`;
     head_dim, which no flag sets, as derived from the flags that do."""
     if name == "head_dim":
         return f"head_dim {value} (--hidden_size / --num_attention_heads)"
-    if value is None:
-        return f"--{name}"
-    return f"--{name} {int(value) if isinstance(value, bool) else value}"
+    return f"--{name}" if value is None else f"--{name} {flag_value(value)}"
 
 
 def flags_to_save(args, config, dtype_name):
@@ -300,8 +303,7 @@ def flags_to_save(args, config, dtype_name):
     saved = dict(vars(args), dtype=dtype_name)
     for k in architecture_fields():
         if k != "vocab_size" and k in saved:
-            value = getattr(config, k)
-            saved[k] = int(value) if isinstance(value, bool) else value
+            saved[k] = flag_value(getattr(config, k))
     return saved
 
 

@@ -195,7 +195,6 @@ class Run:
     metrics: MetricsLog
     log: Callable
     lock: object = None      # rank 0's lock on out_dir, released when the run ends
-    fresh_dir: bool = False  # this run created out_dir
 
     def autocast(self):
         return (contextlib.nullcontext() if self.dtype == torch.float32
@@ -213,14 +212,6 @@ def train(args, log=print, stage=None):
     ctx = init_distributed(args.ep_size, device_type)
     try:
         run, state = setup(stage, args, ctx, device_type, log if ctx.is_main else (lambda *_: None))
-        if state.step == 0:
-            try:
-                evaluate_and_record(run, state, None, first=True)
-            except BaseException:  # (Ctrl-C included) no checkpoint yet: leave no folder this run made
-                if run.fresh_dir and run.lock is not None:
-                    run.metrics.close()
-                    abandon_run_dir(args.out_dir, run.lock)
-                raise
         run.log(f"setup: {time.time() - t_start:.1f} s to the first step")
         total = state.total_steps(args)
         progress = Progress(stage.name, state.step, None if total == flags.UNLIMITED_STEPS else total,
@@ -249,8 +240,9 @@ def train(args, log=print, stage=None):
 # ------------------------------------------------------------------------------------------- 1. setup
 
 def setup(stage, args, ctx, device_type, log):
-    """The Run and TrainState of `args` on this rank. Raises ValueError / DataError for bad input; a run that
-    fails here in a folder it created leaves no folder behind."""
+    """The Run and TrainState of `args` on this rank, with the step-0 evaluation of a new run done. Raises
+    ValueError / DataError for bad input; a run that fails or is interrupted here in a folder it created leaves
+    no folder behind."""
     torch.manual_seed(args.seed)  # the same on every rank: identical initial weights everywhere
     device = f"cuda:{ctx.local_rank}" if device_type == "cuda" and args.device in ("auto", "cuda") else (
         args.device if device_type == "cuda" else "cpu")
@@ -262,7 +254,7 @@ def setup(stage, args, ctx, device_type, log):
     if args.upcycle_from and not ckpt:
         base = upcycled_base(args, base)
     config = flags.build_config(args, base)  # checked before any folder is made or data read
-    fresh = not os.path.isdir(args.out_dir)
+    fresh, metrics = not os.path.isdir(args.out_dir), None
     lock = main_rank_first(ctx, lambda: claim_run_dir(args.out_dir, bool(args.resume), args.overwrite, ctx.is_main))
     try:
         data = main_rank_first(ctx, lambda: stage.load_data(args, tokenizer_dir, args.batch_size * ctx.world_size, log))
@@ -302,12 +294,16 @@ def setup(stage, args, ctx, device_type, log):
         train_model = wrap(model, args, ctx, device_type)
         metrics = MetricsLog(args.out_dir, state.step if ckpt else None, ctx.is_main,
                              open_wandb(args, config, args.out_dir) if ctx.is_main else None)
-    except BaseException:
+        run = Run(args=args, stage=stage, ctx=ctx, device=device, dtype=dtype, config=config, data=data, model=model,
+                  train_model=train_model, optimizer=optimizer, metrics=metrics, log=log, lock=lock)
+        if state.step == 0:
+            evaluate_and_record(run, state, None, first=True)
+    except BaseException:  # (Ctrl-C included)
         if fresh and lock is not None:
+            if metrics is not None:
+                metrics.close()
             abandon_run_dir(args.out_dir, lock)
         raise
-    run = Run(args=args, stage=stage, ctx=ctx, device=device, dtype=dtype, config=config, data=data, model=model,
-              train_model=train_model, optimizer=optimizer, metrics=metrics, log=log, lock=lock, fresh_dir=fresh)
     return run, state
 
 
