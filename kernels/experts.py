@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from kernels.backend import cpu_values
+from kernels.backend import cast, cpu_values
 from kernels.cpu_linear import onednn_runs
 from kernels.grouped_gemm import grouped_swiglu, scaled_swiglu_backward, scaled_swiglu_forward
 from model.moe import ExpertLoop
@@ -140,6 +140,29 @@ class _ExpertGEMMs(torch.autograd.Function):
         return (grad_x, grad_scale, None, *grad_w)
 
 
+class _GroupedLayout(torch.autograd.Function):
+    """The experts' weights in the grouped GEMMs' layout and dtype, made by one copy: forward(dtype, gate_0, up_0,
+    down_0, gate_1, ...) -> (w_gate_up_E2FD [E, 2F, D]: each expert's gate_proj then up_proj weight, w_down_EDF
+    [E, D, F]), both views of one buffer in `dtype`; one concatenation and at most one cast, whatever E (stacking
+    expert by expert costs a copy per expert). Backward: each stacked gradient cast once to the weights' dtype;
+    every parameter's gradient is a view of it."""
+
+    @staticmethod
+    def forward(ctx, dtype, *weights):
+        E, (F, D) = len(weights) // 3, weights[0].shape
+        flat = cast(torch.cat([w.reshape(-1) for w in weights]), dtype)  # expert by expert: gate, up, down
+        per_expert_ED3F = flat.view(E, 3 * F * D)
+        ctx.weight_dtype = weights[0].dtype
+        return per_expert_ED3F[:, :2 * F * D].view(E, 2 * F, D), per_expert_ED3F[:, 2 * F * D:].view(E, D, F)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_gate_up_E2FD, grad_down_EDF):
+        F = grad_down_EDF.shape[2]
+        grad_gate_up, grad_down = cast(grad_gate_up_E2FD, ctx.weight_dtype), cast(grad_down_EDF, ctx.weight_dtype)
+        return None, *(g for e in range(grad_down.shape[0]) for g in (grad_gate_up[e, :F], grad_gate_up[e, F:], grad_down[e]))
+
+
 def cpu_experts_run(device, dtype) -> bool:
     """Whether these experts run for rows of this device and compute dtype (CPU, oneDNN, fp32 / native
     bf16; not while torch.compile traces: inductor plans its own GEMMs)."""
@@ -186,8 +209,7 @@ class GroupedExperts(ExpertLoop):
                 weights = [w for ex in experts for w in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)]
                 layout = _cpu_layout(cpu_values(tokens_per_expert), rows_PD.dtype)
                 return _ExpertGEMMs.apply(rows_PD, row_weight_P, layout, *weights)
-            w_gate_up_E2FD = torch.stack([torch.cat([ex.gate_proj.weight, ex.up_proj.weight]) for ex in experts])
-            w_down_EDF = torch.stack([ex.down_proj.weight for ex in experts])
+            weights = [w for ex in experts for w in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)]
+            w_gate_up_E2FD, w_down_EDF = _GroupedLayout.apply(rows_PD.dtype, *weights)
             offsets_E = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
-            return grouped_swiglu(rows_PD, w_gate_up_E2FD.to(rows_PD.dtype), w_down_EDF.to(rows_PD.dtype), offsets_E,
-                                  row_weight_P)
+            return grouped_swiglu(rows_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_weight_P)

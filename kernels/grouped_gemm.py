@@ -261,9 +261,11 @@ def scaled_swiglu_forward(gate_up_PF2, scale_P):
     silu_PF = F.silu(gate_up_PF2[:, :F_])
     h_PF = silu_PF * gate_up_PF2[:, F_:]
     acc = torch.promote_types(gate_up_PF2.dtype, scale_P.dtype)
-    if acc == h_PF.dtype:
-        return h_PF.mul_(scale_P.unsqueeze(1)), silu_PF
-    return (h_PF.to(acc) * scale_P.to(acc).unsqueeze(1)).to(gate_up_PF2.dtype), silu_PF
+    if acc != h_PF.dtype:
+        return (h_PF.to(acc) * scale_P.to(acc).unsqueeze(1)).to(gate_up_PF2.dtype), silu_PF
+    if torch.compiler.is_compiling():  # out of place: see kernels/backend.py: cast (torch 2.11)
+        return h_PF * scale_P.unsqueeze(1), silu_PF
+    return h_PF.mul_(scale_P.unsqueeze(1)), silu_PF
 
 
 def scaled_swiglu_backward(grad_PF, gate_up_PF2, silu_PF, scale_P, need_scale_grad=True):

@@ -52,8 +52,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h = linear(grad_NV, w_VD.t()) if need_h else None  # [N, D]
             # grad_W = G^T h as (h^T G)^T: oneDNN reads [N, V] G in place as the transposed second operand
             grad_w = linear(h_ND.t().contiguous(), grad_NV.t()).t() if need_w else None  # [V, D]
-        # the incoming gradient (1 for a plain loss.backward()) scales the two small products, in fp32
-        unit = grad_loss.device.type == "cpu" and grad_loss.item() == 1.0
+        # the incoming gradient (1 for a plain loss.backward()) scales the two small products, in fp32 (not
+        # read while torch.compile traces: a host read there breaks the graph)
+        unit = grad_loss.device.type == "cpu" and not torch.compiler.is_compiling() and grad_loss.item() == 1.0
         if not unit:
             grad_h = None if grad_h is None else (grad_h.float() * grad_loss).to(h_ND.dtype)
             grad_w = None if grad_w is None else (grad_w.float() * grad_loss).to(w_VD.dtype)

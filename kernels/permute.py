@@ -9,7 +9,7 @@ adds a token's slots in order 0..K-1 in fp32 in kernel and reference alike, so t
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import choose, triton_importable
+from kernels.backend import cast, choose, triton_importable
 from model.dispatch import RowMapDispatcher
 
 if triton_importable():
@@ -98,7 +98,7 @@ def combine_rows(h_PD, row_TK, backend="auto", out_dtype=None, has_holes=True):
     if choose(backend, h_PD, "combine_rows") == "reference":
         if (not has_holes and h_PD.device.type == "cpu" and out_dtype in (torch.float32, torch.bfloat16)
                 and h_PD.dtype in (torch.float32, torch.bfloat16) and h_PD.shape[0] > 0):
-            return F.embedding_bag(row_TK, h_PD.float(), mode="sum").to(out_dtype)
+            return cast(F.embedding_bag(row_TK, h_PD.float(), mode="sum"), out_dtype)
         T, K = row_TK.shape
         v_TKD = h_PD.index_select(0, row_TK.reshape(-1).clamp(min=0)).view(T, K, h_PD.shape[1])
         v_TKD = v_TKD.to(torch.promote_types(h_PD.dtype, torch.float32))  # (fp64 stays fp64, for gradcheck)
@@ -107,7 +107,7 @@ def combine_rows(h_PD, row_TK, backend="auto", out_dtype=None, has_holes=True):
         acc = v_TKD[:, 0]
         for j in range(1, K):  # one [T, D] add at a time: no [T, K, D] reduction temporary
             acc = acc + v_TKD[:, j]
-        return acc.to(out_dtype)
+        return cast(acc, out_dtype)
     h_PD = h_PD.contiguous()
     (T, K), D = row_TK.shape, h_PD.shape[1]
     out = h_PD.new_empty(T, D, dtype=out_dtype)

@@ -199,12 +199,11 @@ class SortedDispatcher:
 @dataclass
 class RowMap:
     """Where every routed pair sits in the expert-sorted buffer and back, on the device: row_of_pair_TK
-    (-1: no expert), token_of_row_P / pair_of_row_P (-1: padding), offsets_E int32 cumulative rows,
-    routed_E / padded_E int64 pairs / rows per expert, has_holes (static: any -1 possible)."""
+    (-1: no expert), token_of_row_P / pair_of_row_P (-1: padding), routed_E / padded_E int64 pairs / rows
+    per expert, has_holes (static: any -1 possible)."""
     row_of_pair_TK: torch.Tensor
     pair_of_row_P: torch.Tensor
     token_of_row_P: torch.Tensor
-    offsets_E: torch.Tensor
     routed_E: torch.Tensor
     padded_E: torch.Tensor
     has_holes: bool = True
@@ -226,8 +225,8 @@ def build_row_map(topk_idx_TK, num_experts, pad_to=None, alignment=1, may_drop=T
         order_N = torch.argsort(idx_N, stable=True)
         counts_E = tokens_per_expert(topk_idx_TK, E)
         row_of_pair_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(N, device=dev))
-        return RowMap(row_of_pair_N.view(T, K), order_N, order_N.div(K, rounding_mode="floor"),
-                      torch.cumsum(counts_E, 0).to(torch.int32), counts_E, counts_E, has_holes=False)
+        return RowMap(row_of_pair_N.view(T, K), order_N, order_N.div(K, rounding_mode="floor"), counts_E, counts_E,
+                      has_holes=False)
     expert_N = torch.where(idx_N >= 0, idx_N, E)  # E = "no expert": sorts last, counted in slot E
     order_N = torch.argsort(expert_N, stable=True)
     counts_E1 = tokens_per_expert(topk_idx_TK, E, count_dropped=True)
@@ -244,8 +243,8 @@ def build_row_map(topk_idx_TK, num_experts, pad_to=None, alignment=1, may_drop=T
     pair_of_row_P = torch.full((P + 1,), -1, dtype=torch.int64, device=dev).scatter_(
         0, torch.where(row_sorted_N >= 0, row_sorted_N, P), order_N)[:P]
     token_of_row_P = torch.where(pair_of_row_P >= 0, pair_of_row_P.div(K, rounding_mode="floor"), -1)
-    return RowMap(row_of_pair_N.view(T, K), pair_of_row_P, token_of_row_P, padded_end.to(torch.int32),
-                  counts_E1[:E], padded, has_holes=may_drop or P != N)
+    return RowMap(row_of_pair_N.view(T, K), pair_of_row_P, token_of_row_P, counts_E1[:E], padded,
+                  has_holes=may_drop or P != N)
 
 
 def compute_dtype(x):
@@ -271,7 +270,8 @@ class RowMapDispatcher:
         rm = build_row_map(topk_idx_TK, self.num_experts, layout.pad_to, layout.alignment, layout.may_drop)
         # each row's routing weight (0 for padding rows); stays in the graph of topk_weight even when P = 0
         w_N = topk_weight_TK.reshape(-1)
-        row_weight_P = w_N[rm.pair_of_row_P.clamp(min=0)] if w_N.numel() else w_N.new_zeros(rm.pair_of_row_P.shape)
+        pair_of_row_P = rm.pair_of_row_P.clamp(min=0) if rm.has_holes else rm.pair_of_row_P
+        row_weight_P = w_N[pair_of_row_P] if w_N.numel() else w_N.new_zeros(rm.pair_of_row_P.shape)
         if rm.has_holes:
             row_weight_P = torch.where(rm.pair_of_row_P >= 0, row_weight_P, 0.0)
         if not w_N.numel():

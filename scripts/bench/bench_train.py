@@ -1,16 +1,33 @@
-"""Training throughput of the MoE implementations on one small model: tokens/s of full optimizer steps
-(forward, backward, AdamW) with moe_impl sorted vs fused vs MiniMind's masked loop, side by side.
+"""Training throughput, side by side: tokens/s of full optimizer steps (forward, backward, AdamW) of one model
+with each MoE implementation, the dense model of equal active width, and transformers' Qwen3-MoE.
 
     python scripts/bench/bench_train.py                      # the main job's model (D=256, 4 layers, E=4, k=2)
     python scripts/bench/bench_train.py --num_experts 16 --top_k 4 --steps 10
-    python scripts/bench/bench_train.py --device cuda --dtype bfloat16
+    python scripts/bench/bench_train.py --device cuda --dtype bfloat16 --rows dense,fused,hf
+    python scripts/bench/bench_train.py --device cuda --dtype bfloat16 --hidden_size 1024 --num_layers 8 \
+        --num_heads 16 --num_kv_heads 4 --moe_intermediate_size 1024 --num_experts 8 --batch_size 16 --seq_len 1024
 
-The three runs share initial weights and batches (random token ids: throughput does not depend on the
-text). Steps run in rounds, one block of steps per implementation per round, so machine drift hits all
-alike; the figure is total tokens / total time over the timed rounds. The masked run is the sorted model
-with each MoE layer run by scripts/moe_reference.py's masked_layer_forward (the same routing and aux loss).
+Rows (--rows picks them; the first is the one the others are divided by):
+  masked   the sorted model with each MoE layer run by scripts/moe_reference.py's masked_layer_forward
+           (MiniMind's per-expert loop; the same routing and aux loss)
+  sorted   moe_impl "sorted" (one host sync per layer, bitwise the masked loop)
+  fused    moe_impl "fused" with the engines kernels/engines.py picks: what the trainer runs
+  dense    the dense model of equal active width: a SwiGLU FFN of width k*F in every layer
+  hf       transformers' Qwen3MoeForCausalLM with the same config and weights (experts fused into its
+           gate_up_proj / down_proj layout, routed scaling folded into down_proj), its grouped_mm experts and
+           its load-balancing loss (output_router_logits)
+
+Every row trains with the trainer's routing (routed scaling k) and MiniMind's balance loss; all start from
+the same weights and take the same batches (random token ids: throughput does not depend on the text).
+Steps run in rounds, one block of `--steps` steps per row per round, so machine drift hits all alike;
+tokens/s = total tokens / total time of the timed rounds. `--compile` wraps every model in torch.compile
+(the warm-up round compiles). On CUDA, MFU = tokens/s x FLOPs per token / the device's dense bf16 peak, with
+FLOPs per token = 6 x (active matmul parameters: attention, router, the k routed experts of each layer,
+the LM head) + 12 x layers x heads x head_dim x seq_len (attention scores and values; nanoGPT's count).
+`--json PATH` writes the figures.
 """
 import functools
+import json
 import os
 import sys
 import time
@@ -24,41 +41,110 @@ from kernels.engines import engines_for  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from moe_reference import masked_layer_forward  # noqa: E402
 
+ROWS = ("masked", "sorted", "fused", "dense", "hf")
+PEAK_BF16_TFLOPS = {"H200": 989, "H100": 989, "H800": 989, "A100": 312, "A800": 312, "L40S": 362, "4090": 165}
+
+
+def model_config(args, row):
+    """The MiniMindConfig of a row: the MoE model, or (dense) the same trunk with an FFN of width k*F."""
+    moe = row != "dense"
+    return MiniMindConfig(vocab_size=6400, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+                          num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
+                          use_moe=moe, num_experts=args.num_experts, num_experts_per_tok=args.top_k,
+                          moe_intermediate_size=args.moe_intermediate_size,
+                          intermediate_size=args.top_k * args.moe_intermediate_size,
+                          routed_scaling_factor=float(args.top_k) if moe else 1.0,
+                          moe_impl="fused" if row in ("fused", "hf") else "sorted")
+
+
+def hf_twin(model):
+    """transformers' Qwen3MoeForCausalLM computing `model`'s function with its weights, grouped_mm experts."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from model.hf_adapter import to_hf_config, to_hf_state_dict
+    config = model.config
+    hf_config = to_hf_config(config)
+    hf_config._experts_implementation = "grouped_mm"
+    hf_config.output_router_logits = True  # its load-balancing loss, as ours trains with one
+    hf = Qwen3MoeForCausalLM(hf_config)
+    state = to_hf_state_dict(model.state_dict(), config)
+    for i in range(config.num_hidden_layers):  # per-expert weights -> its fused [E, 2F, D] / [E, D, F] tensors
+        prefix = f"model.layers.{i}.mlp.experts"
+        experts = range(config.num_experts)
+        state[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([state.pop(f"{prefix}.{e}.gate_proj.weight"),
+                                                                  state.pop(f"{prefix}.{e}.up_proj.weight")]) for e in experts])
+        state[f"{prefix}.down_proj"] = torch.stack([state.pop(f"{prefix}.{e}.down_proj.weight") for e in experts])
+    hf.load_state_dict(state, strict=False)  # (a tied lm_head is left out: it is the embedding)
+    return hf
+
+
+def flops_per_token(model, config, seq_len):
+    """6 x active matmul parameters + 12 x layers x heads x head_dim x seq_len (see the module doc)."""
+    E, k = (config.num_experts, config.num_experts_per_tok) if config.use_moe else (1, 1)
+    active = 0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or (name.endswith("embed_tokens.weight") and not config.tie_word_embeddings):
+            continue  # norms; an untied embedding is a lookup (the untied lm_head counts on its own)
+        active += p.numel() * (k / E if ".mlp.experts." in name else 1)
+    return 6 * active + 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
+
+
+def device_peak_tflops(device):
+    if device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
 
 def main(argv=None):
     from train.flags import AT_LEAST_1, Parser, check_ranges, show_ranges
     p = Parser(description=__doc__)
+    p.add_argument("--rows", default="masked,sorted,fused", help=f"comma-separated, from {','.join(ROWS)}")
     p.add_argument("--hidden_size", type=int, default=256)
     p.add_argument("--num_layers", type=int, default=4)
+    p.add_argument("--num_heads", type=int, default=4)
+    p.add_argument("--num_kv_heads", type=int, default=2)
     p.add_argument("--num_experts", type=int, default=4)
     p.add_argument("--top_k", type=int, default=2)
     p.add_argument("--moe_intermediate_size", type=int, default=384)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per implementation per round")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per row per round")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ranges = dict.fromkeys(("hidden_size", "num_layers", "num_experts", "top_k", "moe_intermediate_size", "batch_size", "seq_len", "steps", "rounds"), AT_LEAST_1)
+    p.add_argument("--compile", action="store_true", help="torch.compile every model")
+    p.add_argument("--json", default="", help="also write the figures to this file")
+    ranges = dict.fromkeys(("hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts", "top_k",
+                            "moe_intermediate_size", "batch_size", "seq_len", "steps", "rounds"), AT_LEAST_1)
     show_ranges(p, ranges)
     args = p.parse_args(argv)
     check_ranges(p, args, ranges)
+    rows = args.rows.split(",")
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown or not rows:
+        p.error(f"--rows {args.rows}: unknown {', '.join(unknown)} (choose from {','.join(ROWS)})")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     ptdtype = getattr(torch, args.dtype)
 
-    def make(impl):
-        torch.manual_seed(0)
-        cfg = MiniMindConfig(vocab_size=6400, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
-                             num_attention_heads=4, num_key_value_heads=2, use_moe=True, num_experts=args.num_experts,
-                             num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_intermediate_size,
-                             moe_impl="sorted" if impl == "masked" else impl)
-        model = MiniMindForCausalLM(cfg, engines_for(cfg, device, ptdtype)).to(device).train()  # the trainer's engines
-        if impl == "masked":  # MiniMind's loop in place of steps 3-5 of every MoE layer
+    def make(row):
+        torch.manual_seed(0)  # the same weights in every MoE row
+        config = model_config(args, row)
+        model = MiniMindForCausalLM(config, engines_for(config, device, ptdtype)).to(device).train()  # the trainer's engines
+        if row == "masked":  # MiniMind's loop in place of steps 3-5 of every MoE layer
             for layer in model.model.layers:
                 layer.mlp.forward = functools.partial(masked_layer_forward, layer.mlp)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+        flops = flops_per_token(model, config, args.seq_len)
+        if row == "hf":
+            ids = torch.randint(0, 6400, (2, 16), device=device)
+            with torch.no_grad():
+                ours, model = model(ids).logits.float(), hf_twin(model).to(device).train()
+                err = (model(ids).logits.float() - ours).abs().max().item()
+            assert err < 1e-3, f"the hf row's logits differ from ours by {err} (fp32): its weights did not load"
+        step_model = torch.compile(model) if args.compile else model
+        return step_model, torch.optim.AdamW(model.parameters(), lr=1e-3), flops
 
-    runs = {impl: make(impl) for impl in ("masked", "sorted", "fused")}
+    runs = {row: make(row) for row in rows}
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 6400, (args.batch_size, args.seq_len + 1), generator=g).to(device)
                for _ in range(args.steps)]
@@ -66,28 +152,38 @@ def main(argv=None):
     def block(model, opt):
         for b in batches:
             with torch.autocast(device, dtype=ptdtype, enabled=ptdtype != torch.float32):
-                out = model(b[:, :-1], labels=b[:, 1:])
+                out = model(b[:, :-1], labels=b[:, 1:])  # (transformers shifts labels once more: the same work)
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         if device == "cuda":
             torch.cuda.synchronize()
 
-    for model, opt in runs.values():  # warm-up (allocator, kernels, Triton compilation)
+    for model, opt, _ in runs.values():  # warm-up (allocator, kernels, Triton and torch.compile compilation)
         block(model, opt)
-    spent = {impl: 0.0 for impl in runs}
+    spent = dict.fromkeys(runs, 0.0)
     for _ in range(args.rounds):
-        for impl, (model, opt) in runs.items():
+        for row, (model, opt, _) in runs.items():
             t0 = time.perf_counter()
             block(model, opt)
-            spent[impl] += time.perf_counter() - t0
+            spent[row] += time.perf_counter() - t0
     tokens = args.rounds * args.steps * args.batch_size * args.seq_len
-    print(f"torch {torch.__version__}, {device}, {args.dtype}, threads {torch.get_num_threads()}; model D={args.hidden_size} "
-          f"L={args.num_layers} E={args.num_experts} k={args.top_k} F={args.moe_intermediate_size}, batch "
-          f"{args.batch_size}x{args.seq_len}, {args.rounds} rounds x {args.steps} steps each")
-    base = tokens / spent["masked"]
-    for impl, s in spent.items():
-        print(f"  {impl:<7} {tokens / s:>10,.0f} tokens/s   {tokens / s / base:5.2f}x masked")
+    peak = device_peak_tflops(device)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, {args.dtype}, "
+          f"threads {torch.get_num_threads()}{', compiled' if args.compile else ''}; model D={args.hidden_size} "
+          f"L={args.num_layers} heads {args.num_heads}/{args.num_kv_heads} E={args.num_experts} k={args.top_k} "
+          f"F={args.moe_intermediate_size}, batch {args.batch_size}x{args.seq_len}, {args.rounds} rounds x {args.steps} steps")
+    base = rows[0]
+    results = {}
+    for row, s in spent.items():
+        rate = tokens / s
+        mfu = rate * runs[row][2] / (peak * 1e12) if peak else None
+        results[row] = {"tokens_per_s": rate, "time_vs_" + base: s / spent[base], "mfu": mfu}
+        print(f"  {row:<7} {rate:>12,.0f} tokens/s   step time {s / spent[base]:5.2f}x {base}" +
+              (f"   MFU {100 * mfu:5.1f}%" if mfu is not None else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "device": device, "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":

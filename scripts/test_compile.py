@@ -1,0 +1,66 @@
+"""torch.compile computes what eager computes: the fused MoE layer and whole models, forward and every gradient.
+
+    python scripts/test_compile.py
+
+Run under every torch the project meets: the pinned one (requirements.txt) and the GPU image's 2.11
+(`.ci/run` runs this file in a second venv with torch 2.11). The two trace custom autograd Functions
+differently: under 2.11 a Function whose forward returns an in-place result or a no-op `.to()` gets a wrong
+gradient (kernels/backend.py: cast), and only a compiled-vs-eager comparison shows it.
+
+Tolerance: 1e-5 absolute on values of size ~0.1-10 in fp32 (compiled graphs fuse and reorder elementwise ops:
+differences of a few ulps, ~1e-7 measured). The models compile with backend="aot_eager" (the traced forward
+and backward graphs, where the 2.11 fault lies, without inductor's minute of code generation per model); the
+layer compiles with inductor, fullgraph.
+"""
+import torch
+
+from testlib import run
+from test_moe_fused import assert_close, fwd_bwd, pair
+from kernels.engines import engines_for
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+
+
+def test_fused_layer_compiles_without_graph_breaks():
+    """torch.compile(fullgraph=True) traces the engine-built fused layer's forward and backward in one graph
+    (no data-dependent shape, no host read: under compile GroupedExperts takes the grouped engine)."""
+    ref, _, fused = pair(4, 2)
+    x, g = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
+    want = fwd_bwd(ref, x, g)
+    got = fwd_bwd(torch.compile(fused, fullgraph=True), x, g)
+    assert_close(want[0], got[0], 1e-5, "compiled forward")
+    assert_close(want[1], got[1], 1e-5, "compiled grad x")
+    for n, p in fused.named_parameters():
+        assert_close(want[2][n], p.grad, 1e-5, f"compiled grad {n}")
+
+
+def loss_and_grads(model, call, ids):
+    model.zero_grad(set_to_none=True)
+    loss = call(ids, labels=ids).loss  # (the LM loss plus the router's aux loss)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_models_compiled_gradients_equal_eager():
+    """Tiny models built with the trainer's CPU engines (fused MoE: one graph; sorted MoE: a graph break at
+    its host read; dense), compiled: the loss and every parameter's gradient equal eager's within 1e-5."""
+    for use_moe, impl, fullgraph in ((True, "fused", True), (True, "sorted", False), (False, "sorted", True)):
+        torch.manual_seed(0)
+        config = MiniMindConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                vocab_size=64, use_moe=use_moe, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, moe_impl=impl)
+        model = MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float32)).train()
+        ids = torch.randint(0, 64, (2, 16))
+        eager_loss, eager_grads = loss_and_grads(model, model, ids)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=fullgraph)
+        loss, grads = loss_and_grads(model, compiled, ids)
+        what = f"use_moe={use_moe} moe_impl={impl}"
+        assert_close(eager_loss, loss, 1e-5, f"{what} loss")
+        for n, grad in eager_grads.items():
+            assert_close(grad, grads[n], 1e-5, f"{what} grad {n}")
+
+
+TESTS = [test_fused_layer_compiles_without_graph_breaks, test_models_compiled_gradients_equal_eager]
+
+if __name__ == "__main__":
+    run(TESTS)
