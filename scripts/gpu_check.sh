@@ -1,51 +1,107 @@
 #!/usr/bin/env bash
-# Every GPU check in one go, for a CUDA machine: the acceptance test's CUDA cases, the kernel tests on the
-# GPU (compiled Triton), the fused-vs-sorted CUDA tests, the MoE benchmark (bf16 and fp32) and the
-# training-throughput benchmark. Everything goes to one file: $OUT/gpu_check.txt (OUT defaults to
-# ./gpu_check_results). Exit status: 1 if any test script failed (the benchmarks still run).
+# Every GPU check and figure in one run, sized for a short slot on one CUDA machine (about 6 minutes on an
+# H200 with its own packages: torch 2.11, transformers 5.17, no datasets / wandb, no network):
+#   1. the CUDA cases of the test scripts (name filters: their CPU cases are CI's) and the acceptance test,
+#      side by side while the race's corpus is built;
+#   2. the MoE layer, fwd+bwd, against the dense FFN of equal FLOPs and transformers' grouped_mm block at
+#      N=32,768 (bench_moe.py), with a kernel profile of the fused layer and the dense FFN;
+#   3. whole training steps, MoE vs dense of equal active width vs transformers' Qwen3-MoE, with MFU
+#      (bench_train.py): D=1024 L=8 E=8 k=2 F=1024 and E=64 k=8 F=256 at 16 x 1024, the main job's model at 16 x 128
+#      (also under torch.compile, dense vs fused: whether compiling should be the GPU default);
+#   4. an iso-time race on the main job's shape and corpus, dense vs MoE (bench_quality.py; RACE_ROWS);
+#   5. one table of every figure beside its target (scripts/bench/gpu_table.py).
+# Results in $OUT (default ./gpu_check_results): gpu_check.txt (the whole log), table.md, profile.txt, and
+# details.tar.gz (the JSON files and per-run logs). Exit status 1 if a test script failed (the rest still runs).
 #
-#     bash scripts/gpu_check.sh                 # ~5-8 minutes on an H100/H200
-#     OUT=/tmp/res QUICK=1 bash scripts/gpu_check.sh
+#     bash scripts/gpu_check.sh
+#     OUT=/tmp/res QUICK=1 bash scripts/gpu_check.sh   # fewer timed rounds, 20 s race rows, no compiled step
+#     DEVICE=cpu bash scripts/gpu_check.sh             # the script itself on a CPU machine, at toy sizes
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 OUT=${OUT:-gpu_check_results}
-mkdir -p "$OUT"
+DEVICE=${DEVICE:-cuda}
+RACE_ROWS=${RACE_ROWS:-dense,wide}  # bench_quality.py's rows: dense and E=16 top-2 (the best MoE row so far)
+SHARED_DIR=${MINIMIND_SHARED:-../shared}
+DETAILS="$OUT/details"
+mkdir -p "$DETAILS"
 LOG="$OUT/gpu_check.txt"
 : > "$LOG"
-SHARED_DIR=${MINIMIND_SHARED:-../shared}
+: > "$DETAILS/tests.txt"
 status=0
 
 section() { echo -e "\n===== $* =====" | tee -a "$LOG"; }
-step() {  # run a test script, keep going on failure
-    section "$*"
-    "$@" 2>&1 | tee -a "$LOG"
-    local rc=${PIPESTATUS[0]}
-    [ "$rc" -eq 0 ] || status=1
+TESTS=()
+start_test() {  # start_test NAME COMMAND...: a test script in the background (they share the GPU lightly)
+    local name=$1; shift
+    ( "$@" > "$DETAILS/$name.log" 2>&1; echo $? > "$DETAILS/$name.rc" ) &
+    TESTS+=("$name:$!")
 }
+bench() { section "$1"; shift; "$@" 2>&1 | tee -a "$LOG"; }
+
+if [ "$DEVICE" = cuda ]; then  # the issue's shapes; bf16 autocast as the trainer runs on a GPU
+    DTYPE=bfloat16 TOKENS=32768 BUDGET=40 ROUNDS=(--steps 5 --rounds 4)
+    [ -n "${QUICK:-}" ] && BUDGET=20 ROUNDS=(--steps 5 --rounds 2)
+    BIG=(--hidden_size 1024 --num_layers 8 --num_heads 16 --num_kv_heads 4 --batch_size 16 --seq_len 1024)
+    MAIN=(--batch_size 16 --seq_len 128)
+    RACE=()
+else  # toy sizes: only that every step runs and the table fills
+    DTYPE=float32 TOKENS=256 BUDGET=4
+    ROUNDS=(--steps 1 --rounds 1)
+    BIG=(--hidden_size 64 --num_layers 2 --num_heads 4 --num_kv_heads 2 --batch_size 2 --seq_len 64)
+    MAIN=(--hidden_size 64 --num_layers 2 --batch_size 2 --seq_len 64)
+    RACE=(--hidden_size 64 --num_hidden_layers 2 --moe_intermediate_size 64 --batch_size 4 --seq_len 64 --eval_tokens 1024)
+fi
 
 section "machine"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
-  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'gpu', torch.cuda.get_device_name())"
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+  $PY -c "import triton; print('triton', triton.__version__)"; $PY -c "import transformers; print('transformers', transformers.__version__)"
 } 2>&1 | tee -a "$LOG"
 
+# the default corpus for the race, built on the CPU cores while the tests run
+$PY -c "from data.prepare import prepare_data; prepare_data()" > "$DETAILS/corpus.log" 2>&1 &
+CORPUS=$!
 if [ -f "$SHARED_DIR/acceptance/test_moe_sorted.py" ]; then
-    step env PYTHONPATH=. $PY "$SHARED_DIR/acceptance/test_moe_sorted.py"
+    start_test acceptance env PYTHONPATH=. $PY "$SHARED_DIR/acceptance/test_moe_sorted.py"
 else
-    section "acceptance test: $SHARED_DIR/acceptance/test_moe_sorted.py not found, skipped" 
+    section "acceptance test: $SHARED_DIR/acceptance/test_moe_sorted.py not found, skipped"
 fi
-step env TRITON_INTERPRET=0 $PY scripts/test_kernels.py
-step $PY scripts/test_moe_sorted.py
-step $PY scripts/test_moe_fused.py
+start_test test_kernels env TRITON_INTERPRET=0 $PY scripts/test_kernels.py rows_bitwise permute_combine grouped_mm_triton \
+    grouped_swiglu  # (compiled Triton on CUDA)
+start_test test_moe_sorted $PY scripts/test_moe_sorted.py cuda
+start_test test_moe_fused $PY scripts/test_moe_fused.py cuda
+start_test test_compile $PY scripts/test_compile.py cuda
+for entry in "${TESTS[@]}"; do
+    name=${entry%%:*}
+    wait "${entry##*:}"
+    section "test: $name"
+    tee -a "$LOG" < "$DETAILS/$name.log"
+    rc=$(cat "$DETAILS/$name.rc")
+    echo "$rc $name" >> "$DETAILS/tests.txt"
+    [ "$rc" -eq 0 ] || status=1
+done
 
-if [ -n "${QUICK:-}" ]; then BENCH_ARGS="--quick"; else BENCH_ARGS=""; fi
-section "bench_moe bf16"
-$PY scripts/bench/bench_moe.py --device cuda --dtype bfloat16 $BENCH_ARGS 2>&1 | tee -a "$LOG"
-section "bench_moe fp32"
-$PY scripts/bench/bench_moe.py --device cuda --dtype float32 --impls dense,masked,sorted,fused,hf-grouped_mm $BENCH_ARGS 2>&1 | tee -a "$LOG"
-section "bench_train bf16"
-$PY scripts/bench/bench_train.py --device cuda --dtype bfloat16 --batch_size 32 --seq_len 256 2>&1 | tee -a "$LOG"
-$PY scripts/bench/bench_train.py --device cuda --dtype bfloat16 --num_experts 64 --top_k 8 --moe_intermediate_size 128 --batch_size 32 --seq_len 256 2>&1 | tee -a "$LOG"
+bench "MoE layer vs dense FFN and transformers, $DTYPE, N=$TOKENS" $PY scripts/bench/bench_moe.py --device "$DEVICE" \
+    --dtype $DTYPE --shapes minimind,many-experts --tokens $TOKENS --impls dense,fused,hf-grouped_mm ${QUICK:+--quick} \
+    --json "$DETAILS/layer.json" --profile "$OUT/profile.txt"
+bench "training step, D=1024 L=8 E=8 k=2 F=1024" $PY scripts/bench/bench_train.py --device "$DEVICE" --dtype $DTYPE \
+    --rows dense,fused,hf "${BIG[@]}" --num_experts 8 --top_k 2 --moe_intermediate_size 1024 "${ROUNDS[@]}" \
+    --json "$DETAILS/step_d1024_e8.json"
+bench "training step, D=1024 L=8 E=64 k=8 F=256" $PY scripts/bench/bench_train.py --device "$DEVICE" --dtype $DTYPE \
+    --rows dense,fused,hf "${BIG[@]}" --num_experts 64 --top_k 8 --moe_intermediate_size 256 "${ROUNDS[@]}" \
+    --json "$DETAILS/step_d1024_e64.json"
+bench "training step, the main job's model" $PY scripts/bench/bench_train.py --device "$DEVICE" --dtype $DTYPE \
+    --rows dense,fused,hf "${MAIN[@]}" "${ROUNDS[@]}" --json "$DETAILS/step_main.json"
+[ -z "${QUICK:-}" ] && bench "training step, the main job's model, torch.compile" $PY scripts/bench/bench_train.py \
+    --device "$DEVICE" --dtype $DTYPE --rows dense,fused "${MAIN[@]}" "${ROUNDS[@]}" --compile \
+    --json "$DETAILS/step_main_compiled.json"
+wait $CORPUS || { section "corpus build failed"; tail -5 "$DETAILS/corpus.log" | tee -a "$LOG"; }
+bench "iso-time race, ${BUDGET} s per row" $PY scripts/bench/bench_quality.py --rows "$RACE_ROWS" --budget_s "$BUDGET" \
+    "${RACE[@]}" --out_dir "$DETAILS/quality" --extra "--device $DEVICE"
 
-section "done: status $status (results in $LOG)"
+section "table"
+$PY scripts/bench/gpu_table.py "$DETAILS" 2>&1 | tee "$OUT/table.md" | tee -a "$LOG"
+tar czf "$OUT/details.tar.gz" -C "$OUT" details && rm -rf "$DETAILS"
+section "done: status $status (results in $OUT)"
 exit $status

@@ -32,6 +32,7 @@ events). On CUDA, TFLOP/s counts the expert GEMMs (6*N*k*D*F per forward, 3x tha
 (k*N*3*D*F values), so it is skipped where that would not fit in --batched_mm_limit_gb.
 """
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -142,6 +143,17 @@ def quiet_fds():
             os.close(fd)
 
 
+def kernel_profile(fn, x, device, autocast, rows=30):
+    """torch.profiler's table of 3 fwd+bwd of fn(x) after a warm-up, by device time: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    time_once(fn, x, True, device, autocast)
+    cuda = device == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(3):
+            time_once(fn, x, True, device, autocast)
+    return prof.key_averages().table(sort_by="cuda_time_total" if cuda else "self_cpu_time_total", row_limit=rows)
+
+
 def peak_bytes(fn, x, device, autocast):
     """Most bytes live during one fwd+bwd of fn(x), above what was live before."""
     xi = x.detach().requires_grad_(True)
@@ -189,6 +201,8 @@ def main(argv=None):
     p.add_argument("--batched_mm_limit_gb", type=float, default=3.0,
                    help="skip hf-batched_mm where its per-pair weight copies exceed this [GiB]")
     p.add_argument("--out", default="", help="also append the report to this file")
+    p.add_argument("--json", default="", help="also write the medians to this file")
+    p.add_argument("--profile", default="", help="write each cell's fwd+bwd op profile (fused, dense) here")
     p.add_argument("--os_malloc", action="store_true",
                    help="leave glibc's default thresholds (freed big blocks go back to the OS; see keep_freed_memory)")
     ranges = {"repeats": AT_LEAST_0, "batched_mm_limit_gb": POSITIVE}
@@ -225,7 +239,7 @@ def main(argv=None):
         f"{args.dtype}, threads {torch.get_num_threads()}" + (", freed memory kept for reuse (mallopt)" if tuned else ""))
     say("each cell: median ms, then (ratio to dense); syncs = sync-inducing calls per forward (on CPU, fused "
         "reads its per-expert row counts from CPU memory for oneDNN: a memory read, not a sync)\n")
-    summary = []
+    summary, figures, profiles = [], {}, []
     for name, d, e, k, f in shapes:
         torch.manual_seed(0)
         # Aux loss off: transformers' block computes none (its model does, from the router logits), nor
@@ -295,6 +309,11 @@ def main(argv=None):
                     moe.zero_grad(set_to_none=True)
                 for key, v in times.items():
                     med[key, backward] = statistics.median(v) * 1e3
+            figures[f"{name} N={n}"] = {key: {"fwd_ms": med[key, False], "fwd_bwd_ms": med[key, True],
+                                              "fwd_bwd_vs_dense": med[key, True] / med["dense", True]} for key in cell}
+            if args.profile:
+                profiles += [f"== {name} (D={d}, E={e}, k={k}, F={f}), N={n}, {key}: fwd+bwd x 3, by {device} time\n"
+                             + kernel_profile(cell[key], x, device, autocast) for key in ("fused", "dense") if key in cell]
             for key in wanted:
                 if (key == "dense-onednn" and not onednn) or (key == "fused-grouped" and not cpu_gemms):
                     continue
@@ -326,6 +345,12 @@ def main(argv=None):
                 "  ".join(f"{key} {v:.2f}x" for key, v in vs_hf.items()))
     if out_file:
         out_file.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "dtype": args.dtype, "peak_tflops": peak, "cells": figures}, f, indent=1)
+    if profiles:
+        with open(args.profile, "w") as f:
+            f.write("\n\n".join(profiles) + "\n")
 
 
 if __name__ == "__main__":

@@ -108,6 +108,12 @@ def count_params(config_path):
     return total, total - idle
 
 
+def data_epoch(ckpt_path):
+    """The epoch of the training data a run's last batch came from (0: no token was trained on twice)."""
+    import torch
+    return int(torch.load(ckpt_path, map_location="cpu", weights_only=False)["data"]["epoch"])
+
+
 def shape(flags):
     """The FFN of a run as its resolved flags (--extra included) describe it."""
     if not flags.use_moe:
@@ -160,7 +166,9 @@ def run_row(args, row, flags):
         last_val = [r for r in records if "val_loss" in r][-1]
         tokens = last_train["step"] * flags.batch_size * flags.seq_len * flags.grad_accum
         total, active = count_params(os.path.join(run_dir, "config.json"))
-        return {**result, "params": total, "active_params": active, "steps": last_train["step"],
+        epoch = data_epoch(os.path.join(run_dir, "ckpt.pt"))
+        return {**result, "params": total, "active_params": active, "steps": last_train["step"], "tokens": tokens,
+                "data_epoch": epoch,
                 "train_time_s": last_train["train_time_s"], "tok_per_s": tokens / last_train["train_time_s"],
                 "val_loss": last_val["val_loss"], "val_bpb": last_val.get("val_bpb")}
     finally:
