@@ -150,17 +150,17 @@ class _GroupedLayout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dtype, *weights):
         E, (F, D) = len(weights) // 3, weights[0].shape
-        flat = cast(torch.cat([w.reshape(-1) for w in weights]), dtype)  # expert by expert: gate, up, down
-        per_expert_ED3F = flat.view(E, 3 * F * D)
+        # expert by expert: gate, up, down
+        per_expert_E3FD = cast(torch.cat([w.reshape(-1) for w in weights]), dtype).view(E, 3 * F * D)
         ctx.weight_dtype = weights[0].dtype
-        return per_expert_ED3F[:, :2 * F * D].view(E, 2 * F, D), per_expert_ED3F[:, 2 * F * D:].view(E, D, F)
+        return per_expert_E3FD[:, :2 * F * D].view(E, 2 * F, D), per_expert_E3FD[:, 2 * F * D:].view(E, D, F)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_gate_up_E2FD, grad_down_EDF):
-        F = grad_down_EDF.shape[2]
-        grad_gate_up, grad_down = cast(grad_gate_up_E2FD, ctx.weight_dtype), cast(grad_down_EDF, ctx.weight_dtype)
-        return None, *(g for e in range(grad_down.shape[0]) for g in (grad_gate_up[e, :F], grad_gate_up[e, F:], grad_down[e]))
+        (E, D, F), dtype = grad_down_EDF.shape, ctx.weight_dtype
+        grad_gate_up, grad_down = cast(grad_gate_up_E2FD, dtype), cast(grad_down_EDF, dtype)
+        return None, *(g for e in range(E) for g in (grad_gate_up[e, :F], grad_gate_up[e, F:], grad_down[e]))
 
 
 def cpu_experts_run(device, dtype) -> bool:
@@ -204,12 +204,12 @@ class GroupedExperts(ExpertLoop):
         experts = list(self)[first_expert:first_expert + tokens_per_expert.shape[0]]
         if row_weight_P is None:
             row_weight_P = rows_PD.new_ones(rows_PD.shape[0])
+        weights = [w for ex in experts for w in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)]
         with torch.autocast(rows_PD.device.type, enabled=False):
             if cpu_experts_run(rows_PD.device, rows_PD.dtype):
-                weights = [w for ex in experts for w in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)]
                 layout = _cpu_layout(cpu_values(tokens_per_expert), rows_PD.dtype)
                 return _ExpertGEMMs.apply(rows_PD, row_weight_P, layout, *weights)
-            weights = [w for ex in experts for w in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)]
             w_gate_up_E2FD, w_down_EDF = _GroupedLayout.apply(rows_PD.dtype, *weights)
             offsets_E = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
-            return grouped_swiglu(rows_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_weight_P)
+            # the routing weight in the rows' dtype, as the CPU engine applies it: the SwiGLU then makes no fp32 [P, F]
+            return grouped_swiglu(rows_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_weight_P.to(rows_PD.dtype))

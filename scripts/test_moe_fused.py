@@ -352,7 +352,9 @@ def test_state_dict_and_engines():
 
 
 def test_bf16_autocast_cpu():
-    for E, k, kw in CONFIGS:
+    """Every engine under CPU bf16 autocast, by the fp64 criterion; fp32 router logits (router_dtype) give fp32
+    routing weights, which the engines apply in the rows' dtype (bf16) as well."""
+    for E, k, kw in CONFIGS + [(8, 2, {"router_dtype": "float32"}), (4, 2, {"router_dtype": "float32", "capacity_factor": 0.5})]:
         ref, fused, _ = pair(E, k, **kw)
         layers = (fused, with_engines(fused, "cpu", torch.bfloat16))
         x, g = torch.randn(2, 32, D), torch.randn(2, 32, D)
