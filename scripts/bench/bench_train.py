@@ -40,9 +40,9 @@ import torch  # noqa: E402
 from kernels.engines import engines_for  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from moe_reference import masked_layer_forward  # noqa: E402
+from bench_moe import device_peak_tflops  # noqa: E402  (this folder: the bf16 peaks of known GPUs)
 
 ROWS = ("masked", "sorted", "fused", "dense", "hf")
-PEAK_BF16_TFLOPS = {"H200": 989, "H100": 989, "H800": 989, "A100": 312, "A800": 312, "L40S": 362, "4090": 165}
 
 
 def model_config(args, row):
@@ -87,13 +87,6 @@ def flops_per_token(model, config, seq_len):
             continue  # norms; an untied embedding is a lookup (the untied lm_head counts on its own)
         active += p.numel() * (k / E if ".mlp.experts." in name else 1)
     return 6 * active + 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
-
-
-def device_peak_tflops(device):
-    if device != "cuda":
-        return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
 def main(argv=None):
