@@ -23,8 +23,10 @@ import torch  # noqa: E402
 
 from data.chat import tokenize_conversation  # noqa: E402
 from data.sft_corpus import default_sft_set  # noqa: E402
+from data.dataset import DataError  # noqa: E402
 from data.tokenizer import load_tokenizer, stop_token_ids  # noqa: E402
-from train.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
+from model.hf_adapter import is_hf_folder  # noqa: E402
+from train.checkpoint import load_checkpoint, load_hf_checked, model_from_checkpoint  # noqa: E402
 
 
 def words(text):
@@ -54,9 +56,17 @@ def questions(n):
     return out
 
 
-def load(run_dir):
-    model = model_from_checkpoint(load_checkpoint(run_dir)).eval()
-    return model, load_tokenizer(os.path.join(run_dir, "tokenizer"))
+def load(path):
+    """(model in eval mode, tokenizer) of a run folder (ckpt.pt + tokenizer/) or an export (scripts/export_hf.py).
+    Raises FileNotFoundError / ValueError / DataError naming the file."""
+    if is_hf_folder(path):
+        return load_hf_checked(path).eval(), load_tokenizer(path)
+    model = model_from_checkpoint(load_checkpoint(path)).eval()
+    run_dir = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    tok_dir = os.path.join(run_dir, "tokenizer")
+    if not os.path.isdir(tok_dir):
+        raise FileNotFoundError(f"{tok_dir}: tokenizer not found")
+    return model, load_tokenizer(tok_dir)
 
 
 @torch.no_grad()
@@ -69,8 +79,8 @@ def answer(model, tok, prompt_ids, max_new_tokens):
 def main(argv=None):
     from train.flags import AT_LEAST_0, AT_LEAST_1, Parser, check_ranges, show_ranges
     p = Parser(description=__doc__)
-    p.add_argument("--base", default="checkpoints/pretrain", help="the pretrained run")
-    p.add_argument("--sft", default="checkpoints/sft", help="the fine-tuned run")
+    p.add_argument("--base", default="checkpoints/pretrain", help="the pretrained run (or its export)")
+    p.add_argument("--sft", default="checkpoints/sft", help="the fine-tuned run (or its export)")
     p.add_argument("--n", type=int, default=20, help="held-out questions")
     p.add_argument("--examples", type=int, default=3, help="answers to print")
     p.add_argument("--max_new_tokens", type=int, default=60, help="longest answer")
@@ -78,7 +88,10 @@ def main(argv=None):
     show_ranges(p, ranges)
     args = p.parse_args(argv)
     check_ranges(p, args, ranges)
-    (base, base_tok), (sft, sft_tok) = load(args.base), load(args.sft)
+    try:
+        (base, base_tok), (sft, sft_tok) = load(args.base), load(args.sft)
+    except (DataError, FileNotFoundError, ValueError) as e:
+        p.error(f"{e} (--base / --sft: a run folder of train/pretrain.py or train/sft.py, or its export)")
     rows = []
     for q, truth in questions(args.n):
         chat_ids, _ = tokenize_conversation(sft_tok, [{"role": "user", "content": q}], add_generation_prompt=True)
@@ -93,4 +106,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from train.flags import run_tool
+    run_tool(main)

@@ -47,6 +47,11 @@ def export(ckpt_path, out_dir, dtype="float32", tokenizer_dir=None, verify=True,
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ExportError(f"{out_dir}: {parent} is a file, not a folder; choose another --out")
     if os.path.exists(out_dir):
         names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else {"(a file)"}
         if (names and "model.safetensors" not in names) or "ckpt.pt" in names:
@@ -94,7 +99,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         export(args.ckpt, args.out, args.dtype, args.tokenizer, verify=not args.no_verify, force=args.force)
-    except (ExportError, FileNotFoundError, ValueError) as e:
+    except (ExportError, OSError, ValueError) as e:  # (OSError: a folder that cannot be written, ...)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

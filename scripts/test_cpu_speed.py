@@ -1,5 +1,5 @@
-"""The CPU speed paths keep the numbers: the fused AdamW, the thread tuner (train/threads.py), the thread
-count's effect on a training step, the --dtype auto choice on CPU and bf16 autocast's loss curve against fp32.
+"""The CPU speed paths keep the numbers: the fused AdamW, the --dtype auto choice on CPU and bf16 autocast's loss
+curve against fp32. (A run's fixed thread count: scripts/test_reproducible.py.)
 
     python scripts/test_cpu_speed.py
 """
@@ -17,79 +17,6 @@ import kernels.engines as engines  # noqa: E402
 from kernels.attention import explicit_attention  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from train import loop  # noqa: E402
-from train.threads import ThreadTuner, halving  # noqa: E402
-
-
-def simulate(tuner, seconds_at, steps):
-    """Feed the tuner `steps` step times from seconds_at(step, threads); returns the counts it ran."""
-    ran = []
-    for step in range(steps):
-        threads = torch.get_num_threads()
-        ran.append(threads)
-        tuner.observe(seconds_at(step, threads))
-    return ran
-
-
-def test_thread_tuner_follows_the_load():
-    """Idle: stays at the most threads, probing ~1% of the steps once its probes keep losing. Another
-    process arrives (2 threads now 3x slower, 1 thread 0.6x the idle step): it moves to 1 thread within
-    ~15 steps. The other process leaves: it moves back."""
-    saved = torch.get_num_threads()
-    try:
-        assert halving(2) == [2, 1] and halving(12) == [12, 6, 3, 1] and halving(1) == [1]
-        log = []
-        tuner = ThreadTuner(2, log=log.append)
-        idle = {2: 0.100, 1: 0.160}
-        busy = {2: 0.300, 1: 0.165}
-        ran = simulate(tuner, lambda s, t: idle[t], 2000)
-        assert ran[-1] == 2 and not log, (log, ran[-20:])
-        assert ran[1000:].count(1) <= 0.01 * 1000, f"idle probes ran {ran[1000:].count(1)} of 1000 steps at 1 thread"
-        ran = simulate(tuner, lambda s, t: busy[t], 200)
-        assert ran.index(1) < 15 and ran[-1] == 1 and len(log) == 1 and "2 -> 1" in log[0], (log, ran[:30])
-        ran = simulate(tuner, lambda s, t: idle[t], 200)
-        assert ran[-1] == 2 and len(log) == 2 and "1 -> 2" in log[1], log
-        one = ThreadTuner(1, log=log.append)
-        assert simulate(one, lambda s, t: 0.1, 100) == [1] * 100
-    finally:
-        torch.set_num_threads(saved)
-
-
-def test_thread_count_keeps_the_step_bitwise():
-    """Two AdamW steps (the second with optimizer state) of the main job's layer shapes (2 layers, a 4 x 128
-    batch) give bitwise the same weights at 1 and 2 threads, for the sorted and fused MoE and the dense model, fp32 and bf16, with the engines the trainer
-    builds the model with for that dtype (kernels.engines.engines_for): so the tuner's switches do not change a run's
-    numbers (checked for this model's kernels, not for every torch op)."""
-    if os.cpu_count() < 2:
-        raise Skip("needs 2 cores")
-    saved = torch.get_num_threads()
-
-    def weights(threads, use_moe, impl, bf16):
-        torch.set_num_threads(threads)
-        torch.manual_seed(0)
-        cfg = MiniMindConfig(vocab_size=6400, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, use_moe=use_moe, num_experts=4, num_experts_per_tok=2,
-                             moe_intermediate_size=384, moe_impl=impl)
-        dtype = torch.bfloat16 if bf16 else torch.float32
-        model = MiniMindForCausalLM(cfg, engines.engines_for(cfg, "cpu", dtype)).train()  # as train/loop.setup
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # the trainer's (train/loop.py)
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(2):
-            x = torch.randint(0, 6400, (4, 129), generator=gen)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = model(x[:, :-1], labels=x[:, 1:]).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-        return [p.detach().clone() for p in model.parameters()]
-
-    try:
-        for use_moe, impl in [(True, "sorted"), (True, "fused"), (False, "sorted")]:
-            for bf16 in (False, True):
-                a, b = weights(2, use_moe, impl, bf16), weights(1, use_moe, impl, bf16)
-                assert all(torch.equal(x, y) for x, y in zip(a, b)), f"moe={use_moe} {impl} bf16={bf16}"
-    finally:
-        torch.set_num_threads(saved)
 
 
 def test_dtype_auto_on_cpu():
@@ -175,7 +102,7 @@ def test_fused_adamw_is_the_loop():
         assert rel < 1e-6, f"fused AdamW {rel:.2e} from the loop"
 
 
-TESTS = [test_fused_adamw_is_the_loop, test_thread_tuner_follows_the_load, test_thread_count_keeps_the_step_bitwise, test_dtype_auto_on_cpu,
+TESTS = [test_fused_adamw_is_the_loop, test_dtype_auto_on_cpu,
          test_bf16_curve_tracks_fp32]
 
 if __name__ == "__main__":

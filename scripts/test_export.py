@@ -224,6 +224,8 @@ def test_refuses_what_qwen3_cannot_represent():
     r = run_script("scripts/export_hf.py", "--ckpt", run_dir, "--out", afile)
     assert r.returncode == 2 and "not an earlier export" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert open(afile).read() == "keep me"
+    r = run_script("scripts/export_hf.py", "--ckpt", run_dir, "--out", os.path.join(afile, "sub"))  # under a file
+    assert r.returncode == 2 and "is a file, not a folder" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
     # an exported folder with a changed config field is refused by import_hf.py, not imported as another model
     hf_dir = export(run_dir)
     odd = os.path.join(_TMP, "gelu_export")
@@ -256,6 +258,28 @@ def test_main_job_checkpoint_exports_and_generates():
                       "--eval_tokens", "1024", "--no_progress", "--sample_tokens", "0"]), log=lambda *_: None)
 
 
+def test_eval_sft_takes_runs_and_exports_and_refuses_in_one_line():
+    """scripts/eval_sft.py: a run folder and its export as --base / --sft both score; a missing run (its own
+    defaults in a fresh folder), a damaged checkpoint and a folder that is neither: one `error:` line, exit 2."""
+    run_dir = testlib.tiny_run()
+    hf_dir = os.path.join(_TMP, "eval_hf")
+    assert run_script("scripts/export_hf.py", "--ckpt", run_dir, "--out", hf_dir, "--no_verify").returncode == 0
+    r = run_script("scripts/eval_sft.py", "--base", hf_dir, "--sft", run_dir, "--n", "2", "--examples", "0")
+    assert r.returncode == 0 and "2 held-out questions" in r.stdout, r.stdout + r.stderr[-2000:]
+    damaged = os.path.join(_TMP, "eval_damaged")
+    os.makedirs(damaged, exist_ok=True)
+    open(os.path.join(damaged, "ckpt.pt"), "wb").write(b"not a checkpoint")
+    fresh = os.path.join(_TMP, "eval_fresh")
+    os.makedirs(fresh, exist_ok=True)
+    for argv, needle in (([], "checkpoints/pretrain: checkpoint not found"),
+                         (["--base", damaged, "--sft", run_dir], "not a readable checkpoint"),
+                         (["--base", _TMP, "--sft", run_dir], "checkpoint not found")):
+        r = run_script("scripts/eval_sft.py", *argv, cwd=fresh)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.returncode == 2 and len(errors) == 1 and needle in errors[0] and "Traceback" not in r.stderr, \
+            (argv, r.stderr[-2000:])
+
+
 def test_short_context_model_exports_and_pads_like_hf():
     """A model with max_position_embeddings 40 (below the 48 tokens the export's parity check used to
     feed) exports and verifies; a left-padded batch of prompts of different lengths generates the same
@@ -283,7 +307,8 @@ def test_short_context_model_exports_and_pads_like_hf():
 
 TESTS = [test_logits_parity_fp32, test_greedy_generation_identical, test_loads_without_key_warnings,
          test_round_trip_bitwise, test_bf16_export_loads_and_agrees, test_refuses_what_qwen3_cannot_represent,
-         test_routed_scaling_factor_goes_into_the_down_projections, test_main_job_checkpoint_exports_and_generates, test_short_context_model_exports_and_pads_like_hf]
+         test_routed_scaling_factor_goes_into_the_down_projections, test_main_job_checkpoint_exports_and_generates, test_short_context_model_exports_and_pads_like_hf,
+         test_eval_sft_takes_runs_and_exports_and_refuses_in_one_line]
 
 if __name__ == "__main__":
     run(TESTS)

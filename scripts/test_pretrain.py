@@ -178,42 +178,44 @@ def test_fused_impl_trains_like_sorted_and_switches_on_resume():
 
 
 def test_time_budget_plans_the_schedule_and_resume_continues_it():
-    """--time_budget_s 3: the run measures its step time, plans its steps from it (at most --max_steps; the
-    plan is printed and kept in the checkpoint), every LR is the cosine over the planned steps (lr/10 at the
-    last), and it ends at the planned step or on its first step past 3 s of training, whichever comes first,
-    with the final evaluation and checkpoint there; a run stopped after its plan resumes with the training
-    seconds and the plan it had (the checkpoint carries both). The main job's default budget with --max_steps
-    steps that fit it is the fixed-step run, bit for bit."""
+    """--time_budget_s 3: the run measures its step time, says its plan once ("plan: N steps") and moves it when
+    the measured speed drifts ("re-plan: N -> M"); every LR after the warmup is the cosine of the plan in force
+    (non-increasing, no jump where the plan moves; the final plan's lr_at from its start on, lr/10 at its end),
+    and the run ends at the plan's end or on its first step past 3 s of training, with the final evaluation and
+    checkpoint there; a run stopped part-way resumes with the training seconds and the plan it had (the
+    checkpoint carries both) and goes on from its LR. The main job's default budget with --max_steps steps that
+    fit it is the fixed-step run, bit for bit."""
     from train.flags import UNLIMITED_STEPS
-    from train.loop import PLAN_MEASURE, PLAN_SKIP, lr_at
+    from train.loop import PLAN_FIRST, PLAN_SKIP, Plan, lr_at
     budget, lr = 3.0, 3e-3
     common = TINY + ["--data_path", text_file(), "--time_budget_s", str(budget), "--learning_rate", str(lr),
                      "--eval_interval", "100000", "--save_interval", "100000", "--log_interval", "1"]
-    for name, stop_after in (("budget", None), ("budget_resumed", str(PLAN_SKIP + PLAN_MEASURE + 3))):
+    for name, stop_after in (("budget", None), ("budget_resumed", str(PLAN_SKIP + PLAN_FIRST + 3))):
         out_dir, said = os.path.join(_TMP, name), []
         if stop_after:
             first = train(parse_args(common + ["--out_dir", out_dir, "--stop_after", stop_after]), log=quiet)
             before = load_checkpoint(out_dir)
             assert first["stopped_by"] == "--stop_after" and 0 < before["train_time_s"] < budget, first["stopped_by"]
-            assert before["planned_steps"] is not None
+            assert before["plan"]["end"] < UNLIMITED_STEPS, before["plan"]
             s = train(parse_args(["--resume", "--out_dir", out_dir]), log=said.append)
         else:
             args = parse_args(common + ["--out_dir", out_dir])
             assert args.max_steps == UNLIMITED_STEPS
             s = train(args, log=said.append)
+            assert sum(line.startswith("plan: ") for line in said) == 1, said
         ckpt = load_checkpoint(out_dir)
-        planned = ckpt["planned_steps"]
-        assert stop_after or sum(line.startswith(f"plan: {planned} steps") for line in said) == 1, said
-        assert not stop_after or planned == before["planned_steps"], "the resumed run planned again"
-        steps = [r for r in s["records"] if "train_loss" in r]  # every step (--log_interval 1)
+        plan = Plan(**ckpt["plan"])
+        steps = [r for r in s["records"] if "train_loss" in r]  # every step (--log_interval 1), both invocations
         times = [r["train_time_s"] for r in steps]
         # (records round to 1 ms: a step ended just under the budget may read as the budget itself)
-        assert times == sorted(times) and (steps[-1]["step"] == planned or times[-2] <= budget <= times[-1]), \
-            (planned, steps[-1]["step"], times[-3:])
+        assert times == sorted(times) and (steps[-1]["step"] == plan.end or times[-2] <= budget <= times[-1]), \
+            (plan, steps[-1]["step"], times[-3:])
         assert abs(s["train_time_s"] - times[-1]) < 1e-3 and s["stopped_by"] is None, (s["train_time_s"], times[-1])
+        lrs = [r["lr"] for r in steps if r["step"] > 5]  # (after the warmup)
+        assert all(b <= a for a, b in zip(lrs, lrs[1:])), lrs
         for r in steps:
-            if r["step"] > PLAN_SKIP + PLAN_MEASURE:  # (planned at that step; before it, warmup and peak LR)
-                assert r["lr"] == lr_at(r["step"] - 1, planned, lr, 5), (r, planned)
+            if r["step"] > plan.since:
+                assert r["lr"] == lr_at(r["step"] - 1, plan, lr, 5), (r, plan)
         assert ckpt["step"] == steps[-1]["step"] == s["records"][-1]["step"] and "val_loss" in s["records"][-1]
         assert abs(ckpt["train_time_s"] - s["train_time_s"]) < 0.5, (ckpt["train_time_s"], s["train_time_s"])
     fixed, planned_runs = os.path.join(_TMP, "fixed"), os.path.join(_TMP, "budget_fits")
@@ -221,8 +223,64 @@ def test_time_budget_plans_the_schedule_and_resume_continues_it():
     train(parse_args(short + ["--time_budget_s", "0", "--out_dir", fixed]), log=quiet)
     train(parse_args(short + ["--out_dir", planned_runs]), log=quiet)  # the stage's default budget
     a, b = load_checkpoint(fixed), load_checkpoint(planned_runs)
-    assert b["args"]["time_budget_s"] > 0 and b["planned_steps"] == 30, (b["args"]["time_budget_s"], b["planned_steps"])
+    assert b["args"]["time_budget_s"] > 0 and b["plan"] == {"end": 30, "since": 0, "progress": 0.0}, b["plan"]
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), "a plan of --max_steps is not the fixed run"
+
+
+def test_plan_follows_the_speed_and_never_jumps():
+    """plan_budget on a simulated clock: planned while another job slows the first steps (0.475 s/step), the run
+    then goes 0.30 s/step. The main job (600 s, --max_steps 1300) re-plans and trains all 1,300 steps (a plan
+    made once stopped at 1,262); with no --max_steps it ends within PLAN_TOLERANCE of the budget. The LR never
+    rises after the warmup and ends at lr/10. Resuming with a larger --max_steps (no budget) continues the LR from
+    where it stands; asking for more steps when the budget is spent is one ValueError naming the flag."""
+    from types import SimpleNamespace
+
+    from train.flags import UNLIMITED_STEPS
+    from train.loop import PLAN_TOLERANCE, Plan, TrainState, lr_at, plan_budget, plan_on_resume, spent
+    for max_steps in (1300, UNLIMITED_STEPS):
+        args = SimpleNamespace(time_budget_s=600.0, max_steps=max_steps, warmup_steps=50, resume="ckpt.pt")
+        state = TrainState(batches=None, scaler=None, plan=Plan(end=args.max_steps))
+        lrs, said = [], []
+        while state.step < state.plan.end and not state.out_of_time:
+            lrs.append(lr_at(state.step, state.plan, 3e-3, args.warmup_steps))
+            state.step += 1
+            state.train_s += 0.475 if state.step <= 20 else 0.30
+            state.out_of_time = spent(args, state.train_s)
+            plan_budget(state, args, said.append)
+        assert said[0].startswith("plan: ") and any(line.startswith("re-plan: ") for line in said), said
+        assert state.step == 1300 if max_steps == 1300 else state.train_s >= (1 - PLAN_TOLERANCE) * 600, \
+            (state.train_s, state.step, said)
+        assert all(b <= a for a, b in zip(lrs[50:], lrs[51:])), "the LR rose after the warmup"
+        assert state.step == state.plan.end and abs(lrs[-1] / 3e-4 - 1) < 1e-3, (state.step, state.plan, lrs[-1])
+    done = TrainState(batches=None, scaler=None, plan=Plan(end=40), step=40)
+    fixed = SimpleNamespace(time_budget_s=0, max_steps=80, warmup_steps=5, resume="ckpt.pt")
+    before = lr_at(40, done.plan, 3e-3, 5)  # (the step after the last: the cosine's floor)
+    plan_on_resume(fixed, {"max_steps": 40}, done, said.append)
+    assert done.plan.end == 80 and lr_at(40, done.plan, 3e-3, 5) == before and abs(before / 3e-4 - 1) < 1e-9, \
+        (done.plan, before)
+    args = SimpleNamespace(time_budget_s=600.0, max_steps=1300, warmup_steps=50, resume="ckpt.pt")
+    out = TrainState(batches=None, scaler=None, plan=Plan(end=40), step=40, train_s=601.0)
+    try:
+        plan_on_resume(args, {"max_steps": 40, "time_budget_s": 600.0}, out, said.append)
+        raise AssertionError("a larger --max_steps with the budget spent was taken silently")
+    except ValueError as e:
+        assert "--time_budget_s 600 is spent" in str(e) and "\n" not in str(e), e
+    plan_on_resume(args, {"max_steps": 1300, "time_budget_s": 600.0}, out, said.append)  # (nothing more asked)
+
+
+def test_init_from_with_another_tokenizer_is_warned():
+    """--init_from a run (the suite's tiny run, 6,400 tokens) with a --tokenizer of another vocabulary (a 300-token
+    BPE): one warning line naming both, and the run goes on; the run's own tokenizer named: no warning."""
+    from data.tokenizer import save_tokenizer, train_tokenizer
+    src, other = testlib.tiny_run(), os.path.join(_TMP, "tok300")
+    save_tokenizer(train_tokenizer(["Return the number of items in the container."] * 20, vocab_size=300), other)
+    common = ["--init_from", src, "--max_steps", "1", "--data_path", text_file(), "--eval_tokens", "256",
+              "--no_progress", "--sample_tokens", "0", "--time_budget_s", "0"]
+    for tok, warned in ((other, True), (os.path.join(src, "tokenizer"), False)):
+        r = _cli(*common, "--tokenizer", tok, "--out_dir", os.path.join(_TMP, f"init_tok_{warned}"))
+        warnings = [line for line in r.stderr.splitlines() if line.startswith("warning: --tokenizer")]
+        assert r.returncode == 0 and len(warnings) == warned, r.stderr[-2000:]
+        assert not warned or (tok in warnings[0] and src in warnings[0]), warnings
 
 
 def test_bench_quality_smoke_run():
@@ -536,7 +594,7 @@ def test_short_validation_split_is_announced():
     assert not any(line.startswith("note:") for line in lines), lines
 
 
-TESTS = [test_tiny_run_learns_and_checkpoint_reloads, test_fused_impl_trains_like_sorted_and_switches_on_resume,
+TESTS = [test_init_from_with_another_tokenizer_is_warned, test_plan_follows_the_speed_and_never_jumps, test_tiny_run_learns_and_checkpoint_reloads, test_fused_impl_trains_like_sorted_and_switches_on_resume,
          test_dense_model_trains_and_resume_keeps_a_damaged_log,
          test_resume_equals_continuous_run, test_bad_inputs_fail_fast_with_clear_messages, test_resume_refuses_a_changed_data_order,
          test_corrupt_checkpoint_is_refused, test_help_shows_every_default_range_and_output_file,

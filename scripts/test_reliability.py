@@ -6,6 +6,7 @@ and scripts/import_hf.py refuses a damaged HF folder.
 
     python scripts/test_reliability.py
 """
+import copy
 import json
 import os
 import random
@@ -128,6 +129,31 @@ def test_damaged_checkpoint_is_refused_by_every_entry_point():
             f"{script} {argv}:\n{r.stderr[-2000:]}"
 
 
+def test_a_change_anywhere_in_a_checkpoint_is_a_one_line_error():
+    """One value outside the tensors changed and the file saved again (as a flipped bit in its pickle would):
+    the config (num_experts_per_tok 2 -> 3), a flag, the step, the plan, the clock, the data position. Each:
+    --resume is one `error:` line naming the file, exit 2; the original file then resumes."""
+    out = os.path.join(_TMP, "edited")
+    assert cli(*TINY, "--data_path", data_file(), "--max_steps", "4", "--stop_after", "2", "--out_dir", out).returncode == 0
+    path = os.path.join(out, "ckpt.pt")
+    good = torch.load(path, weights_only=True)
+    first_int = lambda d: next(k for k, v in d.items() if isinstance(v, int) and not isinstance(v, bool))  # noqa: E731
+    edits = {"config": lambda c: c["config"].update(num_experts_per_tok=3),
+             "flag": lambda c: c["args"].update(learning_rate=c["args"]["learning_rate"] * 2),
+             "step": lambda c: c.update(step=c["step"] + 1),
+             "plan": lambda c: c["plan"].update(end=c["plan"]["end"] + 1),
+             "clock": lambda c: c.update(train_time_s=c["train_time_s"] + 1.0),
+             "data position": lambda c: c["data"].update({first_int(c["data"]): c["data"][first_int(c["data"])] + 1})}
+    for what, edit in edits.items():
+        ckpt = copy.deepcopy(good)
+        edit(ckpt)
+        torch.save(ckpt, path)
+        r = cli("--resume", "--out_dir", out)
+        one_line_error(r, path, "checksum mismatch")
+    torch.save(good, path)
+    assert cli("--resume", "--out_dir", out).returncode == 0
+
+
 def _damaged_checkpoints(src):
     """{case: path} of damaged copies of the checkpoint `src`."""
     from train.checkpoint import atomic_torch_save
@@ -148,7 +174,7 @@ def _damaged_checkpoints(src):
     for case, obj in (("pickled int", 7), ("missing tensor", missing), ("wrong shape", wrong_shape),
                       ("invalid config", bad_config)):
         if isinstance(obj, dict):
-            obj.pop("checksum", None)  # as if written so: the structure is what is wrong
+            obj.pop("sha256", None)  # as if written so: the structure is what is wrong
         paths[case] = os.path.join(folder, case.replace(" ", "_") + ".pt")
         atomic_torch_save(obj, paths[case])
     return paths
@@ -201,7 +227,7 @@ def test_stop_signals_save_and_resume_bitwise():
     so the hint works as printed); resuming with that command gives the weights of an uninterrupted run,
     bit for bit."""
     import shlex
-    common = [*TINY, "--data_path", data_file(), "--max_steps", "100000", "--log_interval", "1",
+    common = [*TINY, "--data_path", data_file(), "--max_steps", "100000", "--time_budget_s", "0", "--log_interval", "1",
               "--save_interval", "100000", "--eval_interval", "100000"]
     for sig in (signal.SIGTERM, signal.SIGINT):
         out = os.path.join(_TMP, f"signal_{sig.name}")
@@ -561,7 +587,7 @@ def test_import_hf_refuses_every_damaged_folder():
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b), "import is not the exported model"
 
 
-TESTS = [test_divergence_stops_cleanly_and_keeps_the_last_good_checkpoint,
+TESTS = [test_a_change_anywhere_in_a_checkpoint_is_a_one_line_error, test_divergence_stops_cleanly_and_keeps_the_last_good_checkpoint,
          test_stop_signals_save_and_resume_bitwise, test_every_malformed_checkpoint_is_a_one_line_error,
          test_occupied_directory_is_refused_unless_resume_or_overwrite,
          test_one_run_per_directory_and_a_killed_run_leaves_no_lock_or_temp,

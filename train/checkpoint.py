@@ -1,7 +1,8 @@
 """Checkpoints and weight files: fp32 weights, optimizer, step, data position, RNG state, config and flags in
 one file, written atomically (data/atomic.py), loaded strictly; HF folders (config.json + safetensors) read
-into the same model. Each checkpoint carries a SHA-256 of its tensors (`checksum`), verified on every load, so
-a flipped bit is reported, never loaded (torch.load only notices a damaged container); HF exports carry it in
+into the same model. Each checkpoint carries a SHA-256 of everything else in it (`checksum`: weights, optimizer,
+config, flags, step, plan, data position, RNG), verified on every load, so a flipped bit anywhere is reported,
+never loaded (torch.load only notices a damaged container); HF exports carry the SHA-256 of their tensors in
 model.safetensors' metadata (`safetensors_metadata`, checked by `load_safetensors`).
 """
 import hashlib
@@ -12,6 +13,7 @@ import torch
 from data.atomic import atomic_file
 
 CKPT_NAME = "ckpt.pt"
+CHECKSUM_KEY, LEGACY_CHECKSUM_KEY = "sha256", "checksum"
 HF_CHECKSUM_KEY = "minimind_tensors_sha256"  # safetensors metadata entry written by export_hf.py
 
 
@@ -33,37 +35,55 @@ def atomic_torch_save(obj, path):
 
 
 def save_checkpoint(path, model, optimizer=None, extra=None):
-    """Write {"model": fp32 CPU state_dict, "optimizer", "config", **extra, "checksum"} atomically (train/loop.py's
+    """Write {"model": fp32 CPU state_dict, "optimizer", "config", **extra, "sha256"} atomically (train/loop.py's
     extra: TrainState, the flags as "args", the data identity, the world size)."""
     model = unwrap(model)
     state = {"model": {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
                        for k, v in model.state_dict().items()},
              "optimizer": optimizer.state_dict() if optimizer is not None else None,
              "config": model.config.to_dict(), **(extra or {})}
-    state["checksum"] = tensor_checksum(state)
+    state[CHECKSUM_KEY] = checksum(state)
     atomic_torch_save(state, path)
 
 
-def _tensors(obj, prefix=""):
-    """(name, tensor) of every tensor inside nested dicts / lists / tuples, in a fixed order."""
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
+def _leaves(obj, prefix=""):
+    """(name, value) of every tensor and plain value (empty containers included) inside nested dicts / lists /
+    tuples, in a fixed order."""
+    if isinstance(obj, dict) and obj:
         for k in sorted(obj, key=str):
-            yield from _tensors(obj[k], f"{prefix}/{k}")
-    elif isinstance(obj, (list, tuple)):
+            yield from _leaves(obj[k], f"{prefix}/{k}")
+    elif isinstance(obj, (list, tuple)) and obj:
         for i, v in enumerate(obj):
-            yield from _tensors(v, f"{prefix}/{i}")
+            yield from _leaves(v, f"{prefix}/{i}")
+    else:
+        yield prefix, obj
 
 
-def tensor_checksum(state):
-    """SHA-256 (hex) over the names, dtypes, shapes and bytes of every tensor in `state` except itself."""
+def checksum(state, tensors_only=False):
+    """SHA-256 (hex) over everything in the dict `state` except its own CHECKSUM_KEY: each tensor's name, dtype,
+    shape and bytes, each other value's name, type and repr (with `tensors_only`, the tensors alone: what
+    checkpoints written before the whole was covered carry as "checksum")."""
     h = hashlib.sha256()
-    for name, t in _tensors({k: v for k, v in state.items() if k != "checksum"}):
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    for name, v in _leaves({k: v for k, v in state.items() if k not in (CHECKSUM_KEY, LEGACY_CHECKSUM_KEY)}):
+        if isinstance(v, torch.Tensor):
+            t = v.detach().cpu().contiguous()
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif not tensors_only:
+            h.update(f"{name}|{type(v).__name__}|{v!r}|".encode())
     return h.hexdigest()
+
+
+def verify(ckpt, path):
+    """Raise ValueError (one line, naming the file) unless the checkpoint's SHA-256 matches its contents (a dict
+    without one, not written by save_checkpoint, is not checked)."""
+    if CHECKSUM_KEY in ckpt:
+        ok = checksum(ckpt) == ckpt[CHECKSUM_KEY]
+    else:
+        ok = LEGACY_CHECKSUM_KEY not in ckpt or checksum(ckpt, tensors_only=True) == ckpt[LEGACY_CHECKSUM_KEY]
+    if not ok:
+        raise ValueError(f"{path}: checksum mismatch: the file is damaged (its contents changed after it was "
+                         f"written); use another checkpoint")
 
 
 def load_checkpoint(path):
@@ -82,9 +102,7 @@ def load_checkpoint(path):
     missing = {"model", "config"} - set(ckpt)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {sorted(missing)}")
-    if "checksum" in ckpt and tensor_checksum(ckpt) != ckpt["checksum"]:  # (checkpoints of older versions have none)
-        raise ValueError(f"{path}: checksum mismatch: the file is damaged (its tensors changed after it was "
-                         f"written); use another checkpoint")
+    verify(ckpt, path)
     check_weights_fit_config(ckpt, path)
     return ckpt
 
@@ -101,6 +119,7 @@ def read_saved_flags(path):
     if not isinstance(ckpt, dict) or not ckpt.get("args") or ckpt.get("optimizer") is None or "data" not in ckpt:
         raise ValueError(f"{path}: holds weights but no training state (an imported or exported model?); start "
                          f"from it with --init_from instead of --resume")
+    verify(ckpt, path)
     return dict(ckpt["args"]), ckpt.get("world_size", 1)
 
 
@@ -138,8 +157,8 @@ def _one_line(e, limit=200):
 
 
 def safetensors_metadata(state):
-    """`metadata=` for safetensors' save_file: transformers' format tag and the tensors' `tensor_checksum`."""
-    return {"format": "pt", HF_CHECKSUM_KEY: tensor_checksum({"tensors": state})}
+    """`metadata=` for safetensors' save_file: transformers' format tag and the tensors' `checksum`."""
+    return {"format": "pt", HF_CHECKSUM_KEY: checksum({"tensors": state})}
 
 
 def load_safetensors(path):
@@ -152,7 +171,7 @@ def load_safetensors(path):
             state = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises its own SafetensorError for empty / truncated / foreign files
         raise ValueError(f"{path}: not a readable safetensors file ({_one_line(e)})") from None
-    if HF_CHECKSUM_KEY in meta and tensor_checksum({"tensors": state}) != meta[HF_CHECKSUM_KEY]:
+    if HF_CHECKSUM_KEY in meta and checksum({"tensors": state}) != meta[HF_CHECKSUM_KEY]:
         raise ValueError(f"{path}: checksum mismatch: the file is damaged (its tensors changed after it was "
                          f"exported); export it again")
     return state

@@ -23,7 +23,7 @@ CONFIG_FIELDS = set(MiniMindConfig.__dataclass_fields__)
 # bitwise the masked reference, which the acceptance test pins.
 TRAINING_DEFAULTS = {"moe_impl": "fused", "routed_scaling_factor": None}  # None: num_experts_per_tok
 # Flags a resume never takes from the checkpoint: they describe this invocation, not the run.
-PER_INVOCATION = ("resume", "stop_after", "ep_size", "overwrite", "threads")
+PER_INVOCATION = ("resume", "stop_after", "ep_size", "overwrite")
 # What an upcycled model keeps of the dense one (--upcycle_from); its MoE fields come from the flags
 TRUNK_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "max_position_embeddings", "rope_theta", "rms_norm_eps", "dropout",
@@ -170,8 +170,8 @@ def add_train_flags(parser, default_out_dir):
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     group.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                        help="autocast dtype; auto = bfloat16 on CUDA, on CPU where bf16 GEMMs measure >= 1.5x fp32")
-    group.add_argument("--threads", default="auto", help="CPU threads: auto = re-measured while training "
-                       "(train/threads.py), or a fixed count")
+    group.add_argument("--threads", default="auto", help="CPU threads, fixed for the run (train/threads.py): auto = "
+                       "OMP_NUM_THREADS or the cores torch may use; a resume keeps the run's count")
     group.add_argument("--eval_interval", type=int, default=250, help="steps between validation runs")
     group.add_argument("--eval_tokens", type=int, default=16384, help="validation tokens per evaluation")
     group.add_argument("--save_interval", type=int, default=250, help="steps between checkpoints")
@@ -261,6 +261,9 @@ def _merge_resume(parser, stage, args, argv):
     changed = [f"--{k}" for k in architecture_fields() if k in saved and k != "vocab_size" and getattr(args, k) != saved[k]]
     if changed:
         print(f"warning: {', '.join(changed)} ignored on resume: the architecture comes from the checkpoint", file=sys.stderr)
+    if given(argv, "threads") and saved.get("threads", "auto") not in ("auto", args.threads):
+        print(f"note: --threads {args.threads} instead of the run's {saved['threads']}: from here the steps round "
+              f"differently from an uninterrupted run's", file=sys.stderr)
     if args.out_dir == saved.get("out_dir") and os.path.isfile(path):
         args.out_dir = os.path.dirname(os.path.abspath(path))  # keep writing next to the checkpoint
     for k in ("seq_len", "seed") + stage.data_order_flags:  # the saved data position points into their windows
@@ -296,11 +299,12 @@ def as_flags(name, value):
     return f"--{name}" if value is None else f"--{name} {flag_value(value)}"
 
 
-def flags_to_save(args, config, dtype_name):
+def flags_to_save(args, config, dtype_name, threads):
     """The flags a checkpoint records: `args` as parsed, with the architecture flags set to what the run's
     `config` holds (flags ignored on --resume / --init_from are not kept, so the next resume has nothing to
-    warn about) and --dtype to what `auto` resolved to (`dtype_name`), so a resume rounds the same."""
-    saved = dict(vars(args), dtype=dtype_name)
+    warn about), --dtype to what `auto` resolved to (`dtype_name`) and --threads to the run's count
+    (`threads`; None on CUDA), so a resume rounds the same."""
+    saved = dict(vars(args), dtype=dtype_name, threads=str(threads) if threads else args.threads)
     for k in architecture_fields():
         if k != "vocab_size" and k in saved:
             saved[k] = flag_value(getattr(config, k))

@@ -1,7 +1,9 @@
 """Where a run's first weights come from besides a fresh init: a checkpoint or HF folder (--init_from), a
 dense run cut into experts (--upcycle_from, sparse upcycling), and the tokenizer that goes with them.
 """
+import json
 import os
+import sys
 
 import torch
 
@@ -51,14 +53,30 @@ def weights_source(args):
         else:
             init_model = model_from_checkpoint(load_checkpoint(path))
             source_dir = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    own = next((cand for cand in (os.path.join(source_dir, "tokenizer"), source_dir)
+                if os.path.exists(os.path.join(cand, "tokenizer.json"))), None) if source_dir else None
     if args.tokenizer is not None or source_dir is None:
+        if init_model is not None and own is not None and tokens_of(own) != tokens_of(args.tokenizer):
+            print(f"warning: --tokenizer {args.tokenizer} is not the tokenizer of {args.init_from or args.upcycle_from} "
+                  f"({own}): the same ids stand for other text, so its trained embeddings start out wrong",
+                  file=sys.stderr)
         return init_model, args.tokenizer
-    for cand in (os.path.join(source_dir, "tokenizer"), source_dir):
-        if os.path.exists(os.path.join(cand, "tokenizer.json")):
-            return init_model, cand
+    if own is not None:
+        return init_model, own
     if init_model is not None:  # a fresh tokenizer would not match the trained embeddings
         raise ValueError(f"{args.init_from or args.upcycle_from}: no tokenizer next to the weights; pass --tokenizer DIR")
     return init_model, None
+
+
+def tokens_of(folder):
+    """A tokenizer folder's vocabulary, merges and added tokens (tokenizer.json), to compare two; None when
+    unreadable (the loading reports that)."""
+    try:
+        with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
+            spec = json.load(f)
+        return spec.get("model"), spec.get("added_tokens")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 @torch.no_grad()

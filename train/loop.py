@@ -41,52 +41,111 @@ from train.report import (LoadTelemetry, MetricsLog, Progress, describe_model, l
                           plot_loss_curve)
 from train.run_dir import abandon_run_dir, claim_run_dir, copy_tokenizer
 from train.stage import Stage, StageData
-from train.threads import thread_tuner
+from train.threads import set_run_threads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
-def lr_at(step, max_steps, lr, warmup_steps, min_lr_ratio=0.1):
-    """Linear warmup over `warmup_steps`, then cosine decay to lr * min_lr_ratio at `max_steps`: a pure
-    function of the (0-based) step, so a resume cannot get it wrong."""
+@dataclass
+class Plan:
+    """The learning-rate schedule after the warmup: a cosine whose progress runs from `progress` at step `since`
+    to 1 at step `end`, the run's last. A fixed-step run's plan is Plan(end=--max_steps); a --time_budget_s run
+    moves its end to the steps that fit (`plan_budget`), and a resume with another --max_steps to that. A moved
+    plan starts where the old one stands (`moved`), so the LR never jumps; the checkpoint records the plan, so the
+    LR is a pure function of (step, plan) and a resume continues it exactly."""
+    end: int
+    since: int = 0
+    progress: float = 0.0
+
+    def progress_at(self, step, warmup_steps):
+        """The cosine's progress in [0, 1] at the (0-based) step: 0 during the warmup."""
+        if step < warmup_steps:
+            return 0.0
+        start = max(self.since, warmup_steps)
+        return min(1.0, self.progress + (1 - self.progress) * (step - start) / max(1, self.end - start))
+
+    def moved(self, step, end, warmup_steps):
+        """The plan that ends at `end` instead, continuing this one's LR from `step` on."""
+        return Plan(end=end, since=step, progress=self.progress_at(step, warmup_steps))
+
+
+def lr_at(step, plan, lr, warmup_steps, min_lr_ratio=0.1):
+    """Linear warmup over `warmup_steps`, then the plan's cosine decay to lr * min_lr_ratio at `plan.end`: a pure
+    function of the (0-based) step and the plan, so a resume cannot get it wrong."""
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
-    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    progress = plan.progress_at(step, warmup_steps)
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-# A --time_budget_s run measures its step time between its first log step at least PLAN_SKIP steps in (first
-# steps pay one-off costs: kernel set-up, the thread tuner's probes) and the first log step PLAN_MEASURE steps
-# later; that rate fixes its number of steps, and the cosine runs over them.
-PLAN_SKIP, PLAN_MEASURE = 5, 15
+# A --time_budget_s run measures its step time on the training clock all ranks agree on: first over PLAN_FIRST
+# steps after the first PLAN_SKIP of each invocation (they pay one-off costs: kernel set-up, allocation), then over
+# every PLAN_WINDOW steps. Whenever the plan's end, at the measured rate, would miss the budget by more than
+# PLAN_TOLERANCE of it, the plan moves to the steps that fit (at most --max_steps): the run follows the machine's
+# speed and ends within about PLAN_TOLERANCE of its budget.
+PLAN_SKIP, PLAN_FIRST, PLAN_WINDOW, PLAN_TOLERANCE = 2, 5, 20, 0.02
 
 
-def plan_steps(state, args, log):
-    """On a --time_budget_s run not yet planned: at a log step (where every rank holds the same clock) mark
-    the start of the measurement, or, PLAN_MEASURE steps after the mark, set state.planned_steps to the steps
-    that fit the budget at the measured rate (at most --max_steps) and say so. Returns True when it planned."""
-    if not args.time_budget_s or state.planned_steps is not None or state.step % args.log_interval:
+def plan_budget(state, args, log):
+    """Every step of a --time_budget_s run: take a measurement when one is due and move the plan if it misses the
+    budget (`fit_budget`). Returns True when the plan moved."""
+    if not args.time_budget_s or state.out_of_time or state.step - state.start_step < PLAN_SKIP:
         return False
     if state.plan_mark is None:
-        if state.step - state.start_step >= PLAN_SKIP:
-            state.plan_mark = (state.step, state.train_s)
+        state.plan_mark = (state.step, state.train_s)
         return False
     mark_step, mark_s = state.plan_mark
-    if state.step - mark_step < PLAN_MEASURE:
+    first = not state.measured
+    if state.step - mark_step < (PLAN_FIRST if first else PLAN_WINDOW):
         return False
     step_s = (state.train_s - mark_s) / (state.step - mark_step)
+    state.plan_mark, state.measured = (state.step, state.train_s), True
+    return fit_budget(state, args, step_s, log, announce=first)
+
+
+def fit_budget(state, args, step_s, log, announce=False):
+    """Move the plan's end to the steps that fit --time_budget_s at `step_s` seconds per step, or to --max_steps
+    when those fit: the former when the current end would miss the budget by more than PLAN_TOLERANCE of it, the
+    latter whenever it differs. Says so (with `announce`, also when the plan stays). Returns True when it moved."""
     fit = state.step + max(1, int((args.time_budget_s - state.train_s) / max(step_s, 1e-9)))
-    state.planned_steps = min(args.max_steps, fit)
-    left_s = (state.planned_steps - state.step) * step_s
+    end = min(args.max_steps, fit)
+    old = state.plan.end
+    moves = end != old and (fit >= args.max_steps or abs(end - old) * step_s > PLAN_TOLERANCE * args.time_budget_s)
+    if moves:
+        state.plan = state.plan.moved(state.step, end, args.warmup_steps)
+    if not (moves or announce):
+        return False
+    left_s = (state.plan.end - state.step) * step_s
     left = f"{left_s:.0f} s" if left_s < 120 else f"{left_s / 60:.1f} minutes"
     if fit >= args.max_steps:
         why = f"--max_steps {args.max_steps} fit --time_budget_s {args.time_budget_s:g}"
     else:
         why = f"what fits --time_budget_s {args.time_budget_s:g}" + (
             f"; --time_budget_s 0 trains all --max_steps {args.max_steps}" if args.max_steps < flags.UNLIMITED_STEPS else "")
-    log(f"plan: {state.planned_steps} steps ({why}): about {left} more training at {step_s:.3f} s/step")
-    return True
+    head = f"re-plan: {old} -> " if moves and not announce else "plan: "
+    log(f"{head}{state.plan.end} steps ({why}): about {left} more training at {step_s:.3f} s/step"
+        + (f" (the warmup, --warmup_steps {args.warmup_steps}, is longer)" if state.plan.end <= args.warmup_steps else ""))
+    return moves
+
+
+def plan_on_resume(args, saved_args, state, log):
+    """The restored plan against this invocation's --max_steps / --time_budget_s: a fixed-step run moves its end
+    to --max_steps; a budget run re-fits its end at the run's mean step time so far (then measures again). Raises
+    ValueError when the flags ask for more steps than the run has done but the budget allows none."""
+    if not args.time_budget_s:
+        if state.plan.end != args.max_steps and args.max_steps > state.step:
+            log(f"plan: {state.plan.end} -> {args.max_steps} steps (--max_steps {args.max_steps}); the learning rate "
+                f"continues from step {state.step}'s")
+            state.plan = state.plan.moved(state.step, args.max_steps, args.warmup_steps)
+        return
+    if state.step and not spent(args, state.train_s):
+        fit_budget(state, args, state.train_s / state.step, log)
+    asked_more = args.max_steps > saved_args.get("max_steps", 0) or args.time_budget_s > saved_args.get("time_budget_s", 0)
+    if spent(args, state.train_s) and asked_more and args.max_steps > state.step:
+        raise ValueError(f"{args.resume}: the run has trained {state.train_s:.0f} s, its --time_budget_s "
+                         f"{args.time_budget_s:g} is spent: pass a larger --time_budget_s (or 0) to train on to "
+                         f"--max_steps {args.max_steps}")
 
 
 class TrainClock:
@@ -136,17 +195,20 @@ class StopSignal:
 @dataclass
 class TrainState:
     """What changes as the run goes; `state_dict()` is what a checkpoint needs to continue exactly: the
-    step, the training clock, the data position, the RNG, the loss scaler and the expert-load telemetry."""
+    step, the training clock, the plan, the data position, the RNG, the loss scaler and the expert-load
+    telemetry."""
     batches: object                     # the stage's train_batches (their position is part of the state)
     scaler: torch.amp.GradScaler
+    plan: Plan
     step: int = 0
     start_step: int = 0
     clock: TrainClock = field(default_factory=TrainClock)
     telemetry: LoadTelemetry = field(default_factory=LoadTelemetry)
     train_s: float = 0.0                # the clock as all ranks agree on it: the plan and the budget use it
     out_of_time: bool = False           # --time_budget_s is spent: this step is the run's last
-    planned_steps: int | None = None    # a --time_budget_s run's steps once planned (plan_steps)
-    plan_mark: tuple | None = None      # (step, train_s) where plan_steps started measuring
+    plan_mark: tuple | None = None      # (step, train_s) where plan_budget's current measurement started
+    measured: bool = False              # plan_budget has measured the step time in this invocation
+    shared: tuple | None = None         # several ranks: (async all-reduce, [signal, clock]) of the previous step
     interval_steps: int = 0
     interval_start: float = 0.0
     last_val: tuple | None = None       # (step, val_loss) of the latest evaluation
@@ -155,21 +217,20 @@ class TrainState:
     stopped_by: str | None = None       # "--stop_after" or a signal name
 
     def state_dict(self):
-        return {"step": self.step, "train_time_s": self.clock.read(), "planned_steps": self.planned_steps,
+        return {"step": self.step, "train_time_s": self.clock.read(), "plan": vars(self.plan).copy(),
                 "data": self.batches.state_dict(),
                 "rng": {"torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
                 "scaler": self.scaler.state_dict(), "router_load": self.telemetry.state_dict()}
 
-    def total_steps(self, args):
-        """The steps this run trains: the plan of a --time_budget_s run once made, else --max_steps."""
-        return self.planned_steps if args.time_budget_s and self.planned_steps is not None else args.max_steps
-
     def load_state_dict(self, sd):
         self.step = self.start_step = sd["step"]
         self.clock = TrainClock(sd["train_time_s"])
         self.train_s = sd["train_time_s"]
-        self.planned_steps = sd.get("planned_steps")  # (absent from checkpoints written before plans)
+        if "plan" in sd:
+            self.plan = Plan(**sd["plan"])
+        elif sd.get("planned_steps"):  # (checkpoints written before plans moved)
+            self.plan = Plan(end=sd["planned_steps"])
         self.batches.load_state_dict(sd["data"])
         torch.set_rng_state(sd["rng"]["torch"])
         if torch.cuda.is_available() and sd["rng"]["cuda"]:
@@ -187,6 +248,7 @@ class Run:
     ctx: object              # train.parallel.DistContext
     device: str
     dtype: torch.dtype       # autocast dtype (fp32 = no autocast); weights stay fp32
+    threads: int | None      # the CPU thread count, fixed for the run (None on CUDA)
     config: object
     data: StageData
     model: torch.nn.Module   # the plain module (checkpoints, eval, telemetry)
@@ -213,19 +275,15 @@ def train(args, log=print, stage=None):
     try:
         run, state = setup(stage, args, ctx, device_type, log if ctx.is_main else (lambda *_: None))
         run.log(f"setup: {time.time() - t_start:.1f} s to the first step")
-        total = state.total_steps(args)
+        total = state.plan.end
         progress = Progress(stage.name, state.step, None if total == flags.UNLIMITED_STEPS else total,
                             ctx.is_main and not args.no_progress, run.log)
-        tuner = thread_tuner(run.device, run.args.threads, run.ctx.distributed, run.log)
         state.clock.start()
         state.interval_start = state.clock.read()
         state.out_of_time = spent(args, state.train_s)
         with state.stop_signal:
-            while state.step < state.total_steps(args) and not state.out_of_time:
-                t_step = time.perf_counter()
+            while state.step < state.plan.end and not state.out_of_time:
                 lr, ce, aux, grad_norm, load_LE = train_step(run, state)
-                if tuner:  # (on CPU the step has finished here: nothing runs asynchronously)
-                    tuner.observe(time.perf_counter() - t_step)
                 if after_step(run, state, progress, lr, ce, aux, grad_norm, load_LE):
                     break
         progress.close()
@@ -269,6 +327,7 @@ def setup(stage, args, ctx, device_type, log):
         check_same_on_all_ranks(ctx, "the model config", config.to_dict())
         check_same_on_all_ranks(ctx, "the training flags", {k: v for k, v in vars(args).items() if k != "device"})
         dtype = resolve_dtype(args, ctx, device_type, log)
+        threads = set_run_threads(args.threads, device_type, log)
         if ctx.distributed:
             experts = (f"{config.num_experts // ctx.ep_size} of the {config.num_experts} experts per rank, each on "
                        f"{ctx.world_size // ctx.ep_size} rank(s)" if config.use_moe and ctx.ep_size > 1 else "every rank "
@@ -286,16 +345,17 @@ def setup(stage, args, ctx, device_type, log):
         optimizer = make_optimizer(model, args)
         # fp16 autocast needs loss scaling on CUDA; a disabled scaler is a no-op for fp32 / bf16
         scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16 and device_type == "cuda")
-        state = TrainState(batches=data.train_batches, scaler=scaler)
+        state = TrainState(batches=data.train_batches, scaler=scaler, plan=Plan(end=args.max_steps))
         if ckpt:
             restore(args, ckpt, model, optimizer, state, data, log)
+            plan_on_resume(args, ckpt.get("args") or {}, state, log)
         log(describe_model(model, config, device, dtype))
         log(describe_engines(model))
         train_model = wrap(model, args, ctx, device_type)
         metrics = MetricsLog(args.out_dir, state.step if ckpt else None, ctx.is_main,
                              open_wandb(args, config, args.out_dir) if ctx.is_main else None)
-        run = Run(args=args, stage=stage, ctx=ctx, device=device, dtype=dtype, config=config, data=data, model=model,
-                  train_model=train_model, optimizer=optimizer, metrics=metrics, log=log, lock=lock)
+        run = Run(args=args, stage=stage, ctx=ctx, device=device, dtype=dtype, threads=threads, config=config, data=data,
+                  model=model, train_model=train_model, optimizer=optimizer, metrics=metrics, log=log, lock=lock)
         if state.step == 0:
             evaluate_and_record(run, state, None, first=True)
     except BaseException:  # (Ctrl-C included)
@@ -368,7 +428,7 @@ def train_step(run, state):
     own step. Returns (lr, LM-loss part, router-loss part, grad norm, load [L, E] or None); the parts are
     this rank's, detached: summed over ranks they give the global batch's losses."""
     args, ctx = run.args, run.ctx
-    lr = lr_at(state.step, state.total_steps(args), args.learning_rate, args.warmup_steps)
+    lr = lr_at(state.step, state.plan, args.learning_rate, args.warmup_steps)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
     batches = [state.batches.next() for _ in range(args.grad_accum)]  # global batches, on the CPU
@@ -436,9 +496,9 @@ def after_step(run, state, progress, lr, ce, aux, grad_norm, load_LE):
     state.telemetry.add(load_LE)
     track_finite(state, ce + aux + (grad_norm if grad_norm is not None and not state.scaler.is_enabled() else 0))
     state.stopped_by = stop_reason(run, state)  # (also decides out_of_time, before this step's log and eval)
-    if plan_steps(state, args, progress.say):
-        progress.set_total(state.planned_steps)
-    last = state.step >= state.total_steps(args) or state.out_of_time
+    if plan_budget(state, args, progress.say):
+        progress.set_total(state.plan.end)
+    last = state.step >= state.plan.end or state.out_of_time
     if state.step % args.log_interval == 0 or last:
         check_finite(run, state)
         progress.update(log_train(run, state, lr, ce, aux, grad_norm), show_load=bool(args.show_load))
@@ -456,22 +516,32 @@ def after_step(run, state, progress, lr, ce, aux, grad_norm, load_LE):
         python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
         progress.say(f"stopped at step {state.step} ({state.stopped_by}); continue with: {python} "
                      f"train/{run.stage.name}.py --resume --out_dir {args.out_dir}")
+    elif not last and run.ctx.distributed:
+        share_clock_and_signal(run, state)
     return state.stopped_by is not None or state.out_of_time
+
+
+def share_clock_and_signal(run, state):
+    """Several ranks: start this step's all-reduce (MAX) of [a stop signal received, the training clock] on the
+    CPU group, asynchronously; the next step reads it (`stop_reason`). Every rank thus acts on the same values
+    at the same step, one step late, without waiting for the device."""
+    shared = torch.tensor([float(state.stop_signal.received is not None), state.clock.read()], dtype=torch.float64)
+    state.shared = (dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=run.ctx.cpu_group, async_op=True), shared)
 
 
 def stop_reason(run, state):
     """"--stop_after" after this invocation's steps, a signal's name after Ctrl-C / SIGTERM, else None; and
-    updates state.train_s / out_of_time. With several ranks, signals and the clock are acted on at log
-    steps, where one all-reduce (MAX) gives every rank the same flag and clock."""
+    updates state.train_s / out_of_time, every step. With several ranks, the signal and the clock are those of
+    the previous step's all-reduce (`share_clock_and_signal`), the same on every rank."""
     args, received = run.args, state.stop_signal.received
     if not run.ctx.distributed:
         state.train_s = state.clock.read()
-    elif state.step % args.log_interval == 0:
-        shared = torch.tensor([float(received is not None), state.clock.read()], dtype=torch.float64, device=run.device)
-        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
-        state.train_s = float(shared[1])
+    elif state.shared is not None:
+        work, shared = state.shared
+        work.wait()
+        state.train_s, state.shared = float(shared[1]), None
         received = (received or "a signal on another rank") if shared[0] else None
-    else:
+    else:  # (the first step of an invocation: nothing shared yet)
         received = None
     state.out_of_time = spent(args, state.train_s)
     if state.out_of_time:  # the run ends as planned (final evaluation, checkpoint, summary)
@@ -591,7 +661,7 @@ def save(run, state, plots=True):
         return
     out = run.args.out_dir
     save_checkpoint(os.path.join(out, CKPT_NAME), run.model, run.optimizer, {
-        **state.state_dict(), "args": flags.flags_to_save(run.args, run.config, DTYPE_NAMES[run.dtype]), **run.data.identity, "world_size": run.ctx.world_size,
+        **state.state_dict(), "args": flags.flags_to_save(run.args, run.config, DTYPE_NAMES[run.dtype], run.threads), **run.data.identity, "world_size": run.ctx.world_size,
         "ep_size": run.ctx.ep_size})
     atomic_write_text(os.path.join(out, "config.json"), run.config.to_json_string())
     if not plots:
@@ -607,8 +677,8 @@ def save(run, state, plots=True):
 def finish(run, state):
     """Final evaluation (unless one just ran), the summary lines, and a short sample."""
     args = run.args
-    if state.start_step >= state.total_steps(args):
-        run.log(f"nothing to do: checkpoint is at step {state.start_step} >= the run's {state.total_steps(args)} steps")
+    if state.start_step >= state.plan.end:
+        run.log(f"nothing to do: checkpoint is at step {state.start_step} >= the run's {state.plan.end} steps")
     elif args.time_budget_s:
         run.log(f"trained {state.train_s:.1f} s of --time_budget_s {args.time_budget_s:g} in {state.step} steps")
     if state.last_val is None or state.last_val[0] != state.step:

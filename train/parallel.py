@@ -39,6 +39,7 @@ class DistContext:
     ep_size: int = 1
     ep_group: object = None
     expert_dp_group: object = None
+    cpu_group: object = None  # every rank, gloo: host-side values (the loop's clock and stop signals) beside NCCL
 
     @property
     def is_main(self):
@@ -65,7 +66,8 @@ def init_distributed(ep_size, device_type):
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     rank = dist.get_rank()
-    ctx = DistContext(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")), ep_size=ep_size)
+    ctx = DistContext(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")), ep_size=ep_size,
+                      cpu_group=dist.new_group(backend="gloo"))
     for g in range(world // ep_size):  # every rank creates every group, in the same order
         group = dist.new_group(list(range(g * ep_size, (g + 1) * ep_size)))
         if rank // ep_size == g:

@@ -56,7 +56,7 @@ def data_fingerprint(index):
 
 
 # The main job ends in about 15 minutes on any 2-core machine: 1,300 steps where they take under 10 minutes,
-# else the steps 10 minutes hold (train/loop.py: plan_steps). --time_budget_s 0: 1,300 steps, however long.
+# else the steps 10 minutes hold (train/loop.py: plan_budget). --time_budget_s 0: 1,300 steps, however long.
 STAGE = Stage(name="pretrain", description=__doc__, default_out_dir="checkpoints/pretrain",
               add_data_flags=add_data_flags, load_data=load_data, data_order_flags=("data_path", "text_field"),
               defaults=dict(time_budget_s=600.0))

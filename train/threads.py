@@ -1,15 +1,15 @@
-"""CPU thread count chosen by measurement while training, so a busy machine does not stall the run.
+"""The CPU thread count of a run, fixed for the whole run so that its numbers do not depend on the machine's load.
 
-torch's CPU kernels are OpenMP teams meeting at a barrier after every parallel region: when another process
-holds a core, every region waits for the descheduled thread, and fewer threads can be much faster
-(`scripts/bench/bench_step.py --busy 1`). `ThreadTuner` times every step (median of the last `window`); at the
-start, then every `probe_every` steps, it runs `window` steps at half or double the count and keeps whichever
-is >= 7% faster; a losing probe doubles the wait (up to `max_probe_every`), a 30% change of step time brings
-the next probe forward. Step results do not depend on the count (scripts/test_cpu_speed.py checks it bitwise).
+How a GEMM splits its work over threads sets the order of its sums, and so its rounding: on an Intel Xeon with
+AMX, `torch.mm` at 1 and at 2 threads differs for an inner dimension of 2,048 in fp32 (a training step's weight
+gradients sum over batch x sequence tokens), and every bf16 training step differs. A run therefore takes its
+count once (`--threads auto`: the count torch starts with, i.e. OMP_NUM_THREADS or the cores it may use), the
+checkpoint records it and `--resume` reuses it, so a run's result depends only on its flags, data and seed. What
+this gives up: speed when another process takes a core (each OpenMP region then waits for the descheduled
+thread; `scripts/bench/bench_step.py --busy 1` measures it); pass `--threads 1` on a busy machine.
 """
 import ctypes
 import ctypes.util
-import statistics
 
 import torch
 
@@ -26,89 +26,14 @@ def keep_freed_memory():
         return False
 
 
-def thread_tuner(device, threads, distributed, log):
-    """On CPU: keep freed memory, and --threads: a fixed count, or (auto, one process) a ThreadTuner; None
-    when nothing is tuned."""
-    if device != "cpu":
+def set_run_threads(threads, device_type, log):
+    """On CPU: keep freed memory and set torch's thread count to `threads` (the flag's value: "auto" or a count
+    as text) for the rest of the process. Returns the count (an int; what the checkpoint records), or None on
+    CUDA, where the flag does nothing."""
+    if device_type != "cpu":
         return None
     keep_freed_memory()
-    if threads != "auto":
-        torch.set_num_threads(int(threads))
-        return None
-    return None if distributed else ThreadTuner(torch.get_num_threads(), log=log)
-
-
-def halving(n):
-    """[n, n//2, ..., 1]: the thread counts the tuner moves between."""
-    out = [n]
-    while out[-1] > 1:
-        out.append(out[-1] // 2)
-    return out
-
-
-class ThreadTuner:
-    """observe(step_seconds) after every step; sets and logs torch.set_num_threads when a count wins. Raises
-    ValueError on max_threads < 1."""
-
-    def __init__(self, max_threads, window=4, probe_every=50, max_probe_every=800, log=print):
-        if max_threads < 1:
-            raise ValueError(f"ThreadTuner: max_threads must be >= 1, got {max_threads}")
-        self.counts = halving(max_threads)
-        self.window, self.base_every, self.max_every, self.log = window, probe_every, max_probe_every, log
-        self.current = max_threads
-        torch.set_num_threads(max_threads)
-        self.every = probe_every
-        self.until_probe = window  # a first look right after the start: a run may begin on a busy machine
-        self.recent = []         # step seconds at the current count
-        self.settled = None      # median when the current count last won or was confirmed
-        self.probe = None        # (count, [step seconds]) while probing
-        self.skip = 2            # steps to ignore: the first steps (kernel setup) and the one after a switch
-        self.direction = -1      # which neighbour to probe next where both exist
-
-    def _neighbour(self):
-        i = self.counts.index(self.current)
-        lower = self.counts[i + 1] if i + 1 < len(self.counts) else None
-        higher = self.counts[i - 1] if i > 0 else None
-        self.direction = -self.direction
-        pick = (higher, lower) if self.direction > 0 else (lower, higher)
-        return pick[0] if pick[0] is not None else pick[1]
-
-    def observe(self, seconds):
-        if self.skip:
-            self.skip -= 1
-            return
-        if self.probe is not None:
-            count, times = self.probe
-            times.append(seconds)
-            if len(times) >= self.window:
-                self._finish_probe(count, statistics.median(times))
-            return
-        self.recent = (self.recent + [seconds])[-self.window:]
-        if len(self.recent) < self.window:
-            return
-        now = statistics.median(self.recent)
-        if self.settled is None:
-            self.settled = now
-        elif not self.settled / 1.3 < now < self.settled * 1.3:  # the machine changed: look again soon
-            self.settled, self.every, self.until_probe = now, self.base_every, min(self.until_probe, self.window)
-        self.until_probe -= 1
-        if self.until_probe <= 0:
-            count = self._neighbour()
-            if count is None:  # one core: nothing to try
-                self.until_probe = 1 << 30
-                return
-            torch.set_num_threads(count)
-            self.probe, self.skip = (count, []), 1
-
-    def _finish_probe(self, count, median):
-        now = statistics.median(self.recent)
-        self.probe = None
-        if median < 0.93 * now:
-            self.log(f"threads: {self.current} -> {count} ({now * 1e3:.0f} -> {median * 1e3:.0f} ms per step; "
-                     "the machine's load changed)")
-            self.current, self.settled, self.recent, self.every = count, median, [], self.base_every
-        else:
-            torch.set_num_threads(self.current)
-            self.every = min(2 * self.every, self.max_every)
-        self.skip = 1
-        self.until_probe = self.every
+    count = torch.get_num_threads() if threads == "auto" else int(threads)
+    torch.set_num_threads(count)
+    log(f"threads: {count}{' (auto)' if threads == 'auto' else ''}, fixed for the run and kept on --resume")
+    return count
