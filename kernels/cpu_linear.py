@@ -7,7 +7,6 @@ projections, the LM head and the dense FFN (fixed row counts: each GEMM's kernel
 the sorted path's experts (their bitwise contract is nn.Linear's). fp32 results differ from `F.linear` by
 rounding only (`scripts/test_kernels.py`: within 1e-5 relative of fp64, forward and backward).
 """
-import time
 
 import torch
 import torch.nn.functional as F
@@ -78,23 +77,3 @@ class OneDNNLinear(nn.Linear):
 
     def forward(self, x):
         return linear(x, self.weight)
-
-
-def bf16_gemm_speedup(M, K, N, reps=3):
-    """fp32 time / bf16 time of one [M, K] x [K, N]^T oneDNN GEMM here (best of `reps` after a warm-up): what
-    bf16 autocast gains on the matrix work. 0.0 without native bf16 kernels (emulated bf16 is slower)."""
-    if not (onednn_runs("cpu", torch.float32) and onednn_runs("cpu", torch.bfloat16)):
-        return 0.0
-    gen = torch.Generator().manual_seed(0)  # its own generator: the caller's RNG stream stays untouched
-    x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen)
-    best = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        x_cast, w_cast = x.to(dtype), w.to(dtype)
-        onednn_linear(x_cast, w_cast)
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            onednn_linear(x_cast, w_cast)
-            times.append(time.perf_counter() - start)
-        best[dtype] = min(times)
-    return best[torch.float32] / max(best[torch.bfloat16], 1e-9)

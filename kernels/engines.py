@@ -20,22 +20,23 @@ import torch
 from torch import nn
 
 from kernels.attention import explicit_attention
-from kernels.cpu_linear import OneDNNLinear, bf16_gemm_speedup, onednn_runs
+from kernels.cpu_linear import OneDNNLinear, onednn_runs
 from kernels.experts import GroupedExperts
 from kernels.linear_cross_entropy import linear_cross_entropy
 from kernels.permute import KernelRowMapDispatcher
 from model.engines import PLAIN, Engines
 from model.moe import MOEFeedForward
 
-BF16_MIN_SPEEDUP = 1.5  # bf16 autocast also pays for casts and slower non-GEMM ops: ask for a wide margin
-
-
-def bf16_pays():
-    """(whether bf16 autocast pays on this CPU, the measured speedup): a 1024 x 512 x 2048 GEMM in bf16 at
-    least BF16_MIN_SPEEDUP x as fast as in fp32 (native bf16: AVX512-BF16 or AMX; emulated bf16 is slower).
-    The margin is wide, so one machine always gives the same answer."""
-    speedup = bf16_gemm_speedup(1024, 512, 2048, reps=5)
-    return speedup >= BF16_MIN_SPEEDUP, speedup
+def native_bf16():
+    """The CPU's native bf16 GEMM instructions that oneDNN runs, "AMX" or "AVX512-BF16", else None (emulated bf16
+    is slower than fp32): where bf16 autocast pays, --dtype auto's rule. A property of the machine, not a timing,
+    so the machine's load never changes a run's dtype."""
+    if not onednn_runs("cpu", torch.bfloat16):
+        return None
+    for name, has in (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported")):
+        if getattr(torch.cpu, has, lambda: False)():
+            return name
+    return None
 
 
 def engines_for(config, device, dtype) -> Engines:

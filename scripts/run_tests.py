@@ -6,7 +6,7 @@
     python scripts/run_tests.py --jobs 1   # one script at a time
 
 Scripts run side by side in `--jobs` worker slots, each slot with one CPU thread (OMP_NUM_THREADS=1; the
-multi-process tests' ranks take one thread each anyway, and test_cpu_speed.py sets the counts it compares),
+multi-process tests' ranks take one thread each anyway; test_reproducible.py starts its runs at two),
 the slowest first. Each script's output is printed in one piece when it ends; at the end come the slowest
 scripts and the ten slowest tests.
 
@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 QUICK = ["test_moe_sorted.py", "test_moe_fused.py", "test_capacity.py", "test_router.py", "test_kernels.py", "test_model.py",
          "test_golden.py", "test_code_shape.py"]
 # Started first (longest first keeps the slots busy until the end); the rest follow in name order.
-SLOWEST_FIRST = ["test_reliability.py", "test_sft.py", "test_ddp_ep_training.py", "test_hf_stack.py", "test_pretrain.py",
+SLOWEST_FIRST = ["test_reliability.py", "test_reproducible.py", "test_sft.py", "test_ddp_ep_training.py", "test_hf_stack.py", "test_pretrain.py",
                  "test_data.py", "test_cpu_speed.py", "test_export.py", "test_kernels.py", "test_expert_parallel.py",
                  "test_moe_variants.py", "test_moe_fused.py"]
 

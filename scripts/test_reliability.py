@@ -305,10 +305,11 @@ def test_resume_turns_switches_off_and_saves_the_flags_it_used():
     assert saved["no_progress"] is False and saved["hidden_size"] == 32 and saved["num_experts_per_tok"] == 2, saved
     r = cli("--resume", "--out_dir", out)
     assert r.returncode == 0 and "ignored" not in r.stderr and "4/4" in r.stdout, r.stderr[-2000:]
-    from train.checkpoint import atomic_torch_save
+    from train.checkpoint import CHECKSUM_KEY, atomic_torch_save, checksum
     from train.pretrain import parse_args
     ckpt = load_checkpoint(out)
-    ckpt["args"].update(compile=True, wandb=True)  # (flags are not covered by the tensor checksum)
+    ckpt["args"].update(compile=True, wandb=True)
+    ckpt[CHECKSUM_KEY] = checksum(ckpt)  # (as if the run had been started with them)
     atomic_torch_save(ckpt, os.path.join(_TMP, "switches_on", "ckpt.pt"))
     on = parse_args(["--resume", os.path.join(_TMP, "switches_on")])
     off = parse_args(["--resume", os.path.join(_TMP, "switches_on"), "--no_compile", "--no_wandb", "--no_progress"])

@@ -159,9 +159,9 @@ def add_train_flags(parser, default_out_dir):
     group.add_argument("--learning_rate", type=float, default=3e-3, help="peak learning rate")
     group.add_argument("--warmup_steps", type=int, default=50, help="linear warmup steps, then cosine to lr/10")
     group.add_argument("--time_budget_s", type=float, default=0.0,
-                       help="seconds of training (not setup, evaluation or saving; a resume continues them): the step "
-                       "time measured over the first ~20 steps fixes the run's steps (at most --max_steps) and the cosine "
-                       "runs over them; the run also stops once they are spent. 0 = train --max_steps steps")
+                       help="seconds of training (not setup, evaluation or saving; a resume continues them), checked "
+                       "every step: the measured step time plans the run's steps (at most --max_steps; re-planned when "
+                       "the speed drifts) and the cosine runs over them. 0 = train --max_steps steps")
     group.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay on matrices")
     group.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0 = off)")
     group.add_argument("--seed", type=int, default=1337, help="seed for init and data order")
@@ -169,7 +169,7 @@ def add_train_flags(parser, default_out_dir):
     group.add_argument("--out_dir", default=default_out_dir, help="where checkpoint, tokenizer and plots go")
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     group.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                       help="autocast dtype; auto = bfloat16 on CUDA, on CPU where bf16 GEMMs measure >= 1.5x fp32")
+                       help="autocast dtype; auto = bfloat16 on CUDA, and on a CPU with native bf16 GEMMs (AVX512-BF16, AMX)")
     group.add_argument("--threads", default="auto", help="CPU threads, fixed for the run (train/threads.py): auto = "
                        "OMP_NUM_THREADS or the cores torch may use; a resume keeps the run's count")
     group.add_argument("--eval_interval", type=int, default=250, help="steps between validation runs")

@@ -72,8 +72,8 @@ def tokens_of(folder):
     """A tokenizer folder's vocabulary, merges and added tokens (tokenizer.json), to compare two; None when
     unreadable (the loading reports that)."""
     try:
-        with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
-            spec = json.load(f)
+        with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as file:
+            spec = json.load(file)
         return spec.get("model"), spec.get("added_tokens")
     except (OSError, ValueError, AttributeError):
         return None

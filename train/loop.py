@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from data.atomic import atomic_write_text
 from data.dataset import IGNORE_INDEX, DataError
 from data.tokenizer import stop_token_ids, token_byte_lengths
-from kernels.engines import bf16_pays, describe as describe_engines, engines_for
+from kernels.engines import describe as describe_engines, engines_for, native_bf16
 from model.model_minimind import MiniMindForCausalLM
 from train import flags
 from train.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
@@ -368,18 +368,20 @@ def setup(stage, args, ctx, device_type, log):
 
 
 def resolve_dtype(args, ctx, device_type, log):
-    """The autocast dtype of --dtype: auto = bf16 on CUDA; on CPU bf16 where its GEMMs measure >= 1.5x fp32
-    (all ranks agree). The checkpoint's flags record the choice (flags.flags_to_save): a resume rounds the same."""
+    """The autocast dtype of --dtype: auto = bf16 on CUDA; on CPU bf16 where it has native bf16 GEMMs
+    (`native_bf16`; all ranks agree), else fp32. The checkpoint's flags record the choice (flags.flags_to_save):
+    a resume rounds the same."""
     if args.dtype != "auto":
         return DTYPES[args.dtype]
     if device_type == "cuda":
         return torch.bfloat16
-    pays, speedup = bf16_pays()
-    flag = torch.tensor(int(pays))
+    native = native_bf16()
+    flag = torch.tensor(int(native is not None))
     if ctx.distributed:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     dtype = torch.bfloat16 if flag.item() else torch.float32
-    log(f"dtype auto: {DTYPE_NAMES[dtype]} (bf16 GEMMs {speedup:.1f}x as fast as fp32 here; kept on --resume)")
+    log(f"dtype auto: {DTYPE_NAMES[dtype]} ({f'native bf16 GEMMs: {native}' if native else 'no native bf16 GEMMs'} "
+        f"here; kept on --resume)")
     return dtype
 
 

@@ -1,7 +1,7 @@
 """The CPU thread count of a run, fixed for the whole run so that its numbers do not depend on the machine's load.
 
-How a GEMM splits its work over threads sets the order of its sums, and so its rounding: on an Intel Xeon with
-AMX, `torch.mm` at 1 and at 2 threads differs for an inner dimension of 2,048 in fp32 (a training step's weight
+How a GEMM splits its work over threads sets the order of its sums, and so its rounding: on a CPU with AMX,
+`torch.mm` at 1 and at 2 threads differs for an inner dimension of 2,048 in fp32 (a training step's weight
 gradients sum over batch x sequence tokens), and every bf16 training step differs. A run therefore takes its
 count once (`--threads auto`: the count torch starts with, i.e. OMP_NUM_THREADS or the cores it may use), the
 checkpoint records it and `--resume` reuses it, so a run's result depends only on its flags, data and seed. What
