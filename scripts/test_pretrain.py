@@ -231,7 +231,7 @@ def test_plan_follows_the_speed_and_never_jumps():
     """plan_budget on a simulated clock: planned while another job slows the first steps (0.475 s/step), the run
     then goes 0.30 s/step. The main job (600 s, --max_steps 1300) re-plans and trains all 1,300 steps (a plan
     made once stopped at 1,262); with no --max_steps it ends within PLAN_TOLERANCE of the budget. The LR never
-    rises after the warmup and ends at lr/10. Resuming with a larger --max_steps (no budget) continues the LR from
+    rises after the warmup and ends at lr/10; a plan shorter than the warmup says so. Resuming with a larger --max_steps (no budget) continues the LR from
     where it stands; asking for more steps when the budget is spent is one ValueError naming the flag."""
     from types import SimpleNamespace
 
@@ -252,6 +252,13 @@ def test_plan_follows_the_speed_and_never_jumps():
             (state.train_s, state.step, said)
         assert all(b <= a for a, b in zip(lrs[50:], lrs[51:])), "the LR rose after the warmup"
         assert state.step == state.plan.end and abs(lrs[-1] / 3e-4 - 1) < 1e-3, (state.step, state.plan, lrs[-1])
+    short = SimpleNamespace(time_budget_s=2.0, max_steps=UNLIMITED_STEPS, warmup_steps=50, resume="ckpt.pt")
+    state, said = TrainState(batches=None, scaler=None, plan=Plan(end=short.max_steps)), []
+    while state.step < state.plan.end and not state.out_of_time:  # a budget shorter than the warmup: said
+        state.step, state.train_s = state.step + 1, state.train_s + 0.07
+        state.out_of_time = spent(short, state.train_s)
+        plan_budget(state, short, said.append)
+    assert said and "(the warmup, --warmup_steps 50, is longer)" in said[0] and state.plan.end < 40, (said, state)
     done = TrainState(batches=None, scaler=None, plan=Plan(end=40), step=40)
     fixed = SimpleNamespace(time_budget_s=0, max_steps=80, warmup_steps=5, resume="ckpt.pt")
     before = lr_at(40, done.plan, 3e-3, 5)  # (the step after the last: the cosine's floor)
@@ -266,6 +273,37 @@ def test_plan_follows_the_speed_and_never_jumps():
     except ValueError as e:
         assert "--time_budget_s 600 is spent" in str(e) and "\n" not in str(e), e
     plan_on_resume(args, {"max_steps": 1300, "time_budget_s": 600.0}, out, said.append)  # (nothing more asked)
+
+
+def test_resume_with_more_steps_or_budget_continues_the_run():
+    """A finished 8-step run: `--resume` as it was says "nothing to do" (exit 0); `--resume --max_steps 12` trains
+    steps 9-12 at the LR it stood at (the cosine's floor, lr/10). A run its 1-s budget ended: `--resume` with a
+    larger --max_steps is one `error:` line naming --time_budget_s (exit 2, the checkpoint untouched); with
+    --time_budget_s 2 it trains on."""
+    out = os.path.join(_TMP, "more_steps")
+    common = TINY + ["--data_path", text_file(), "--learning_rate", "1e-2", "--log_interval", "1"]
+    assert _cli(*common, "--max_steps", "8", "--time_budget_s", "0", "--out_dir", out).returncode == 0
+    r = _cli("--resume", "--out_dir", out)
+    assert r.returncode == 0 and "nothing to do" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    r = _cli("--resume", "--out_dir", out, "--max_steps", "12")
+    assert r.returncode == 0 and "plan: 8 -> 12 steps" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    lrs = {rec["step"]: rec["lr"] for rec in records if "lr" in rec}
+    assert load_checkpoint(out)["step"] == 12 and all(abs(lrs[s] / 1e-3 - 1) < 1e-9 for s in (9, 10, 11, 12)), lrs
+    budget = os.path.join(_TMP, "budget_spent")
+    assert _cli(*common, "--time_budget_s", "1", "--max_steps", "100000", "--out_dir", budget).returncode == 0
+    before = load_checkpoint(budget)
+    if before["train_time_s"] < 1:  # (its plan ended it just short of the budget: as if it had run over)
+        from train.checkpoint import CHECKSUM_KEY, atomic_torch_save, checksum
+        before["train_time_s"] = 1.01
+        before[CHECKSUM_KEY] = checksum(before)
+        atomic_torch_save(before, os.path.join(budget, "ckpt.pt"))
+    r = _cli("--resume", "--out_dir", budget, "--max_steps", "200000")
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "--time_budget_s 1 is spent" in errors[0], r.stderr[-2000:]
+    assert load_checkpoint(budget)["step"] == before["step"]
+    r = _cli("--resume", "--out_dir", budget, "--time_budget_s", "2")
+    assert r.returncode == 0 and load_checkpoint(budget)["step"] > before["step"], r.stderr[-2000:]
 
 
 def test_init_from_with_another_tokenizer_is_warned():
@@ -594,7 +632,7 @@ def test_short_validation_split_is_announced():
     assert not any(line.startswith("note:") for line in lines), lines
 
 
-TESTS = [test_init_from_with_another_tokenizer_is_warned, test_plan_follows_the_speed_and_never_jumps, test_tiny_run_learns_and_checkpoint_reloads, test_fused_impl_trains_like_sorted_and_switches_on_resume,
+TESTS = [test_resume_with_more_steps_or_budget_continues_the_run, test_init_from_with_another_tokenizer_is_warned, test_plan_follows_the_speed_and_never_jumps, test_tiny_run_learns_and_checkpoint_reloads, test_fused_impl_trains_like_sorted_and_switches_on_resume,
          test_dense_model_trains_and_resume_keeps_a_damaged_log,
          test_resume_equals_continuous_run, test_bad_inputs_fail_fast_with_clear_messages, test_resume_refuses_a_changed_data_order,
          test_corrupt_checkpoint_is_refused, test_help_shows_every_default_range_and_output_file,
