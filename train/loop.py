@@ -89,7 +89,7 @@ PLAN_SKIP, PLAN_FIRST, PLAN_WINDOW, PLAN_TOLERANCE = 2, 5, 20, 0.02
 
 def plan_budget(state, args, log):
     """Every step of a --time_budget_s run: take a measurement when one is due and move the plan if it misses the
-    budget (`fit_budget`). Returns True when the plan moved."""
+    budget (`fit_budget`; a new run's first measurement also says the plan). Returns True when the plan moved."""
     if not args.time_budget_s or state.out_of_time or state.step - state.start_step < PLAN_SKIP:
         return False
     if state.plan_mark is None:
@@ -101,7 +101,7 @@ def plan_budget(state, args, log):
         return False
     step_s = (state.train_s - mark_s) / (state.step - mark_step)
     state.plan_mark, state.measured = (state.step, state.train_s), True
-    return fit_budget(state, args, step_s, log, announce=first)
+    return fit_budget(state, args, step_s, log, announce=first and state.start_step == 0)
 
 
 def fit_budget(state, args, step_s, log, announce=False):
@@ -134,9 +134,10 @@ def plan_on_resume(args, saved_args, state, log):
     to --max_steps; a budget run re-fits its end at the run's mean step time so far (then measures again). Raises
     ValueError when the flags ask for more steps than the run has done but the budget allows none."""
     if not args.time_budget_s:
-        if state.plan.end != args.max_steps and args.max_steps > state.step:
-            log(f"plan: {state.plan.end} -> {args.max_steps} steps (--max_steps {args.max_steps}); the learning rate "
-                f"continues from step {state.step}'s")
+        if state.plan.end != args.max_steps:
+            if args.max_steps > state.step:
+                log(f"plan: {state.plan.end} -> {args.max_steps} steps (--max_steps {args.max_steps}); the learning "
+                    f"rate continues from step {state.step}'s")
             state.plan = state.plan.moved(state.step, args.max_steps, args.warmup_steps)
         return
     if state.step and not spent(args, state.train_s):
