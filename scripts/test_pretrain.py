@@ -271,15 +271,16 @@ def test_plan_follows_the_speed_and_never_jumps():
         plan_on_resume(args, {"max_steps": 40, "time_budget_s": 600.0}, out, said.append)
         raise AssertionError("a larger --max_steps with the budget spent was taken silently")
     except ValueError as e:
-        assert "--time_budget_s 600 is spent" in str(e) and "\n" not in str(e), e
+        assert "--time_budget_s 600 is used up" in str(e) and "\n" not in str(e), e
     plan_on_resume(args, {"max_steps": 1300, "time_budget_s": 600.0}, out, said.append)  # (nothing more asked)
 
 
 def test_resume_with_more_steps_or_budget_continues_the_run():
     """A finished 8-step run: `--resume` as it was says "nothing to do" (exit 0); `--resume --max_steps 12` trains
-    steps 9-12 at the LR it stood at (the cosine's floor, lr/10). A run its 1-s budget ended: `--resume` with a
-    larger --max_steps is one `error:` line naming --time_budget_s (exit 2, the checkpoint untouched); with
-    --time_budget_s 2 it trains on."""
+    steps 9-12 at the LR it stood at (the cosine's floor, lr/10). A run its 1-s budget alone ended: `--resume`
+    with a --max_steps is one `error:` line saying the budget is used up, with --time_budget_s 0 one asking for a
+    --max_steps (exit 2, the checkpoint untouched); as it was, "nothing to do"; with --time_budget_s 2 it
+    trains on."""
     out = os.path.join(_TMP, "more_steps")
     common = TINY + ["--data_path", text_file(), "--learning_rate", "1e-2", "--log_interval", "1"]
     assert _cli(*common, "--max_steps", "8", "--time_budget_s", "0", "--out_dir", out).returncode == 0
@@ -290,18 +291,22 @@ def test_resume_with_more_steps_or_budget_continues_the_run():
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     lrs = {rec["step"]: rec["lr"] for rec in records if "lr" in rec}
     assert load_checkpoint(out)["step"] == 12 and all(abs(lrs[s] / 1e-3 - 1) < 1e-9 for s in (9, 10, 11, 12)), lrs
-    budget = os.path.join(_TMP, "budget_spent")
-    assert _cli(*common, "--time_budget_s", "1", "--max_steps", "100000", "--out_dir", budget).returncode == 0
+    budget = os.path.join(_TMP, "budget_spent")  # (its steps set by the budget alone: no --max_steps)
+    assert _cli(*common, "--time_budget_s", "1", "--out_dir", budget).returncode == 0
     before = load_checkpoint(budget)
     if before["train_time_s"] < 1:  # (its plan ended it just short of the budget: as if it had run over)
         from train.checkpoint import CHECKSUM_KEY, atomic_torch_save, checksum
         before["train_time_s"] = 1.01
         before[CHECKSUM_KEY] = checksum(before)
         atomic_torch_save(before, os.path.join(budget, "ckpt.pt"))
-    r = _cli("--resume", "--out_dir", budget, "--max_steps", "200000")
-    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert r.returncode == 2 and len(errors) == 1 and "--time_budget_s 1 is spent" in errors[0], r.stderr[-2000:]
+    for argv, needle in ((["--max_steps", "200000"], "--time_budget_s 1 is used up"),
+                         (["--time_budget_s", "0"], "--time_budget_s 0 needs a --max_steps")):
+        r = _cli("--resume", "--out_dir", budget, *argv)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.returncode == 2 and len(errors) == 1 and needle in errors[0], (argv, r.stderr[-2000:])
     assert load_checkpoint(budget)["step"] == before["step"]
+    r = _cli("--resume", "--out_dir", budget)
+    assert r.returncode == 0 and "nothing to do" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     r = _cli("--resume", "--out_dir", budget, "--time_budget_s", "2")
     assert r.returncode == 0 and load_checkpoint(budget)["step"] > before["step"], r.stderr[-2000:]
 
@@ -408,7 +413,9 @@ def test_parse_errors_are_one_line_naming_the_flag_as_typed():
                       (["--bogus"], "unrecognized arguments: --bogus"),
                       (["--top_k", "8"], "unrecognized arguments: --top_k 8"),
                       (["--learning_rate", "-1"], "--learning_rate must be > 0"),
-                      (["--time_budget_s", "-5"], "--time_budget_s must be >= 0")):
+                      (["--time_budget_s", "-5"], "--time_budget_s must be >= 0"),
+                      (["--threads", "\u00b2"], "--threads must be auto or an integer from 1 to"),
+                      (["--threads", "99999"], "--threads must be auto or an integer from 1 to")):
         error = _one_error(parse_args, argv, msg)
         assert "MiniMindConfig" not in error and ("--warmup_steps" not in error), error
 

@@ -131,19 +131,22 @@ def test_damaged_checkpoint_is_refused_by_every_entry_point():
 
 def test_a_change_anywhere_in_a_checkpoint_is_a_one_line_error():
     """One value outside the tensors changed and the file saved again (as a flipped bit in its pickle would):
-    the config (num_experts_per_tok 2 -> 3), a flag, the step, the plan, the clock, the data position. Each:
+    the config (num_experts_per_tok 2 -> 3), a flag, the step, the plan, the clock, the data position, the
+    optimizer state's keys as text (its moments would be dropped silently). Each:
     --resume is one `error:` line naming the file, exit 2; the original file then resumes."""
     out = os.path.join(_TMP, "edited")
     assert cli(*TINY, "--data_path", data_file(), "--max_steps", "4", "--stop_after", "2", "--out_dir", out).returncode == 0
     path = os.path.join(out, "ckpt.pt")
     good = torch.load(path, weights_only=True)
     first_int = lambda d: next(k for k, v in d.items() if isinstance(v, int) and not isinstance(v, bool))  # noqa: E731
+    as_text = lambda d: {str(k): v for k, v in d.items()}  # noqa: E731
     edits = {"config": lambda c: c["config"].update(num_experts_per_tok=3),
              "flag": lambda c: c["args"].update(learning_rate=c["args"]["learning_rate"] * 2),
              "step": lambda c: c.update(step=c["step"] + 1),
              "plan": lambda c: c["plan"].update(end=c["plan"]["end"] + 1),
              "clock": lambda c: c.update(train_time_s=c["train_time_s"] + 1.0),
-             "data position": lambda c: c["data"].update({first_int(c["data"]): c["data"][first_int(c["data"])] + 1})}
+             "data position": lambda c: c["data"].update({first_int(c["data"]): c["data"][first_int(c["data"])] + 1}),
+             "a key's type": lambda c: c["optimizer"].update(state=as_text(c["optimizer"]["state"]))}
     for what, edit in edits.items():
         ckpt = copy.deepcopy(good)
         edit(ckpt)
@@ -156,7 +159,7 @@ def test_a_change_anywhere_in_a_checkpoint_is_a_one_line_error():
 
 def _damaged_checkpoints(src):
     """{case: path} of damaged copies of the checkpoint `src`."""
-    from train.checkpoint import atomic_torch_save
+    from train.checkpoint import CHECKSUM_KEY, atomic_torch_save, checksum
     blob, good = open(src, "rb").read(), torch.load(src, weights_only=True)
     folder = os.path.join(_TMP, "damaged")
     os.makedirs(folder, exist_ok=True)
@@ -171,17 +174,18 @@ def _damaged_checkpoints(src):
     for case, content in raw.items():
         paths[case] = os.path.join(folder, case.replace(" ", "_").replace("%", "") + ".pt")
         open(paths[case], "wb").write(content)
+    no_checksum = {k: v for k, v in good.items() if k != CHECKSUM_KEY}
     for case, obj in (("pickled int", 7), ("missing tensor", missing), ("wrong shape", wrong_shape),
-                      ("invalid config", bad_config)):
-        if isinstance(obj, dict):
-            obj.pop("sha256", None)  # as if written so: the structure is what is wrong
+                      ("invalid config", bad_config), ("no checksum", no_checksum)):
+        if isinstance(obj, dict) and obj is not no_checksum:
+            obj[CHECKSUM_KEY] = checksum(obj)  # as if written so: the structure is what is wrong
         paths[case] = os.path.join(folder, case.replace(" ", "_") + ".pt")
         atomic_torch_save(obj, paths[case])
     return paths
 
 
 def test_every_malformed_checkpoint_is_a_one_line_error():
-    """9 kinds of damage: load_checkpoint raises ValueError naming the file for each; the structural ones
+    """10 kinds of damage: load_checkpoint raises ValueError naming the file for each; the structural ones
     also give one line and exit 2 from the entry points that read a checkpoint (each through the same
     check_weights_fit_config): a wrong shape from --resume and generate.py, an invalid config from
     --init_from and export_hf.py."""

@@ -48,9 +48,11 @@ def save_checkpoint(path, model, optimizer=None, extra=None):
 
 def _leaves(obj, prefix=""):
     """(name, value) of every tensor and plain value (empty containers included) inside nested dicts / lists /
-    tuples, in a fixed order."""
+    tuples, in a fixed order; each dict also gives the reprs of its keys (so 0 and "0" differ)."""
     if isinstance(obj, dict) and obj:
-        for k in sorted(obj, key=str):
+        keys = sorted(obj, key=str)
+        yield f"{prefix}/<keys>", tuple(repr(k) for k in keys)
+        for k in keys:
             yield from _leaves(obj[k], f"{prefix}/{k}")
     elif isinstance(obj, (list, tuple)) and obj:
         for i, v in enumerate(obj):
@@ -75,12 +77,15 @@ def checksum(state, tensors_only=False):
 
 
 def verify(ckpt, path):
-    """Raise ValueError (one line, naming the file) unless the checkpoint's SHA-256 matches its contents (a dict
-    without one, not written by save_checkpoint, is not checked)."""
+    """Raise ValueError (one line, naming the file) unless the checkpoint carries a SHA-256 that matches its
+    contents."""
     if CHECKSUM_KEY in ckpt:
         ok = checksum(ckpt) == ckpt[CHECKSUM_KEY]
+    elif LEGACY_CHECKSUM_KEY in ckpt:
+        ok = checksum(ckpt, tensors_only=True) == ckpt[LEGACY_CHECKSUM_KEY]
     else:
-        ok = LEGACY_CHECKSUM_KEY not in ckpt or checksum(ckpt, tensors_only=True) == ckpt[LEGACY_CHECKSUM_KEY]
+        raise ValueError(f"{path}: the checkpoint carries no checksum (not written by train/, or damaged); use "
+                         f"another checkpoint")
     if not ok:
         raise ValueError(f"{path}: checksum mismatch: the file is damaged (its contents changed after it was "
                          f"written); use another checkpoint")

@@ -229,8 +229,12 @@ def parse_args(stage, argv=None):
     check_ranges(parser, args, {k: r for k, r in ALL_RANGES.items() if k != "vocab_size" or trains_tokenizer})
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
         parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
-    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
-        parser.error(f"--threads must be auto or an integer >= 1, got {args.threads!r}")
+    cores = os.cpu_count() or 1
+    if given(argv, "threads") and args.threads != "auto" and not (
+            args.threads.isascii() and args.threads.isdigit() and 1 <= int(args.threads) <= cores):
+        parser.error(f"--threads must be auto or an integer from 1 to {cores} (the cores here), got {args.threads!r}")
+    if args.resume and not args.time_budget_s and args.max_steps == UNLIMITED_STEPS:
+        parser.error("--time_budget_s 0 needs a --max_steps: this run's steps were set by its time budget alone")
     if args.upcycle_from and args.init_from:
         if given(argv, "init_from"):
             parser.error("--init_from and --upcycle_from: pass one")
@@ -271,6 +275,9 @@ def _merge_resume(parser, stage, args, argv):
             parser.error(f"--{k} cannot change on resume (checkpoint: {saved.get(k)!r}, now: {getattr(args, k)!r}): "
                          f"the saved data position refers to the original windows")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != saved_world and not given(argv, "threads") and saved.get("threads", "auto") != "auto":
+        print(f"note: {saved['threads']} threads per rank, as the run had on {saved_world} rank(s); --threads sets "
+              f"another count (the steps then round differently)", file=sys.stderr)
     if world != saved_world and "batch_size" in saved:  # --batch_size is per rank: keep the global batch
         global_batch = saved["batch_size"] * saved_world
         if given(argv, "batch_size"):

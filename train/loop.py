@@ -116,7 +116,7 @@ def fit_budget(state, args, step_s, log, announce=False):
         state.plan = state.plan.moved(state.step, end, args.warmup_steps)
     if not (moves or announce):
         return False
-    left_s = (state.plan.end - state.step) * step_s
+    left_s = max(0, state.plan.end - state.step) * step_s
     left = f"{left_s:.0f} s" if left_s < 120 else f"{left_s / 60:.1f} minutes"
     if fit >= args.max_steps:
         why = f"--max_steps {args.max_steps} fit --time_budget_s {args.time_budget_s:g}"
@@ -125,15 +125,16 @@ def fit_budget(state, args, step_s, log, announce=False):
             f"; --time_budget_s 0 trains all --max_steps {args.max_steps}" if args.max_steps < flags.UNLIMITED_STEPS else "")
     head = f"re-plan: {old} -> " if moves and not announce else "plan: "
     log(f"{head}{state.plan.end} steps ({why}): about {left} more training at {step_s:.3f} s/step"
-        + (f" (the warmup, --warmup_steps {args.warmup_steps}, is longer)" if state.plan.end <= args.warmup_steps else ""))
+        + (f" (the warmup, --warmup_steps {args.warmup_steps}, is longer)"
+           if state.step < state.plan.end <= args.warmup_steps else ""))
     return moves
 
 
 def plan_on_resume(args, saved_args, state, log):
     """The restored plan against this invocation's --max_steps / --time_budget_s: a fixed-step run moves its end
-    to --max_steps; a budget run re-fits its end at the run's mean step time so far (then measures again). Raises
-    ValueError when the flags ask for more steps than the run has done but the budget allows none."""
-    if not args.time_budget_s:
+    to --max_steps; a budget run re-fits its end at the run's mean step time so far (then measures again).
+    Raises ValueError when the flags changed for more steps but the budget leaves none."""
+    if not args.time_budget_s or args.max_steps <= state.step:
         if state.plan.end != args.max_steps:
             if args.max_steps > state.step:
                 log(f"plan: {state.plan.end} -> {args.max_steps} steps (--max_steps {args.max_steps}); the learning "
@@ -142,11 +143,11 @@ def plan_on_resume(args, saved_args, state, log):
         return
     if state.step and not spent(args, state.train_s):
         fit_budget(state, args, state.train_s / state.step, log)
-    asked_more = args.max_steps > saved_args.get("max_steps", 0) or args.time_budget_s > saved_args.get("time_budget_s", 0)
-    if spent(args, state.train_s) and asked_more and args.max_steps > state.step:
-        raise ValueError(f"{args.resume}: the run has trained {state.train_s:.0f} s, its --time_budget_s "
-                         f"{args.time_budget_s:g} is spent: pass a larger --time_budget_s (or 0) to train on to "
-                         f"--max_steps {args.max_steps}")
+    changed = (args.max_steps, args.time_budget_s) != (saved_args.get("max_steps"), saved_args.get("time_budget_s"))
+    if changed and (state.step >= state.plan.end or spent(args, state.train_s)):
+        raise ValueError(f"{args.resume}: nothing to train: the run's --time_budget_s {args.time_budget_s:g} is used "
+                         f"up ({state.train_s:.1f} s trained, step {state.step}); pass a larger --time_budget_s, or "
+                         f"--time_budget_s 0 with a --max_steps")
 
 
 class TrainClock:
