@@ -110,7 +110,8 @@ def load_model(p, args, device):
         p.error(str(e))
     if len(tokenizer) > ckpt["config"]["vocab_size"]:
         p.error(f"{tok_dir}: tokenizer has {len(tokenizer)} tokens, the model only {ckpt['config']['vocab_size']}")
-    return model_from_checkpoint(ckpt, device).eval(), tokenizer
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32  # (main's autocast)
+    return model_from_checkpoint(ckpt, device, dtype).eval(), tokenizer
 
 
 def print_samples(tokenizer, out):

@@ -55,22 +55,25 @@ def test_config_errors_name_the_field():
 
 
 def test_checkpoint_roundtrip():
-    """save_checkpoint -> load_checkpoint -> model_from_checkpoint gives the same logits (the RoPE tables are
+    """save_checkpoint -> load_checkpoint -> model_from_checkpoint (how every tool builds a model) gives the
+    trainer's engines (kernels/engines.py: engines_for) and the same logits, bitwise (the RoPE tables are
     rebuilt, not read from the file), for the sorted and the fused MoE path; attention_mask must have the
     batch shape."""
     import tempfile
 
+    from kernels.engines import describe, engines_for
     from train.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
     for impl in ("sorted", "fused"):
         torch.manual_seed(0)
-        model = MiniMindForCausalLM(MiniMindConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                                   num_attention_heads=2, num_key_value_heads=1, use_moe=True,
-                                                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                                   moe_impl=impl)).eval()
+        config = MiniMindConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                num_key_value_heads=1, use_moe=True, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, moe_impl=impl)
+        model = MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float32)).eval()  # as the trainer
         ids = torch.randint(0, 64, (2, 9))
         with tempfile.TemporaryDirectory() as d:
             save_checkpoint(os.path.join(d, "ckpt.pt"), model)
-            again = model_from_checkpoint(load_checkpoint(d)).eval()
+            again = model_from_checkpoint(load_checkpoint(d)).eval()  # as chat, generate, eval_sft, export
+        assert describe(again) == describe(model), (describe(again), describe(model))
         assert torch.equal(model(ids).logits, again(ids).logits), impl
     try:
         model(ids, attention_mask=torch.ones(3, 9))

@@ -148,11 +148,14 @@ def check_weights_fit_config(ckpt, path):
         raise ValueError(f"{path}: the weights do not fit the config: {'; '.join(problems[:3])}{more}")
 
 
-def model_from_checkpoint(ckpt, device="cpu"):
-    """Build MiniMindForCausalLM from a checkpoint's config and load its weights strictly."""
+def model_from_checkpoint(ckpt, device="cpu", dtype=torch.float32):
+    """MiniMindForCausalLM of a checkpoint's config with its weights (loaded strictly), built with the engines
+    the trainer builds for `device` under autocast `dtype` (kernels/engines.py: engines_for): every tool runs
+    what trained."""
+    from kernels.engines import engines_for
     from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
     config = MiniMindConfig.from_dict(ckpt["config"])
-    model = MiniMindForCausalLM(config)
+    model = MiniMindForCausalLM(config, engines_for(config, device, dtype))
     model.load_state_dict(ckpt["model"], strict=True)
     return model.to(device)
 
