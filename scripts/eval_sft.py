@@ -26,7 +26,7 @@ from data.sft_corpus import default_sft_set  # noqa: E402
 from data.dataset import DataError  # noqa: E402
 from data.tokenizer import load_tokenizer, stop_token_ids  # noqa: E402
 from model.hf_adapter import is_hf_folder  # noqa: E402
-from train.checkpoint import load_checkpoint, load_hf_checked, model_from_checkpoint  # noqa: E402
+from train.checkpoint import load_checkpoint, load_hf_checked, model_from_checkpoint, run_tokenizer  # noqa: E402
 
 
 def words(text):
@@ -61,12 +61,7 @@ def load(path):
     Raises FileNotFoundError / ValueError / DataError naming the file."""
     if is_hf_folder(path):
         return load_hf_checked(path).eval(), load_tokenizer(path)
-    model = model_from_checkpoint(load_checkpoint(path)).eval()
-    run_dir = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    tok_dir = os.path.join(run_dir, "tokenizer")
-    if not os.path.isdir(tok_dir):
-        raise FileNotFoundError(f"{tok_dir}: tokenizer not found")
-    return model, load_tokenizer(tok_dir)
+    return model_from_checkpoint(load_checkpoint(path)).eval(), run_tokenizer(path)[0]
 
 
 @torch.no_grad()

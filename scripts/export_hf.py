@@ -18,8 +18,7 @@ import torch  # noqa: E402
 
 from model.hf_adapter import ExportError, to_hf_config, to_hf_state_dict  # noqa: E402
 from data.atomic import atomic_dir  # noqa: E402
-from data.tokenizer import load_tokenizer  # noqa: E402
-from train.checkpoint import load_checkpoint, model_from_checkpoint, safetensors_metadata  # noqa: E402
+from train.checkpoint import load_checkpoint, model_from_checkpoint, run_tokenizer, safetensors_metadata  # noqa: E402
 from train.flags import Parser, run_tool  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,11 +63,7 @@ def export(ckpt_path, out_dir, dtype="float32", tokenizer_dir=None, verify=True,
     hf_config.dtype = dtype
     tdtype = DTYPES[dtype]
     state = {k: v.detach().to(tdtype).contiguous() for k, v in to_hf_state_dict(model.state_dict(), model.config).items()}
-    run_dir = ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(os.path.abspath(ckpt_path))
-    tokenizer_dir = tokenizer_dir or os.path.join(run_dir, "tokenizer")
-    if not os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")):
-        raise FileNotFoundError(f"{tokenizer_dir}: tokenizer not found; pass --tokenizer")
-    tokenizer = load_tokenizer(tokenizer_dir)
+    tokenizer, _ = run_tokenizer(ckpt_path, tokenizer_dir)
 
     with atomic_dir(out_dir) as tmp:  # verified before it replaces anything
         hf_config.save_pretrained(tmp)

@@ -18,7 +18,7 @@ from transformers import TextStreamer  # noqa: E402
 from data.dataset import DataError  # noqa: E402
 from data.tokenizer import load_tokenizer, stop_token_ids  # noqa: E402
 from model.hf_adapter import is_hf_folder  # noqa: E402
-from train.checkpoint import load_checkpoint, load_hf_checked, model_from_checkpoint  # noqa: E402
+from train.checkpoint import load_checkpoint, load_hf_checked, model_from_checkpoint, run_tokenizer  # noqa: E402
 from train.flags import Parser, Range, check_ranges, run_tool, show_ranges, utf8_text  # noqa: E402
 
 RANGES = {"max_new_tokens": Range(1), "num_samples": Range(1), "temperature": Range(0), "top_k": Range(0),
@@ -100,13 +100,9 @@ def load_model(p, args, device):
         ckpt = load_checkpoint(args.ckpt)
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
-    run_dir = args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(os.path.abspath(args.ckpt))
-    tok_dir = args.tokenizer or os.path.join(run_dir, "tokenizer")
-    if not os.path.exists(tok_dir):
-        p.error(f"{tok_dir}: tokenizer not found; pass --tokenizer")
     try:
-        tokenizer = load_tokenizer(tok_dir)
-    except DataError as e:
+        tokenizer, tok_dir = run_tokenizer(args.ckpt, args.tokenizer)
+    except (DataError, FileNotFoundError) as e:
         p.error(str(e))
     if len(tokenizer) > ckpt["config"]["vocab_size"]:
         p.error(f"{tok_dir}: tokenizer has {len(tokenizer)} tokens, the model only {ckpt['config']['vocab_size']}")

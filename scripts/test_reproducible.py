@@ -12,8 +12,6 @@ import subprocess
 import sys
 import time
 
-import torch
-
 import testlib
 from testlib import ROOT, Skip, run  # noqa: F401
 from train.checkpoint import checksum, load_checkpoint

@@ -160,6 +160,19 @@ def model_from_checkpoint(ckpt, device="cpu", dtype=torch.float32):
     return model.to(device)
 
 
+def run_tokenizer(ckpt_path, tokenizer_dir=None):
+    """(the tokenizer, its folder) of the run holding `ckpt_path` (a run folder, or a checkpoint file in one):
+    `tokenizer_dir` when given, else the run's tokenizer/. Raises FileNotFoundError naming the folder when it
+    holds no tokenizer.json, data/tokenizer.py's DataError when that cannot be loaded."""
+    from data.tokenizer import load_tokenizer
+    if tokenizer_dir is None:
+        run_dir = ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(os.path.abspath(ckpt_path))
+        tokenizer_dir = os.path.join(run_dir, "tokenizer")
+    if not os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")):
+        raise FileNotFoundError(f"{tokenizer_dir}: tokenizer not found; pass --tokenizer")
+    return load_tokenizer(tokenizer_dir), tokenizer_dir
+
+
 def _one_line(e, limit=200):
     return " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:limit]
 
