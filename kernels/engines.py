@@ -9,23 +9,25 @@ checkpoints and exports are the same either way. The rules (measured ones, not t
     Engines.linear        OneDNNLinear (cpu_linear.py)              CPU fp32 where oneDNN runs (it beats MKL)
     Engines.attend        explicit_attention (attention.py)         CPU under bf16 autocast
     Engines.lm_loss       linear_cross_entropy (chunked, no logits) CPU
-    Engines.experts       GroupedExperts (experts.py)               moe_impl "fused" (oneDNN batched GEMMs
-                                                                    on CPU, grouped GEMMs elsewhere)
-    row_map_dispatcher    KernelRowMapDispatcher (permute.py)       always (moe_impl "fused")
+    Engines.experts       CPUExperts (experts.py: cpu_experts)      moe_impl "fused", CPU with oneDNN, eager
+                          grouped_experts_for (experts.py)          moe_impl "fused" elsewhere, or compiled
+    Engines.permute       permute_kernel, combine_kernel            always (moe_impl "fused")
+      and .combine        (permute.py)
 
-moe_impl "sorted" keeps the plain ExpertLoop of nn.Linear experts: its contract is bitwise equality with
-the masked loop. Tolerances of each engine against the plain part: scripts/test_kernels.py, test_model.py.
+moe_impl "sorted" keeps the plain expert_loop of nn.Linear-style chains: its contract is bitwise equality
+with the masked loop. Tolerances of each engine against the plain part: scripts/test_kernels.py,
+test_model.py.
 """
 import torch
 from torch import nn
 
 from kernels.attention import explicit_attention
 from kernels.cpu_linear import OneDNNLinear, onednn_runs
-from kernels.experts import GroupedExperts
+from kernels.experts import cpu_experts, grouped_experts_for
 from kernels.linear_cross_entropy import linear_cross_entropy
-from kernels.permute import KernelRowMapDispatcher
+from kernels.permute import combine_kernel, permute_kernel
 from model.engines import PLAIN, Engines
-from model.moe import MOEFeedForward
+from model.moe import Experts, MOEFeedForward, engine_name
 
 def native_bf16():
     """The CPU's native bf16 GEMM instructions that oneDNN runs, "AMX" or "AVX512-BF16", else None (emulated bf16
@@ -39,25 +41,31 @@ def native_bf16():
     return None
 
 
-def engines_for(config, device, dtype) -> Engines:
+def engines_for(config, device, dtype, compiled=False) -> Engines:
     """The engines that pay for `config` on `device` ("cpu" | "cuda...") under autocast `dtype` (see the
-    module doc)."""
+    module doc); compiled: the model will run under torch.compile (its graph cannot hold the CPU experts
+    engine's host-side layout)."""
     cpu = torch.device(device).type == "cpu"
-    fused = config.use_moe and config.moe_impl == "fused"
+    if not (config.use_moe and config.moe_impl == "fused"):
+        experts = PLAIN.experts
+    else:
+        experts = (cpu_experts if cpu and onednn_runs("cpu", dtype) and not compiled else
+                   grouped_experts_for(device, dtype, config.hidden_size, config.moe_intermediate_size, compiled))
     return Engines(linear=OneDNNLinear if cpu and dtype == torch.float32 and onednn_runs("cpu", torch.float32) else nn.Linear,
                    attend=explicit_attention if cpu and dtype == torch.bfloat16 else PLAIN.attend,
                    lm_loss=linear_cross_entropy if cpu else None,
-                   experts=GroupedExperts if fused else PLAIN.experts,
-                   row_map_dispatcher=KernelRowMapDispatcher)
+                   experts=experts, permute=permute_kernel, combine=combine_kernel)
 
 
 def describe(model):
     """One log line naming the engines `model` runs that are not plain PyTorch."""
     counts = {}
     for m in model.modules():
-        names = [type(m).__name__] if type(m) in (OneDNNLinear, GroupedExperts) else []
-        if isinstance(m, MOEFeedForward) and type(m.dispatcher) is KernelRowMapDispatcher:
-            names.append(type(m.dispatcher).__name__)
+        names = [type(m).__name__] if type(m) is OneDNNLinear else []
+        if isinstance(m, Experts) and m.engine is not PLAIN.experts:
+            names.append(engine_name(m.engine))
+        if isinstance(m, MOEFeedForward) and getattr(m.dispatcher, "permute", None) is permute_kernel:
+            names.append("permute_kernel/combine_kernel")
         if getattr(m, "attend", None) is explicit_attention:
             names.append("explicit_attention")
         if getattr(m, "chunked_lm_loss", None) is not None:
@@ -75,7 +83,7 @@ def rebuilt(module, engines):
     if isinstance(module, MiniMindForCausalLM):
         twin = MiniMindForCausalLM(module.config, engines)
     elif isinstance(module, MOEFeedForward):
-        twin = MOEFeedForward(module.config, engines.experts, engines.row_map_dispatcher, engines.linear)
+        twin = MOEFeedForward(module.config, engines.experts, engines.permute, engines.combine, engines.linear)
     else:
         raise ValueError(f"rebuilt: a MiniMindForCausalLM or MOEFeedForward, got {type(module).__name__}")
     param = next(module.parameters())

@@ -1,7 +1,8 @@
 """Grouped GEMM over variable-length expert segments, and the grouped SwiGLU expert FFN built on it:
 c[rows of e] = a[rows of e] @ b[e] for the row segments given by offsets (int32 [E], on the device).
 
-The GPU engine of the fused MoE path (kernels/experts.py: GroupedExperts; on CPU with oneDNN its batched GEMMs run instead). Backends:
+The GPU engine of the fused MoE path (`GroupedSwiGLU`, run by kernels/experts.py: GROUPED_EXPERTS; on CPU with
+oneDNN the batched GEMMs of CPUExperts run instead). Backends (`GROUPED_OPS`, chosen when the model is built):
   "torch"     F.grouped_mm (or torch._grouped_mm): CPU in torch >= 2.9, CUDA bf16 on sm >= 8.0; no host sync.
   "triton"    our kernels (forward, input- and weight-grad) for what torch's cannot run (e.g. fp32 / fp16 on
               CUDA); also in the CPU interpreter for tests; no host sync.
@@ -9,6 +10,8 @@ The GPU engine of the fused MoE path (kernels/experts.py: GroupedExperts; on CPU
   "auto"      "torch" where it supports the operands, else "triton" on CUDA, else "reference".
 Output rows at or past offsets[-1] (in no segment) are unspecified for "torch" (never read), zero otherwise.
 """
+from typing import Callable, NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -162,37 +165,48 @@ def _(lhs_MX, rhs_MY, offsets_E):
     return lhs_MX.new_empty(offsets_E.shape[0], lhs_MX.shape[1], rhs_MY.shape[1])
 
 
-def _eager_or_op(eager_fn, op):
-    # The custom-op wrapper costs ~30 us of Python dispatch per call: only pay it when compiling.
-    return lambda *args: (op if torch.compiler.is_compiling() else eager_fn)(*args)
+def _segment_outer_reference(lhs_MX, rhs_MY, offsets_E):
+    """out[e] = lhs[rows of e]^T @ rhs[rows of e] -> [E, X, Y] by a per-segment loop (one host read)."""
+    bounds = _bounds(offsets_E).tolist()
+    return torch.stack([lhs_MX[bounds[e]:bounds[e + 1]].t() @ rhs_MY[bounds[e]:bounds[e + 1]]
+                        for e in range(offsets_E.shape[0])])
 
 
-# backend -> (c = a @ b per segment, out[e] = lhs_e^T @ rhs_e per segment)
-_GROUPED_OPS = {"torch": (_eager_or_op(lambda a, b, offs: _TORCH_GROUPED_MM(a, b, offs=offs), _grouped_mm_op),
-                          _eager_or_op(_segment_outer, _segment_outer_op)),
-                "triton": (grouped_mm_triton, grouped_wgrad_triton)}
+class GroupedOps(NamedTuple):
+    """One backend's two grouped GEMMs: mm(a [M, K], b [E, K, N], offsets) -> [M, N] per segment; outer(lhs
+    [M, X], rhs [M, Y], offsets) -> [E, X, Y], lhs_e^T @ rhs_e."""
+    name: str
+    mm: Callable
+    outer: Callable
+
+
+# backend -> its ops; "torch" calls torch's grouped_mm directly, "torch_compiled" through the custom ops above
+# (a single graph node each; their Python dispatch costs ~30 us a call, paid only under torch.compile)
+GROUPED_OPS = {"torch": GroupedOps("torch", getattr(torch, "_grouped_mm", None) or _TORCH_GROUPED_MM, _segment_outer),
+               "torch_compiled": GroupedOps("torch_compiled", _grouped_mm_op, _segment_outer_op),
+               "triton": GroupedOps("triton", grouped_mm_triton, grouped_wgrad_triton),
+               "reference": GroupedOps("reference", grouped_mm_reference, _segment_outer_reference)}
 
 
 class _GroupedMM(torch.autograd.Function):
-    """Grouped GEMM with our own backward ("torch", "triton"): grad_a = grad @ b^T per segment, grad_b[e] =
-    a_e^T @ grad_e (torch's built-in backward rejects a stride-0 gradient, e.g. from `.sum().backward()`)."""
+    """Grouped GEMM with our own backward: grad_a = grad @ b^T per segment, grad_b[e] = a_e^T @ grad_e (torch's
+    built-in backward rejects a stride-0 gradient, e.g. from `.sum().backward()`)."""
 
     @staticmethod
-    def forward(ctx, a_MK, b_EKN, offsets_E, backend):
-        ctx.backend = backend
+    def forward(ctx, a_MK, b_EKN, offsets_E, ops):
+        ctx.ops = ops
         ctx.save_for_backward(a_MK, b_EKN, offsets_E)
-        return _GROUPED_OPS[backend][0](a_MK, b_EKN, offsets_E)
+        return ops.mm(a_MK, b_EKN, offsets_E)
 
     @staticmethod
     def backward(ctx, grad_MN):
         a_MK, b_EKN, offsets_E = ctx.saved_tensors
-        mm, outer = _GROUPED_OPS[ctx.backend]
         grad_MN = grad_MN.contiguous()
-        grad_a = mm(grad_MN, b_EKN.transpose(1, 2), offsets_E) if ctx.needs_input_grad[0] else None
+        grad_a = ctx.ops.mm(grad_MN, b_EKN.transpose(1, 2), offsets_E) if ctx.needs_input_grad[0] else None
         grad_b = None
         if ctx.needs_input_grad[1]:  # b = W^T of a row-major W [E, N, K] (nn.Linear layout): made in W's layout
-            grad_b = (outer(grad_MN, a_MK, offsets_E).to(b_EKN.dtype).transpose(1, 2) if b_EKN.stride(1) == 1
-                      else outer(a_MK, grad_MN, offsets_E).to(b_EKN.dtype))
+            grad_b = (ctx.ops.outer(grad_MN, a_MK, offsets_E).to(b_EKN.dtype).transpose(1, 2) if b_EKN.stride(1) == 1
+                      else ctx.ops.outer(a_MK, grad_MN, offsets_E).to(b_EKN.dtype))
         return grad_a, grad_b, None, None
 
 
@@ -214,6 +228,19 @@ def torch_grouped_mm_supports(a, b) -> bool:
     if a.is_cuda:
         return a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (8, 0)
     return False
+
+
+def torch_grouped_mm_fits(device, dtype, hidden_size, intermediate_size) -> bool:
+    """torch_grouped_mm_supports decided from the shapes, for an engine chosen before any tensor exists (fresh
+    allocations and the parameters are aligned)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if _TORCH_GROUPED_MM is None or (hidden_size * size) % 16 or (intermediate_size * size) % 16:
+        return False
+    device = torch.device(device)
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.bfloat16)
+    return (device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 def resolve_backend(backend, a, b):
@@ -250,7 +277,8 @@ def grouped_mm(a_MK, b_EKN, offsets_E, backend="auto"):
         raise ValueError(f"grouped_mm: offsets must be int32 or int64, got {offsets_E.dtype}")
     backend = resolve_backend(backend, a_MK, b_EKN)
     if backend in ("torch", "triton"):
-        return _GroupedMM.apply(a_MK, b_EKN, offsets_E.to(torch.int32), backend)
+        ops = GROUPED_OPS["torch_compiled" if backend == "torch" and torch.compiler.is_compiling() else backend]
+        return _GroupedMM.apply(a_MK, b_EKN, offsets_E.to(torch.int32), ops)
     return grouped_mm_reference(a_MK, b_EKN, offsets_E)
 
 
@@ -288,27 +316,41 @@ def scaled_swiglu_backward(grad_PF, gate_up_PF2, silu_PF, scale_P, need_scale_gr
     return grad, grad_scale
 
 
-class ScaledSwiGLU(torch.autograd.Function):
-    """h_PF = silu(gate) * up * scale_P[:, None] ([P, 2F], [P] -> [P, F]): routing weights applied before the
-    linear down projection, so the combine is a plain sum and their gradient a dot over F rather than D."""
+class GroupedSwiGLU(torch.autograd.Function):
+    """y_PD = down_e(silu(gate_e(x)) * up_e(x) * s) for the expert-sorted rows of every expert e, by two grouped
+    GEMMs of `ops` (a GroupedOps) and the SwiGLU between them, forward and backward in one Function (so the
+    experts engine reaches the GEMM in one frame). apply(x_PD [P, D], w_gate_up_E2FD [E, 2F, D] (gate_proj
+    then up_proj weight, nn.Linear layout), w_down_EDF [E, D, F], offsets_E int32 [E] cumulative row counts,
+    row_scale_P [P] the factor s (routing weights), ops), all of x's dtype. Differentiable in x, the weights
+    and s; the routing weight's gradient is a dot over F rather than D."""
 
     @staticmethod
-    def forward(ctx, gate_up_PF2, scale_P):
-        h_PF, silu_PF = scaled_swiglu_forward(gate_up_PF2, scale_P)
-        ctx.save_for_backward(gate_up_PF2, silu_PF, scale_P)
-        return h_PF
+    def forward(ctx, x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_scale_P, ops):
+        gate_up_PF2 = ops.mm(x_PD, w_gate_up_E2FD.transpose(1, 2), offsets_E)
+        h_PF, silu_PF = scaled_swiglu_forward(gate_up_PF2, row_scale_P)
+        ctx.ops = ops
+        ctx.save_for_backward(x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_scale_P, gate_up_PF2, silu_PF, h_PF)
+        return ops.mm(h_PF, w_down_EDF.transpose(1, 2), offsets_E)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_PF):
-        gate_up, silu_PF, scale_P = ctx.saved_tensors
-        return scaled_swiglu_backward(grad_PF, gate_up, silu_PF, scale_P, ctx.needs_input_grad[1])
+    def backward(ctx, grad_PD):
+        x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_scale_P, gate_up_PF2, silu_PF, h_PF = ctx.saved_tensors
+        mm, outer, need = ctx.ops.mm, ctx.ops.outer, ctx.needs_input_grad
+        grad_PD = grad_PD.contiguous()
+        grad_h_PF = mm(grad_PD, w_down_EDF, offsets_E)
+        grad_w_down = outer(grad_PD, h_PF, offsets_E) if need[2] else None
+        grad_gate_up_PF2, grad_scale = scaled_swiglu_backward(grad_h_PF, gate_up_PF2, silu_PF, row_scale_P, need[4])
+        grad_w_gate_up = outer(grad_gate_up_PF2, x_PD, offsets_E) if need[1] else None
+        grad_x = mm(grad_gate_up_PF2, w_gate_up_E2FD, offsets_E) if need[0] else None
+        return grad_x, grad_w_gate_up, grad_w_down, None, grad_scale, None
 
 
 def grouped_swiglu(x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_scale_P, backend="auto"):
-    """y_PD = down_e(silu(gate_e(x)) * up_e(x) * s) for the expert-sorted rows x_PD [P, D] of every expert e.
-    w_gate_up_E2FD [E, 2F, D]: gate_proj.weight then up_proj.weight (nn.Linear layout); w_down_EDF [E, D, F];
-    offsets_E int32 [E] cumulative row counts; row_scale_P [P] the factor s (routing weights, differentiable)."""
-    gate_up = grouped_mm(x_PD, w_gate_up_E2FD.transpose(1, 2), offsets_E, backend)
-    h_PF = ScaledSwiGLU.apply(gate_up, row_scale_P)
-    return grouped_mm(h_PF, w_down_EDF.transpose(1, 2), offsets_E, backend)
+    """GroupedSwiGLU on `backend` (as grouped_mm resolves it): y_PD [P, D] for x_PD [P, D], w_gate_up_E2FD
+    [E, 2F, D], w_down_EDF [E, D, F], offsets_E int32 [E], row_scale_P [P]."""
+    backend = resolve_backend(backend, x_PD, w_gate_up_E2FD.transpose(1, 2))
+    if backend == "torch" and torch.compiler.is_compiling():
+        backend = "torch_compiled"
+    return GroupedSwiGLU.apply(x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E.to(torch.int32), row_scale_P,
+                               GROUPED_OPS[backend])

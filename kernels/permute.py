@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import cast, choose, triton_importable
-from model.dispatch import RowMapDispatcher
 
 if triton_importable():
     import triton
@@ -148,14 +147,13 @@ class Combine(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-class KernelRowMapDispatcher(RowMapDispatcher):
-    """RowMapDispatcher with its permute and combine_rows through Permute / Combine above (Triton where it
-    runs, else torch with gather backward passes): the fused path's dispatcher in training."""
+def permute_kernel(x_TD, rm):
+    """The fused path's permute engine (model/dispatch.py: permute_rows' interface) through `Permute`."""
+    with torch.autocast(x_TD.device.type, enabled=False):  # the kernels take explicit dtypes
+        return Permute.apply(x_TD, rm.token_of_row_P, rm.row_of_pair_TK, rm.has_holes, "auto")
 
-    def permute(self, x_TD, rm):
-        with torch.autocast(x_TD.device.type, enabled=False):  # the kernels take explicit dtypes
-            return Permute.apply(x_TD, rm.token_of_row_P, rm.row_of_pair_TK, rm.has_holes, "auto")
 
-    def combine_rows(self, rows_PD, rm):
-        with torch.autocast(rows_PD.device.type, enabled=False):
-            return Combine.apply(rows_PD, rm.token_of_row_P, rm.row_of_pair_TK, rm.has_holes, "auto", torch.float32)
+def combine_kernel(rows_PD, rm):
+    """The fused path's combine engine (model/dispatch.py: combine_rows' interface) through `Combine`: fp32."""
+    with torch.autocast(rows_PD.device.type, enabled=False):
+        return Combine.apply(rows_PD, rm.token_of_row_P, rm.row_of_pair_TK, rm.has_holes, "auto", torch.float32)

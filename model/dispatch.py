@@ -23,6 +23,7 @@ Expert parallelism (train/parallel.py) wraps either one in an all-to-all. The la
 """
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -253,6 +254,27 @@ def compute_dtype(x):
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
+def permute_rows(x_TD, rm):
+    """The plain permute: rows_PD = x[token_of_row] ([P, D], x's dtype) with zero rows where token_of_row < 0."""
+    if x_TD.shape[0] == 0:  # no token: every row is padding
+        return x_TD.new_zeros(rm.token_of_row_P.shape[0], x_TD.shape[1]) + x_TD.sum()
+    rows_PD = x_TD.index_select(0, rm.token_of_row_P.clamp(min=0))
+    return rows_PD.masked_fill((rm.token_of_row_P < 0).unsqueeze(-1), 0) if rm.has_holes else rows_PD
+
+
+def combine_rows(rows_PD, rm):
+    """The plain combine: y[t] = sum over j = 0..K-1 with row[t, j] >= 0 of rows[row[t, j]] -> [T, D] fp32,
+    j ascending."""
+    T, K = rm.row_of_pair_TK.shape
+    v_TKD = rows_PD.index_select(0, rm.row_of_pair_TK.reshape(-1).clamp(min=0)).view(T, K, rows_PD.shape[1]).float()
+    if rm.has_holes:
+        v_TKD = v_TKD.masked_fill((rm.row_of_pair_TK < 0).unsqueeze(-1), 0)
+    y_TD = v_TKD[:, 0]
+    for j in range(1, K):
+        y_TD = y_TD + v_TKD[:, j]
+    return y_TD
+
+
 @dataclass
 class RowMapDispatcher:
     """Zero-sync dispatch: a device-side RowMap, one permute, one combine; every shape static.
@@ -260,10 +282,13 @@ class RowMapDispatcher:
     dispatch(...) -> Dispatched with rows_PD in the compute dtype (autocast's, else x's), tokens_per_expert
     int64 [E] on the device, row_weight_P each row's routing weight (0 for padding), state a RowMapState.
     combine(rows_out_PD, d) -> y_TD [T, D] in x's dtype: each token's K rows summed in fp32, slots in
-    ascending expert id, from the first slot's term. `permute` and `combine_rows` are plain PyTorch here;
-    kernels/permute.py: KernelRowMapDispatcher runs them as Triton / gather-backward kernels.
+    ascending expert id, from the first slot's term. permute(x_TD, rm) -> rows_PD and combine_rows(rows_PD,
+    rm) -> y_TD fp32 are the engines chosen when the layer is built: `permute_rows` / `combine_rows` above,
+    or kernels/permute.py's (Triton, gather backward passes).
     """
     num_experts: int
+    permute: Callable = permute_rows
+    combine_rows: Callable = combine_rows
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, layout=RowLayout(), host_tokens_per_expert=None):
         topk_idx_TK, topk_weight_TK = order_slots(topk_idx_TK, topk_weight_TK)
@@ -283,20 +308,5 @@ class RowMapDispatcher:
     def combine(self, rows_out_PD, dispatched):
         return self.combine_rows(rows_out_PD, dispatched.state.row_map).to(dispatched.state.dtype)
 
-    def permute(self, x_TD, rm):
-        """rows_PD = x[token_of_row] with zero rows where token_of_row < 0."""
-        if x_TD.shape[0] == 0:  # no token: every row is padding
-            return x_TD.new_zeros(rm.token_of_row_P.shape[0], x_TD.shape[1]) + x_TD.sum()
-        rows_PD = x_TD.index_select(0, rm.token_of_row_P.clamp(min=0))
-        return rows_PD.masked_fill((rm.token_of_row_P < 0).unsqueeze(-1), 0) if rm.has_holes else rows_PD
-
-    def combine_rows(self, rows_PD, rm):
-        """y[t] = sum over j = 0..K-1 with row[t, j] >= 0 of rows[row[t, j]], in fp32, j ascending."""
-        T, K = rm.row_of_pair_TK.shape
-        v_TKD = rows_PD.index_select(0, rm.row_of_pair_TK.reshape(-1).clamp(min=0)).view(T, K, rows_PD.shape[1]).float()
-        if rm.has_holes:
-            v_TKD = v_TKD.masked_fill((rm.row_of_pair_TK < 0).unsqueeze(-1), 0)
-        y_TD = v_TKD[:, 0]
-        for j in range(1, K):
-            y_TD = y_TD + v_TKD[:, j]
-        return y_TD
+    def __repr__(self):
+        return f"RowMapDispatcher(permute={self.permute.__name__}, combine={self.combine_rows.__name__})"

@@ -12,8 +12,8 @@ from typing import Callable
 import torch.nn.functional as F
 from torch import nn
 
-from model.dispatch import RowMapDispatcher
-from model.moe import ExpertLoop
+from model.dispatch import combine_rows, permute_rows
+from model.moe import expert_loop
 
 
 @dataclass(frozen=True)
@@ -22,13 +22,15 @@ class Engines:
     FFN, shared experts, LM head), nn.Linear or a subclass; attend: the attention kernel, called as
     F.scaled_dot_product_attention; lm_loss: (h_ND, lm_head weight_VD, labels_N int64) -> mean
     cross-entropy over labels != -100 in fp32, without logits, or None (logits, then F.cross_entropy);
-    experts: the routed experts' class (model/moe.py: ExpertLoop's interface); row_map_dispatcher: the
-    dispatcher of moe_impl "fused" (RowMapDispatcher's interface)."""
+    experts: the function that runs the routed experts on their stacked weights (model/moe.py:
+    expert_loop's interface); permute / combine: the fused path's row movers (model/dispatch.py:
+    permute_rows / combine_rows' interfaces)."""
     linear: type = nn.Linear
     attend: Callable = F.scaled_dot_product_attention
     lm_loss: Callable | None = None
-    experts: type = ExpertLoop
-    row_map_dispatcher: type = RowMapDispatcher
+    experts: Callable = expert_loop
+    permute: Callable = permute_rows
+    combine: Callable = combine_rows
 
 
 PLAIN = Engines()

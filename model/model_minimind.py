@@ -16,7 +16,7 @@ from torch import nn
 
 from model.config import MiniMindConfig
 from model.engines import PLAIN, Engines
-from model.moe import FeedForward, MOEFeedForward
+from model.moe import Experts, FeedForward, MOEFeedForward
 from model.router import layer_mean
 
 
@@ -102,7 +102,8 @@ class MiniMindBlock(nn.Module):
         self.self_attn = Attention(config, engines.linear, engines.attend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = (MOEFeedForward(config, engines.experts, engines.row_map_dispatcher, engines.linear) if config.use_moe
+        self.mlp = (MOEFeedForward(config, engines.experts, engines.permute, engines.combine, engines.linear)
+                    if config.use_moe
                     else FeedForward(config.hidden_size, config.intermediate_size, engines.linear))
         self.mlp_dropout = nn.Dropout(config.dropout)
 
@@ -122,6 +123,8 @@ def init_weights(module: nn.Module, std: float):
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             m.weight.normal_(0.0, std)
+        elif isinstance(m, Experts):  # expert by expert, as E FeedForward modules would be
+            m.reset_each(lambda w: w.normal_(0.0, std))
         elif isinstance(m, RMSNorm):
             m.weight.fill_(1.0)
 

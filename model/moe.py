@@ -6,17 +6,18 @@ F expert intermediate size, P dispatched rows.
     1. route     (here; losses in model/router.py) softmax router, top-k, router losses, load counting
     2. capacity  (model/dispatch.py: drop_and_pad) padding tokens and over-capacity pairs go to no expert
     3. dispatch  (model/dispatch.py) rows grouped by expert                self.dispatcher.dispatch
-    4. experts   (here: ExpertLoop) E SwiGLU FFNs, each on its rows        self.experts
+    4. experts   (here: Experts) E SwiGLU FFNs, stacked weights, each on its rows   self.experts
     5. combine   (model/dispatch.py) each token's weighted sum of its rows self.dispatcher.combine
 
 moe_impl "sorted" (the default) is bitwise the per-expert masked loop (MiniMind's layer, kept as the
 reference in scripts/moe_reference.py) with one host sync per layer; "fused" builds the layout on the
 device (no host sync) and applies the routing weights inside the experts.
-The engines of steps 3-5 are chosen when the layer is built: `experts` (ExpertLoop here, one nn.Linear
-chain per expert; kernels/experts.py: GroupedExperts) and the fused path's dispatcher (RowMapDispatcher,
+What runs steps 3-5 is chosen when the layer is built: the experts' engine (`expert_loop` here; the
+kernels' in kernels/experts.py) and the fused path's permute / combine (model/dispatch.py's plain ones,
 or kernels/permute.py's); model/engines.py names them, kernels/engines.py picks the ones that pay.
 Expert parallelism wraps the dispatcher (train/parallel.py).
 """
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.dispatch import RowMapDispatcher, SortedDispatcher, drop_and_pad
+from model.dispatch import RowMapDispatcher, SortedDispatcher, combine_rows, drop_and_pad, permute_rows
 from model.router import expert_bias_update, router_losses, tokens_per_expert
 
 _warned_no_router_grad = False  # the k=1 warning below is given once per process
@@ -44,32 +45,144 @@ class FeedForward(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class ExpertLoop(nn.ModuleList):
-    """The routed experts: a list of FeedForward modules (`experts.{e}.{gate,up,down}_proj.weight`) and
-    the plain engine that runs them, one nn.Linear chain per expert.
+def swiglu(x, w_gate_FD, w_up_FD, w_down_DF):
+    """down(silu(gate(x)) * up(x)) for one expert's weights in nn.Linear's layout: x [..., D] -> [..., D]."""
+    return F.linear(F.silu(F.linear(x, w_gate_FD)) * F.linear(x, w_up_FD), w_down_DF)
 
-    forward(rows_PD [P, D], tokens_per_expert int64 [E'] (a CPU tensor, or on the device: then read to the
-    host once), row_weight_P [P] or None, first_expert=0) -> [P, D]: expert first_expert + e on its
-    tokens_per_expert[e] rows, in order (E' = all experts, or under expert parallelism the rank's); each
-    row scaled by row_weight_P (when given) before the down projection. Each expert runs on a fresh copy
-    of its rows (a view at an offset may round differently in the GEMM, and the sorted path must match the
-    masked loop's gathers bit for bit). In eval an expert without rows is skipped; in training it runs on
-    zero rows, so it gets a zero gradient (DDP needs every gradient)."""
+
+def expert_loop(rows_PD, tokens_per_expert, row_weight_P, w_gate_up_E2FD, w_down_EDF):
+    """The plain experts engine: one nn.Linear-style chain (`swiglu`) per expert, in a Python loop.
+
+    rows_PD [P, D]; tokens_per_expert int64 [E'] (a CPU tensor, or on the device: then read to the host
+    once); row_weight_P [P] or None; w_gate_up_E2FD [E', 2F, D], w_down_EDF [E', D, F] the experts' stacked
+    weights -> [P, D]: expert e on its tokens_per_expert[e] rows, in order, each row scaled by row_weight_P
+    (when given) before the down projection. Each expert runs on a fresh copy of its rows (a view at an
+    offset may round differently in the GEMM, and the sorted path must match the masked loop's gathers bit
+    for bit) and on weight views at the offsets `Expert` uses. An expert without rows still runs (on zero
+    rows) while autograd records, so the gradient is the same whatever the routing."""
+    w_gate_EFD, w_up_EFD = w_gate_up_E2FD.unflatten(1, (2, -1)).unbind(1)
+    # unbind: the backward stacks the E experts' gradients once (a select per expert would add E full-size
+    # zero tensors)
+    weights = zip(w_gate_EFD.unbind(0), w_up_EFD.unbind(0), w_down_EDF.unbind(0))
+    outs, start = [], 0
+    for n, (w_gate, w_up, w_down) in zip(tokens_per_expert.tolist(), weights):
+        if n == 0 and not torch.is_grad_enabled():
+            continue
+        x_e = rows_PD[start:start + n].clone()
+        h_nF = F.silu(F.linear(x_e, w_gate)) * F.linear(x_e, w_up)  # (swiglu's ops, inline: one frame less)
+        if row_weight_P is not None:  # the routing weight before the down projection (linear: the same sum)
+            h_nF = h_nF * row_weight_P[start:start + n, None].to(h_nF.dtype)
+        outs.append(F.linear(h_nF, w_down))
+        start += n
+    return torch.cat(outs) if outs else rows_PD[:0].clone()
+
+
+class Expert(nn.Module):
+    """Expert e of an `Experts` as a module of its own (what `experts[e]` gives; the masked reference loop
+    iterates and calls these): forward(x [..., D]) -> [..., D] the SwiGLU FFN on views into the stacked
+    weights, so gradients flow into them; parameters() yields the views gate [F, D], up [F, D], down [D, F].
+    It holds no parameter of its own: the weights stay the stack's."""
+
+    def __init__(self, experts, index):
+        super().__init__()
+        object.__setattr__(self, "stack", experts)  # a plain attribute, not a submodule
+        self.index = index
+
+    def weights(self):
+        w_gate_up_2FD, F_ = self.stack.gate_up_proj[self.index], self.stack.down_proj.shape[2]
+        return w_gate_up_2FD[:F_], w_gate_up_2FD[F_:], self.stack.down_proj[self.index]
+
+    def parameters(self, recurse=True):
+        return iter(self.weights())
+
+    def forward(self, x):
+        return swiglu(x, *self.weights())
+
+    def extra_repr(self):
+        return f"index={self.index}"
+
+
+class Experts(nn.Module):
+    """The routed experts: E SwiGLU FFNs with their weights stacked (as torchtitan and transformers 5 keep
+    them), gate_up_proj [E, 2F, D] (each expert's gate_proj rows, then its up_proj rows; nn.Linear layout)
+    and down_proj [E, D, F], and `engine`, the function that runs them, chosen when the model is built
+    (model/engines.py: Engines.experts; `expert_loop` by default). Every engine reads the stacked tensors as
+    they are: no per-expert copy, concatenation or stack of weights.
+
+    forward(rows_PD [P, D], tokens_per_expert int64 [E'], row_weight_P [P] or None, first_expert=0) -> [P, D]:
+    experts first_expert .. first_expert + E' - 1 (E' = all, or under expert parallelism the rank's) on
+    their rows in order, as `expert_loop` documents. As a sequence, `experts[e]` is an `Expert` module.
+    state_dict: one entry per expert and projection, `{e}.{gate,up,down}_proj.weight` (views into the
+    stack): the keys of E separate FeedForward modules, so every checkpoint and export keeps its layout;
+    load_state_dict takes those keys (or the stacked names). Initialised as E FeedForwards would be (the
+    same draws, in the same order)."""
+
+    def __init__(self, num_experts, hidden_size, intermediate_size, engine=expert_loop):
+        super().__init__()
+        E, D, F_ = num_experts, hidden_size, intermediate_size
+        self.engine = engine
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * F_, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, F_))
+        self.reset_each(lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)))  # nn.Linear's own init
+        self.register_state_dict_post_hook(_per_expert_state_dict)
+        self.register_load_state_dict_pre_hook(_stacked_state_dict)
+
+    def __len__(self):
+        return self.gate_up_proj.shape[0]
+
+    def __getitem__(self, index):
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"expert {index} of {len(self)}")
+        return Expert(self, index % len(self))
+
+    def __iter__(self):
+        return (Expert(self, e) for e in range(len(self)))
+
+    @torch.no_grad()
+    def reset_each(self, init):
+        """init(weight) on each expert's gate, up and down weight view in turn (FeedForward's order)."""
+        for expert in self:
+            for w in expert.weights():
+                init(w)
 
     def forward(self, rows_PD, tokens_per_expert, row_weight_P=None, first_expert=0):
-        outs, start = [], 0
-        for e, n in enumerate(tokens_per_expert.tolist()):
-            expert = self[first_expert + e]
-            if n == 0 and not self.training:
-                continue
-            x_e = rows_PD[start:start + n].clone()
-            if row_weight_P is None:
-                outs.append(expert(x_e))
-            else:  # the routing weight before the down projection (linear: the same sum up to rounding)
-                h_nF = F.silu(expert.gate_proj(x_e)) * expert.up_proj(x_e)
-                outs.append(expert.down_proj(h_nF * row_weight_P[start:start + n, None].to(h_nF.dtype)))
-            start += n
-        return torch.cat(outs) if outs else rows_PD[:0].clone()
+        w_gate_up_E2FD, w_down_EDF = self.gate_up_proj, self.down_proj
+        if tokens_per_expert.shape[0] != len(self) or first_expert:  # (a slice's backward copies the whole stack)
+            w_gate_up_E2FD = w_gate_up_E2FD[first_expert:first_expert + tokens_per_expert.shape[0]]
+            w_down_EDF = w_down_EDF[first_expert:first_expert + tokens_per_expert.shape[0]]
+        return self.engine(rows_PD, tokens_per_expert, row_weight_P, w_gate_up_E2FD, w_down_EDF)
+
+    def extra_repr(self):
+        (E, F2, D) = self.gate_up_proj.shape
+        return f"{E} x SwiGLU({D} -> {F2 // 2} -> {D}), engine={engine_name(self.engine)}"
+
+
+def engine_name(engine):
+    """An engine's name for print(model): a function's, or for an autograd Function's `apply` its class's."""
+    owner = getattr(engine, "__self__", None)
+    return owner.__name__ if isinstance(owner, type) else engine.__name__
+
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _per_expert_state_dict(module, state_dict, prefix, local_metadata):
+    """Experts' state_dict hook: the stacked tensors -> one view per expert and projection."""
+    gate_up, down = state_dict.pop(prefix + "gate_up_proj"), state_dict.pop(prefix + "down_proj")
+    F_ = down.shape[2]
+    for e in range(gate_up.shape[0]):
+        for name, w in zip(PROJECTIONS, (gate_up[e, :F_], gate_up[e, F_:], down[e])):
+            state_dict[f"{prefix}{e}.{name}.weight"] = w
+
+
+def _stacked_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                        error_msgs):
+    """Experts' load_state_dict pre-hook: per-expert entries, when all are there, -> the stacked tensors."""
+    keys = [[f"{prefix}{e}.{name}.weight" for name in PROJECTIONS] for e in range(len(module))]
+    if all(k in state_dict for ks in keys for k in ks):
+        per_expert = [[state_dict.pop(k) for k in ks] for ks in keys]
+        state_dict[prefix + "gate_up_proj"] = torch.stack([torch.cat([gate, up]) for gate, up, _ in per_expert])
+        state_dict[prefix + "down_proj"] = torch.stack([down for _, _, down in per_expert])
 
 
 @dataclass
@@ -89,7 +202,8 @@ class MOEFeedForward(nn.Module):
     forward(x [B, S, D], token_mask [B, S] bool or None) -> y [B, S, D] of x's dtype. token_mask False
     marks padding: it goes to no expert (output 0) and counts in no router statistic. After a
     training-mode call `aux_loss` is this layer's balance loss plus z-loss (zero in eval) and `stats` an
-    MoEStats. Parameters: `gate.weight` [E, D], `experts.{e}.{gate,up,down}_proj.weight`, with
+    MoEStats. Parameters: `gate.weight` [E, D], the stacked `experts.gate_up_proj` [E, 2F, D] and
+    `experts.down_proj` [E, D, F] (state_dict: `experts.{e}.{gate,up,down}_proj.weight`; see Experts), with
     n_shared_experts > 0 `shared_experts.{gate,up,down}_proj.weight` (one dense SwiGLU of width
     shared_expert_intermediate_size added for every token, ungated: DeepSeekMoE), and the fp32
     buffer `expert_bias` [E] only with router_bias_update_rate > 0. In training every expert runs, maybe
@@ -97,19 +211,19 @@ class MOEFeedForward(nn.Module):
     The router's choices per expert (real tokens, before capacity) add up until `pop_load()`.
     """
 
-    def __init__(self, config, experts=ExpertLoop, row_map_dispatcher=RowMapDispatcher, linear=nn.Linear):
+    def __init__(self, config, experts=expert_loop, permute=permute_rows, combine=combine_rows, linear=nn.Linear):
         super().__init__()
         self.config = config
         E = config.num_experts
         self.gate = nn.Linear(config.hidden_size, E, bias=False)
-        self.experts = experts(FeedForward(config.hidden_size, config.moe_intermediate_size) for _ in range(E))
+        self.experts = Experts(E, config.hidden_size, config.moe_intermediate_size, experts)
         self.shared_experts = FeedForward(config.hidden_size, config.shared_expert_intermediate_size, linear) \
             if config.n_shared_experts else None
         if config.router_bias_update_rate > 0:
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
         else:
             self.expert_bias = None
-        self.dispatcher = row_map_dispatcher(E) if config.moe_impl == "fused" else SortedDispatcher(E)
+        self.dispatcher = RowMapDispatcher(E, permute, combine) if config.moe_impl == "fused" else SortedDispatcher(E)
         self.aux_loss = torch.zeros(())
         self.stats = MoEStats()
         self._load_E = None  # router choices per expert since the last pop_load()
@@ -131,7 +245,7 @@ class MOEFeedForward(nn.Module):
         return y_TD.view(B, S, D)
 
     def extra_repr(self):
-        return f"moe_impl={self.config.moe_impl}, dispatcher={type(self.dispatcher).__name__}"
+        return f"moe_impl={self.config.moe_impl}, dispatcher={self.dispatcher!r}"
 
     def router_logits(self, x_TD):
         """Gate logits [T, E]: in autocast's dtype (the reference), or fp32 with router_dtype="float32"

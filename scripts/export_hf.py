@@ -62,7 +62,7 @@ def export(ckpt_path, out_dir, dtype="float32", tokenizer_dir=None, verify=True,
     hf_config = to_hf_config(model.config)
     hf_config.dtype = dtype
     tdtype = DTYPES[dtype]
-    state = {k: v.detach().to(tdtype).contiguous() for k, v in to_hf_state_dict(model.state_dict(), model.config).items()}
+    state = {k: v.detach().to(tdtype, copy=True) for k, v in to_hf_state_dict(model.state_dict(), model.config).items()}
     tokenizer, _ = run_tokenizer(ckpt_path, tokenizer_dir)
 
     with atomic_dir(out_dir) as tmp:  # verified before it replaces anything

@@ -35,9 +35,10 @@ def routed(mod, x):
 
 def test_counts_within_capacity_and_sync_free():
     """Sorted: one sync with capacity; the fused layer built with kernels.engines.engines_for's engines
-    (GroupedExperts, KernelRowMapDispatcher): no sync, the same per-expert counts (also with padding to
-    capacity)."""
+    (the experts on cpu_experts where oneDNN runs, the rows moved by permute_kernel / combine_kernel): no sync,
+    the same per-expert counts (also with padding to capacity)."""
     from kernels.engines import describe, engines_for, rebuilt
+    from model.moe import engine_name
     for cf in (0.25, 0.5, 1.0):
         for pad in (False, True):
             mod = build(capacity_factor=cf, moe_pad_to_capacity=pad)
@@ -47,8 +48,10 @@ def test_counts_within_capacity_and_sync_free():
             assert int(mod.stats.tokens_per_expert.max()) <= cap, (cf, mod.stats.tokens_per_expert, cap)
             assert n == 1, f"{n} syncs with capacity"
             fused = build(capacity_factor=cf, moe_pad_to_capacity=pad, moe_impl="fused")
-            fused = rebuilt(fused, engines_for(fused.config, "cpu", torch.float32))
-            assert describe(fused) == "engines: KernelRowMapDispatcher x1, GroupedExperts x1", describe(fused)
+            engines = engines_for(fused.config, "cpu", torch.float32)
+            fused = rebuilt(fused, engines)
+            want = f"engines: permute_kernel/combine_kernel x1, {engine_name(engines.experts)} x1"
+            assert fused.experts.engine is engines.experts and describe(fused) == want, describe(fused)
             _, n = count_syncs(fused, x)
             assert n == 0, f"fused: {n} syncs with capacity"
             assert torch.equal(fused.stats.tokens_per_expert, mod.stats.tokens_per_expert), cf

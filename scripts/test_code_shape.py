@@ -59,17 +59,18 @@ def test_model_is_plain_pytorch():
     assert not engine_fields, f"engine fields in MiniMindConfig: {engine_fields}"
 
 
-def _moe_path_to_gemm(moe_impl):
+def _moe_path_to_gemm(moe_impl, experts=None):
     """The repository's Python frames from MOEFeedForward.forward down to the first expert GEMM (the first
-    torch linear / mm / bmm / oneDNN call outside the router) of the layer built with the engines the
-    trainer builds it with on this CPU in fp32 (kernels/engines.py): [(file, function), ...]."""
+    torch linear / mm / bmm / grouped_mm / oneDNN call outside the router) of the layer built with the
+    engines the trainer builds it with on this CPU in fp32 (kernels/engines.py), or with the experts engine
+    `experts`: [(file, function), ...]."""
     from kernels.engines import engines_for
     from model.config import MiniMindConfig
     from model.moe import MOEFeedForward
     torch.manual_seed(0)
     config = MiniMindConfig(hidden_size=32, num_experts=4, moe_intermediate_size=16, moe_impl=moe_impl)
     engines = engines_for(config, "cpu", torch.float32)
-    layer = MOEFeedForward(config, engines.experts, engines.row_map_dispatcher, engines.linear).train()
+    layer = MOEFeedForward(config, experts or engines.experts, engines.permute, engines.combine, engines.linear).train()
     chains = []
 
     def profile(frame, event, arg):
@@ -94,11 +95,32 @@ def _moe_path_to_gemm(moe_impl):
 def test_moe_call_path_is_short():
     """From MOEFeedForward.forward to the expert GEMM, as the trainer builds the layer: on the trained
     (fused) path at most 4 frames of ours in 2 files (moe.py, then the experts engine's file), the last
-    one calling torch's GEMM; on the sorted path (the layer's default) at most 3 in moe.py alone."""
-    for moe_impl, most_calls, files in (("fused", 4, {"model/moe.py", "kernels/experts.py"}), ("sorted", 3, {"model/moe.py"})):
-        chain = _moe_path_to_gemm(moe_impl)
+    one calling torch's GEMM; the GPU's trained path (the grouped engine on torch's grouped_mm, here on
+    CPU) at most 4 in 3 files; on the sorted path (the layer's default) at most 3 in moe.py alone."""
+    from kernels.experts import GROUPED_EXPERTS
+    from kernels.grouped_gemm import torch_grouped_mm_fits
+    paths = [("fused", None, 4, {"model/moe.py", "kernels/experts.py"}), ("sorted", None, 3, {"model/moe.py"})]
+    if torch_grouped_mm_fits("cpu", torch.float32, 32, 16):
+        paths.append(("fused", GROUPED_EXPERTS["torch"], 4, {"model/moe.py", "kernels/experts.py",
+                                                             "kernels/grouped_gemm.py"}))
+    for moe_impl, experts, most_calls, files in paths:
+        chain = _moe_path_to_gemm(moe_impl, experts)
         assert chain and chain[0] == ("model/moe.py", "forward"), (moe_impl, chain)
         assert len(chain) <= most_calls and {f for f, _ in chain} <= files, f"{moe_impl}: {len(chain)} frames: {chain}"
+
+
+def test_kernels_are_a_library():
+    """kernels/ holds functions and autograd Functions on tensors that the model's engines call: no class of
+    kernels/ derives from one of model/, and only the glue (kernels/engines.py) imports model/."""
+    model_classes = {node.name for f in _files("model/*.py") for node in ast.walk(ast.parse(open(f).read()))
+                     if isinstance(node, ast.ClassDef)}
+    bad = [f"{os.path.relpath(f, ROOT)}: {node.name}" for f in _files("kernels/*.py")
+           for node in ast.walk(ast.parse(open(f).read())) if isinstance(node, ast.ClassDef)
+           and any(getattr(base, "id", getattr(base, "attr", None)) in model_classes for base in node.bases)]
+    assert not bad, f"kernels/ classes derived from model/ classes: {bad}"
+    leaning = [os.path.relpath(f, ROOT) for f in _files("kernels/*.py") if not f.endswith("engines.py")
+               and any(m.split(".")[0] == "model" for m in _imports(f))]
+    assert not leaning, f"kernels/ files importing model/: {leaning} (only kernels/engines.py, the glue)"
 
 
 def test_no_class_swaps():
@@ -191,7 +213,8 @@ def test_readmes_name_every_source_file():
     assert not missing, f"the folder READMEs' tables do not mention {missing}"
 
 
-TESTS = [test_imports_run_down_the_layers, test_model_is_plain_pytorch, test_moe_call_path_is_short, test_no_class_swaps,
+TESTS = [test_imports_run_down_the_layers, test_model_is_plain_pytorch, test_moe_call_path_is_short,
+         test_kernels_are_a_library, test_no_class_swaps,
          test_names_say_what_they_hold, test_one_loop_file, test_functions_fit_on_a_screen, test_one_atomic_write_helper,
          test_no_machine_timings_in_docstrings, test_readmes_name_every_source_file]
 

@@ -10,20 +10,26 @@ gradient (kernels/backend.py: cast), and only a compiled-vs-eager comparison sho
 Tolerance: 1e-5 absolute on values of size ~0.1-10 in fp32 (compiled graphs fuse and reorder elementwise ops:
 differences of a few ulps, ~1e-7 measured). The models compile with backend="aot_eager" (the traced forward
 and backward graphs, where the 2.11 fault lies, without inductor's minute of code generation per model); the
-layer compiles with inductor, fullgraph.
+layer compiles with inductor, fullgraph. Everything compiled is built with the engines for torch.compile
+(kernels.engines.engines_for(..., compiled=True): the fused experts on a grouped engine, since the CPU experts
+engine reads host values a fullgraph compile cannot hold).
 """
 import torch
 
 from testlib import Skip, run
-from test_moe_fused import assert_bf16_as_close_as_sorted, assert_close, fwd_bwd, pair, with_engines
+from test_moe_fused import ENGINE_FUNCTIONS, assert_bf16_as_close_as_sorted, assert_close, fwd_bwd, pair, with_engines
 from kernels.engines import engines_for
+from kernels.experts import grouped_experts_for
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 
 
 def test_fused_layer_compiles_without_graph_breaks():
-    """torch.compile(fullgraph=True) traces the engine-built fused layer's forward and backward in one graph
-    (no data-dependent shape, no host read: under compile GroupedExperts takes the grouped engine)."""
-    ref, _, fused = pair(4, 2)
+    """torch.compile(fullgraph=True) traces the fused layer built with the compiled engines (the grouped engine on
+    torch's grouped_mm through custom ops where it takes the sizes) forward and backward in one graph (no
+    data-dependent shape, no host read)."""
+    ref, layers = pair(4, 2)
+    fused = with_engines(layers["plain"], compiled=True)
+    assert fused.experts.engine is grouped_experts_for("cpu", torch.float32, 32, 24, compiled=True)
     x, g = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
     want = fwd_bwd(ref, x, g)
     got = fwd_bwd(torch.compile(fused, fullgraph=True), x, g)
@@ -39,9 +45,10 @@ def test_cuda_fused_layer_compiled():
     the sorted layer (test_moe_fused.py's BF16_MARGIN)."""
     if not torch.cuda.is_available():
         raise Skip("needs CUDA")
-    ref, plain, _ = pair(8, 2)
-    ref.cuda(), plain.cuda()
-    fused = with_engines(plain, "cuda", torch.float32)
+    ref, layers = pair(8, 2)
+    ref.cuda(), layers["plain"].cuda()
+    fused = with_engines(layers["plain"], "cuda", torch.float32, compiled=True)
+    assert fused.experts.engine in ENGINE_FUNCTIONS["grouped"]
     compiled = torch.compile(fused, fullgraph=True)
 
     def run_compiled(x, g):  # fwd_bwd's triple, the gradients named as the layer's own parameters
@@ -65,14 +72,15 @@ def loss_and_grads(model, call, ids):
 
 
 def test_models_compiled_gradients_equal_eager():
-    """Tiny models built with the trainer's CPU engines (fused MoE: one graph; sorted MoE: a graph break at
-    its host read; dense), compiled: the loss and every parameter's gradient equal eager's within 1e-5."""
+    """Tiny models built with the trainer's CPU engines for torch.compile (fused MoE: one graph; sorted MoE: a
+    graph break at its host read; dense), compiled: the loss and every parameter's gradient equal eager's
+    within 1e-5."""
     for use_moe, impl, fullgraph in ((True, "fused", True), (True, "sorted", False), (False, "sorted", True)):
         torch.manual_seed(0)
         config = MiniMindConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                 vocab_size=64, use_moe=use_moe, num_experts=4, num_experts_per_tok=2,
                                 moe_intermediate_size=32, moe_impl=impl)
-        model = MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float32)).train()
+        model = MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float32, compiled=True)).train()
         ids = torch.randint(0, 64, (2, 16))
         eager_loss, eager_grads = loss_and_grads(model, model, ids)
         torch._dynamo.reset()

@@ -4,11 +4,11 @@
 
 The EP dispatcher (train/parallel.py: AllToAllDispatcher, `install`) wraps the layer's own dispatcher, so
 every expert engine runs under EP (ENGINES): "sorted" (moe_impl="sorted"), and moe_impl="fused" as the
-plain layer ("plain": RowMapDispatcher + the ExpertLoop of nn.Linear experts) and built with
-kernels.engines.engines_for's engines (what the trainer runs: GroupedExperts + KernelRowMapDispatcher;
-"cpu", the CPU oneDNN expert GEMMs, and "grouped", the grouped-GEMM engine, forced on CPU by making
-kernels.experts.cpu_experts_run return False). The trainer builds the layers with their engines, then
-installs EP; so do these tests.
+plain layer ("plain": the plain permute / combine and model/moe.py's expert_loop) and built with
+kernels.engines.engines_for's engines (what the trainer runs: "cpu", kernels/experts.py's cpu_experts with
+kernels/permute.py's permute / combine) or with the grouped-GEMM experts engine ("grouped",
+GROUPED_EXPERTS["torch"]). The trainer builds the layers with their engines, then installs EP; so do these
+tests. Gradients are compared per expert, under the state_dict's names (`named_grads`).
 """
 import contextlib
 
@@ -34,24 +34,29 @@ def make(e, k, engine, seed=0, **kw):
     """The layer that runs `engine` (ENGINES), same weights for every engine."""
     mod = build(e, k, seed, "sorted" if engine == "sorted" else "fused", **kw)
     if engine in ("cpu", "grouped"):
+        import dataclasses
+
         from kernels.engines import describe, engines_for, rebuilt
-        mod = rebuilt(mod, engines_for(mod.config, "cpu", torch.float32))
-        assert describe(mod) == "engines: KernelRowMapDispatcher x1, GroupedExperts x1", describe(mod)
+        from kernels.experts import GROUPED_EXPERTS, cpu_experts
+        engines = engines_for(mod.config, "cpu", torch.float32)
+        if engine == "cpu" and engines.experts is not cpu_experts:
+            raise Skip("the CPU expert GEMMs do not run here (no oneDNN)")
+        if engine == "grouped":
+            engines = dataclasses.replace(engines, experts=GROUPED_EXPERTS["torch"])
+        mod = rebuilt(mod, engines)
+        want = "CPUExperts" if engine == "cpu" else "grouped_experts_torch"
+        assert describe(mod) == f"engines: permute_kernel/combine_kernel x1, {want} x1", describe(mod)
     return mod
 
 
 @contextlib.contextmanager
 def engine_choice(engine):
-    """Run the layers built with GroupedExperts on `engine`'s expert engine, and check on leaving that it
-    (and no other engine) ran; "sorted" and "plain" must run neither."""
-    import types
+    """Check on leaving that the layers built for `engine` ran its expert GEMMs (the CPU engine's
+    CPUExperts, the grouped engine's GroupedSwiGLU) and no other; "sorted" and "plain" neither."""
+    from unittest import mock
 
     import kernels.experts as experts_module
-    if engine == "cpu":
-        if not experts_module.cpu_experts_run("cpu", torch.float32):
-            raise Skip("the CPU expert GEMMs do not run here (no oneDNN)")
-    calls = {"_ExpertGEMMs": 0, "grouped_swiglu": 0}
-    saved = {n: getattr(experts_module, n) for n in ("_ExpertGEMMs", "grouped_swiglu", "cpu_experts_run")}
+    calls = {"CPUExperts": 0, "GroupedSwiGLU": 0}
 
     def counting(n, f):
         def counted(*args, **kwargs):
@@ -59,16 +64,12 @@ def engine_choice(engine):
             return f(*args, **kwargs)
         return counted
 
-    experts_module._ExpertGEMMs = types.SimpleNamespace(apply=counting("_ExpertGEMMs", saved["_ExpertGEMMs"].apply))
-    experts_module.grouped_swiglu = counting("grouped_swiglu", saved["grouped_swiglu"])
-    if engine == "grouped":
-        experts_module.cpu_experts_run = lambda device, dtype: False
-    try:
+    with contextlib.ExitStack() as patches:
+        for n in calls:
+            cls = getattr(experts_module, n)
+            patches.enter_context(mock.patch.object(cls, "forward", staticmethod(counting(n, cls.forward))))
         yield
-    finally:
-        for n, f in saved.items():
-            setattr(experts_module, n, f)
-    want = {"cpu": "_ExpertGEMMs", "grouped": "grouped_swiglu"}.get(engine)
+    want = {"cpu": "CPUExperts", "grouped": "GroupedSwiGLU"}.get(engine)
     assert all(calls[n] == 0 for n in calls if n != want), f"{engine}: {calls}"
     assert want is None or calls[want] > 0, f"{engine}: {want} never ran ({calls})"
 
@@ -127,12 +128,26 @@ def grouped_by_rank_reference(mod, x, world):
     return y.view_as(x)
 
 
+def named_grads(mod):
+    """Each parameter's gradient (None without one) by name, the stacked experts' split per expert under the
+    state_dict's names, experts.{e}.{gate,up,down}_proj.weight."""
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in mod.named_parameters()
+             if not n.startswith("experts.")}
+    gate_up, down = mod.experts.gate_up_proj.grad, mod.experts.down_proj.grad
+    F_ = mod.experts.down_proj.shape[2]
+    for e in range(len(mod.experts)):
+        for name, grad, rows in (("gate_proj", gate_up, slice(None, F_)), ("up_proj", gate_up, slice(F_, None)),
+                                 ("down_proj", down, slice(None))):
+            grads[f"experts.{e}.{name}.weight"] = None if grad is None else grad[e, rows].clone()
+    return grads
+
+
 def run_layer(mod, xs, upstream):
     """Forward + backward on each x in xs (one rank's inputs, or the concatenation)."""
     x = xs.clone().requires_grad_()
     y = mod(x)
     (y * upstream).sum().backward()
-    grads = {n: None if p.grad is None else p.grad.clone() for n, p in mod.named_parameters()}
+    grads = named_grads(mod)
     mod.zero_grad(set_to_none=True)
     return y.detach(), x.grad, grads
 

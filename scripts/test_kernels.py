@@ -5,9 +5,10 @@ this runs in CI without a GPU; on a CUDA machine the same checks also run on the
 
 permute / combine: bitwise (both are gathers plus the same fp32 add sequence); so is the CPU
 embedding_bag combine inside the reference (a fused gather-and-sum that adds each bag's rows in index order).
-grouped GEMM (Triton, torch, reference) and the CPU expert GEMMs (kernels/experts.py: GroupedExperts): fp32 within 1e-5 relative to the largest
-|value|: each accumulates dot products in another order than the reference's matmul (reassociation only;
-inputs are exact); bf16 within 2e-2 relative (8 mantissa bits, rounded at different points).
+grouped GEMM (Triton, torch, reference) and the CPU expert GEMMs (kernels/experts.py: cpu_experts): fp32
+within 1e-5 relative to the largest |value|: each accumulates dot products in another order than the
+reference's matmul (reassociation only; inputs are exact); bf16 within 2e-2 relative (8 mantissa bits,
+rounded at different points).
 chunked LM-head cross-entropy: against F.cross_entropy in fp64, loss and gradients within 1e-5 relative
 in fp32 (the logits' GEMM and the softmax in another order), within 2e-2 under bf16 autocast.
 """
@@ -23,16 +24,15 @@ import torch.nn.functional as F  # noqa: E402
 
 from testlib import Skip, run  # noqa: E402,F401
 from kernels.backend import choose, cpu_values, interpreting, triton_importable, triton_runs_on  # noqa: E402
-from kernels import experts as experts_module  # noqa: E402
-from kernels.experts import GroupedExperts, cpu_experts_run  # noqa: E402
+from kernels.experts import GROUPED_EXPERTS, CPUExperts, cpu_experts, grouped_experts_for  # noqa: E402
 from kernels.cpu_linear import OneDNNLinear, linear, onednn_linear_fits, onednn_runs  # noqa: E402
 from kernels import linear_cross_entropy as lce  # noqa: E402
-from kernels.grouped_gemm import (ScaledSwiGLU, grouped_mm, grouped_swiglu, resolve_backend,  # noqa: E402
-                                  torch_grouped_mm_supports)
+from kernels.grouped_gemm import (GROUPED_OPS, GroupedSwiGLU, grouped_mm, grouped_swiglu,  # noqa: E402
+                                  resolve_backend, torch_grouped_mm_supports)
 from kernels.permute import Combine, Permute, combine_rows, gather_rows  # noqa: E402
 from kernels.engines import describe, engines_for, rebuilt  # noqa: E402
 from model.dispatch import build_row_map  # noqa: E402  (the row maps the permute kernels read)
-from model.moe import ExpertLoop, FeedForward  # noqa: E402
+from model.moe import Experts, FeedForward, expert_loop  # noqa: E402
 
 # Triton runs CPU tensors only in its interpreter, and the interpreter would also run CUDA tensors (on
 # the host): so interpreted runs test on CPU, and TRITON_INTERPRET=0 on a GPU machine tests the compiled
@@ -174,7 +174,7 @@ def combine(h, rm, backend, out_dtype=None):
 
 
 def test_permute_combine_autograd():
-    """Gradients of the differentiable Permute / Combine (the KernelRowMapDispatcher's): the reference
+    """Gradients of the differentiable Permute / Combine (permute_kernel / combine_kernel's): the reference
     backend passes gradcheck in float64, and the Triton backend's gradients equal the reference's bitwise
     (fp32; and bf16 rows combined into fp32, as the layer does under autocast)."""
     for T, K, E, drop, idle, pad_to, align in CASES:
@@ -361,15 +361,20 @@ def test_embedding_bag_combine_is_the_reference():
 
 
 def test_scaled_swiglu_gradients():
-    """SwiGLU with a per-row scale (the routing weight applied before the down projection): gradcheck
-    in fp64, and equal to silu(gate) * up times the scale; the forward/backward helpers the CPU expert GEMMs
-    use give the same values and gradients (with and without the scale's gradient)."""
+    """SwiGLU with a per-row scale (the routing weight applied before the down projection): GroupedSwiGLU
+    (the grouped engines' Function, on the reference ops) passes gradcheck in fp64 and scaled_swiglu_forward
+    is silu(gate) * up times the scale; the forward/backward helpers (GroupedSwiGLU's and the CPU expert
+    GEMMs') give the same values and gradients as autograd (with and without the scale's gradient)."""
     from kernels.grouped_gemm import scaled_swiglu_backward, scaled_swiglu_forward
     gu = torch.randn(9, 8, dtype=torch.float64, requires_grad=True)
     s = torch.rand(9, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(ScaledSwiGLU.apply, (gu, s))
+    x, w_gu, w_down = (torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+                       for shape in ((9, 5), (3, 8, 5), (3, 5, 4)))
+    offsets = torch.tensor([4, 4, 9], dtype=torch.int32)  # an expert without rows among them
+    assert torch.autograd.gradcheck(lambda *a: GroupedSwiGLU.apply(*a[:3], offsets, a[3], GROUPED_OPS["reference"]),
+                                    (x, w_gu, w_down, s))
     want = F.silu(gu[:, :4]) * gu[:, 4:] * s[:, None]
-    assert torch.allclose(ScaledSwiGLU.apply(gu, s), want)
+    assert torch.allclose(scaled_swiglu_forward(gu.detach().clone(), s.detach())[0], want)
     g = torch.randn(9, 4, dtype=torch.float64)
     ggu, gs = torch.autograd.grad(want, (gu, s), g)
     for dtype, scale_dtype in ((torch.float64, torch.float64), (torch.float32, torch.float32),
@@ -404,55 +409,56 @@ def expert_gemms_reference(experts, rows_PD, tokens_per_expert_E, row_weight_P):
     out = torch.zeros(rows_PD.shape, dtype=torch.float64)
     start = 0
     for e, n in enumerate(tokens_per_expert_E.tolist()):
-        ex = experts[e]
+        w_gate, w_up, w_down = (w.double() for w in experts[e].weights())
         x = rows_PD[start:start + n].double()
-        h = F.silu(F.linear(x, ex.gate_proj.weight.double())) * F.linear(x, ex.up_proj.weight.double())
-        out = out.index_add(0, torch.arange(start, start + n), F.linear(h * row_weight_P[start:start + n, None].double(),
-                                                                        ex.down_proj.weight.double()))
+        h = F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)
+        out = out.index_add(0, torch.arange(start, start + n),
+                            F.linear(h * row_weight_P[start:start + n, None].double(), w_down))
         start += n
     return out
 
 
 @contextlib.contextmanager
 def engine_calls():
-    """Counts the calls of GroupedExperts' two engines while inside: {"cpu": the oneDNN expert GEMMs
-    (kernels.experts._ExpertGEMMs.apply), "grouped": kernels.experts.grouped_swiglu}."""
+    """Counts the runs of the two experts engines' Functions while inside: {"cpu": the oneDNN expert GEMMs
+    (kernels.experts.CPUExperts: cpu_experts), "grouped": the grouped GEMMs (kernels.grouped_gemm.GroupedSwiGLU:
+    GROUPED_EXPERTS)}."""
     calls = {"cpu": 0, "grouped": 0}
-    real_apply, real_grouped = experts_module._ExpertGEMMs.apply, experts_module.grouped_swiglu
 
-    def cpu(*args, **kwargs):
-        calls["cpu"] += 1
-        return real_apply(*args, **kwargs)
+    def counting(key, function):
+        real = function.forward
 
-    def grouped(*args, **kwargs):
-        calls["grouped"] += 1
-        return real_grouped(*args, **kwargs)
+        def forward(*args, **kwargs):
+            calls[key] += 1
+            return real(*args, **kwargs)
+        return mock.patch.object(function, "forward", staticmethod(forward))
 
-    with mock.patch.object(experts_module._ExpertGEMMs, "apply", cpu), mock.patch.object(experts_module,
-                                                                                          "grouped_swiglu", grouped):
+    with counting("cpu", CPUExperts), counting("grouped", GroupedSwiGLU):
         yield calls
 
 
 def cpu_expert_gemms(experts, rows_PD, tokens_per_expert_E, row_weight_P):
-    """GroupedExperts over `experts` (the same modules) on these rows, checked to run the CPU expert GEMMs."""
+    """`experts` (a model/moe.py Experts built with engine cpu_experts) on these rows, checked to run the CPU
+    expert GEMMs."""
+    assert experts.engine is cpu_experts, experts
     with engine_calls() as calls:
-        out = GroupedExperts(experts)(rows_PD, tokens_per_expert_E, row_weight_P)
-    assert calls == {"cpu": 1, "grouped": 0}, f"GroupedExperts did not run the CPU expert GEMMs: {calls}"
+        out = experts(rows_PD, tokens_per_expert_E, row_weight_P)
+    assert calls == {"cpu": 1, "grouped": 0}, f"cpu_experts did not run the CPU expert GEMMs: {calls}"
     return out
 
 
 def test_cpu_expert_gemms():
-    """kernels.experts.GroupedExperts on CPU (the fused layer's CPU expert compute: the oneDNN expert
-    GEMMs, on the expert-sorted rows of the dispatch) against a per-expert autograd reference: output, grad
-    of the rows, of the row weights and of every expert weight; over the row-map cases (idle experts get
-    zero weight grads, padding rows and rows past the segments give zero output), fp32 and bf16; two runs
-    bitwise identical; the plain ExpertLoop (nn.Linear per expert) agrees too; rows it has no CPU GEMMs
-    for (fp64) fall back to the grouped GEMM (grouped_swiglu) and agree with the reference."""
-    if not cpu_experts_run("cpu", torch.float32):
+    """kernels.experts.cpu_experts (the fused layer's CPU experts engine: the oneDNN expert GEMMs, on the
+    expert-sorted rows of the dispatch and the stacked weights) against a per-expert autograd reference:
+    output, grad of the rows, of the row weights and of both weight stacks; over the row-map cases (idle
+    experts get zero weight grads, padding rows and rows past the segments give zero output), fp32 and bf16;
+    two runs bitwise identical; the plain expert_loop (nn.Linear-style per expert) agrees too. (Rows it has no
+    CPU GEMMs for: test_fp64_experts_take_the_grouped_engine.)"""
+    if not onednn_runs("cpu", torch.float32):
         raise Skip("this torch has no oneDNN CPU matmul")
     for T, K, E, drop, idle, pad_to, align in CASES + [(200, 2, 3, 0.1, (), None, 1)]:  # rows > a bucket
         torch.manual_seed(T + K + E)
-        experts = torch.nn.ModuleList(FeedForward(12, 20) for _ in range(E))
+        experts = Experts(E, 12, 20, cpu_experts)
         rows0, counts, weight0 = expert_rows(T, K, E, drop, idle, pad_to, align, 12, seed=T + E)
         rows, weight = rows0.clone().requires_grad_(), weight0.clone().requires_grad_()
         g = torch.randn(rows.shape)
@@ -471,24 +477,24 @@ def test_cpu_expert_gemms():
             close(a, torch.zeros_like(a) if b is None else b, f"{what} grad {i}")
         again = torch.autograd.grad(cpu_expert_gemms(experts, rows, counts, weight), params, g, allow_unused=True)
         assert all(bits_equal(a, b) for a, b in zip(got, again)), what + " rerun"
-        with engine_calls() as calls:  # the plain ExpertLoop on the same rows (the same modules, no copy)
-            y_plain = ExpertLoop(experts).train()(rows, counts, weight)
-        assert calls == {"cpu": 0, "grouped": 0}, f"{what}: the plain ExpertLoop ran an engine: {calls}"
-        close(y_plain[:end], ref.detach()[:end], what + " plain ExpertLoop")
-    if cpu_experts_run("cpu", torch.bfloat16):
-        experts = torch.nn.ModuleList(FeedForward(16, 32) for _ in range(4)).bfloat16()
+        with engine_calls() as calls:  # the plain expert_loop on the same rows and weights (no copy)
+            y_plain = expert_loop(rows, counts, weight, experts.gate_up_proj, experts.down_proj)
+        assert calls == {"cpu": 0, "grouped": 0}, f"{what}: the plain expert_loop ran an engine: {calls}"
+        close(y_plain[:end], ref.detach()[:end], what + " plain expert_loop")
+    if onednn_runs("cpu", torch.bfloat16):
+        experts = Experts(4, 16, 32, cpu_experts).bfloat16()
         rows, counts, weight = expert_rows(40, 2, 4, 0.0, (), None, 1, 16)
         got = cpu_expert_gemms(experts, rows.bfloat16(), counts, weight).double()
         want = expert_gemms_reference(experts, rows.bfloat16(), counts, weight)
         assert (got - want).abs().max() <= 2e-2 * want.abs().max(), "bf16"
-        master = torch.nn.ModuleList(FeedForward(16, 32) for _ in range(4))  # fp32 weights, bf16 rows (autocast)
+        master = Experts(4, 16, 32, cpu_experts)  # fp32 weights, bf16 rows (autocast)
         got = cpu_expert_gemms(master, rows.bfloat16(), counts, weight)
         assert got.dtype == torch.bfloat16
         want = expert_gemms_reference(master, rows.bfloat16(), counts, weight)
         assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max(), "bf16 rows, fp32 weights"
-        # 16 experts: batched GEMMs over groups of experts sorted by count, an idle expert among them; then
-        # one expert with most rows (groups cut where a count falls below 2/3 of the group's largest)
-        master = torch.nn.ModuleList(FeedForward(16, 32) for _ in range(16))
+        # 16 experts: batched GEMMs over groups of neighbouring experts, an idle expert among them; then a
+        # skewed routing (groups cut where a count falls below 2/3 of the group's padded largest)
+        master = Experts(16, 16, 32, cpu_experts)
         skewed = torch.tensor([3, 40, 9, 8, 0, 7, 5, 30, 2, 2, 1, 0, 0, 1, 6, 6])
         for rows, counts, weight in (expert_rows(60, 4, 16, 0.0, (3,), None, 1, 16),
                                      (torch.randn(150, 16), skewed, torch.rand(150))):
@@ -500,28 +506,37 @@ def test_cpu_expert_gemms():
             for i, (a, b) in enumerate(zip(got, want)):  # bf16 rounding of the rows' products: 2% of the largest
                 b = torch.zeros(a.shape, dtype=torch.float64) if b is None else b
                 assert (a.double() - b).abs().max() <= 2e-2 * b.abs().max() + 1e-6, f"bf16, 16 experts: grad {i}"
-    # fp64 rows (no oneDNN GEMMs for them): not the CPU expert GEMMs but the grouped GEMM, same values
-    experts = torch.nn.ModuleList(FeedForward(12, 20) for _ in range(4)).double()
+
+
+def test_fp64_experts_take_the_grouped_engine():
+    """For fp64 rows (no oneDNN GEMMs for them) engines_for picks not the CPU expert GEMMs but the grouped engine,
+    on the per-expert reference loop (torch's grouped_mm takes no fp64 either); it agrees with the reference."""
+    assert not onednn_runs("cpu", torch.float64)
+    from model.model_minimind import MiniMindConfig
+    config = MiniMindConfig(hidden_size=12, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True,
+                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=20, moe_impl="fused")
+    engine = engines_for(config, "cpu", torch.float64).experts
+    assert engine is grouped_experts_for("cpu", torch.float64, 12, 20) is GROUPED_EXPERTS["reference"], engine
+    experts = Experts(4, 12, 20, engine).double()
     rows, counts, weight = expert_rows(13, 2, 4, 0.0, (), None, 1, 12)
     rows, weight = rows.double(), weight.double()
-    assert not cpu_experts_run("cpu", torch.float64)
     with engine_calls() as calls, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (grouped_mm's warning: fp64 takes its per-expert loop)
-        got = GroupedExperts(experts)(rows, counts, weight)
+        warnings.simplefilter("ignore")  # (in case the reference loop warns about fp64)
+        got = experts(rows, counts, weight)
     assert calls == {"cpu": 0, "grouped": 1}, f"fp64: {calls}"
     assert got.dtype == torch.float64
     close(got, expert_gemms_reference(experts, rows, counts, weight).detach(), "fp64 fallback")
 
 
 def test_cpu_experts_autograd_modes():
-    """GroupedExperts' CPU expert GEMMs: backward twice with retain_graph, frozen experts (no weight grads
+    """The CPU expert GEMMs (cpu_experts): backward twice with retain_graph, frozen experts (no weight grads
     computed), no_grad (nothing kept), and double backward refused with a clear error."""
-    if not cpu_experts_run("cpu", torch.float32):
+    if not onednn_runs("cpu", torch.float32):
         raise Skip("this torch has no oneDNN CPU matmul")
     from kernels.experts import _bucket
     assert [_bucket(n) for n in (0, 1, 16, 17, 100, 512, 513, 1000)] == [0, 1, 16, 24, 104, 512, 544, 1024]
     torch.manual_seed(0)
-    experts = torch.nn.ModuleList(FeedForward(8, 12) for _ in range(3))
+    experts = Experts(3, 8, 12, cpu_experts)
     rows0, counts, weight0 = expert_rows(50, 2, 3, 0.0, (), None, 1, 8)
     x, scale = rows0.requires_grad_(), weight0.requires_grad_()
     y = cpu_expert_gemms(experts, x, counts, scale)
@@ -758,7 +773,8 @@ TESTS = [test_linear_cross_entropy_matches_reference, test_onednn_linear_matches
          test_row_map_layout, test_gather_rows_bitwise, test_combine_rows_bitwise, test_hole_free_fast_path_is_the_same,
          test_permute_combine_autograd, test_grouped_mm_triton_forward_backward, test_grouped_mm_torch_backend_on_cpu,
          test_grouped_mm_cpu_backends_over_cases, test_embedding_bag_combine_is_the_reference, test_scaled_swiglu_gradients,
-         test_cpu_expert_gemms, test_cpu_experts_autograd_modes, test_cpu_values_refuses_device_tensors,
+         test_cpu_expert_gemms, test_fp64_experts_take_the_grouped_engine, test_cpu_experts_autograd_modes,
+         test_cpu_values_refuses_device_tensors,
          test_grouped_swiglu_matches_per_expert_ffn, test_backend_choice_errors, test_kernels_compile_for_hopper]
 
 if __name__ == "__main__":

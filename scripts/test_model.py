@@ -2,6 +2,7 @@
 
     python scripts/test_model.py
 """
+import math
 import os
 
 import torch
@@ -81,6 +82,55 @@ def test_checkpoint_roundtrip():
         assert "attention_mask" in str(e)
     else:
         raise AssertionError("a mis-shaped attention_mask was accepted")
+
+
+def forward_allocations(layer, x):
+    """(op name, output shape, bytes) of every tensor with new memory (not a view of an input) that the ops of
+    `layer(x)` return (TorchDispatchMode)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                    seen.append((str(func.overloadpacket.__name__), tuple(t.shape), t.nbytes))
+            return out
+
+    seen = []
+    with Record():
+        layer(x)
+    return seen
+
+
+def test_no_expert_weight_copy_per_forward():
+    """The experts' stacked weights are read as they are: a forward of the fused layer built with the trainer's
+    CPU engines makes no tensor the shape or size of the experts' weights, whole or one expert's (no per-step
+    concatenation, stack or copy); under bf16 autocast the one pass over them is the cast, one `_to_copy` per
+    stacked tensor. Also the sorted layer's loop (views, no copy). Prints the bytes the layer's forward makes."""
+    from kernels.engines import engines_for, rebuilt
+    E, D, F = 6, 40, 24
+    plain = MOEFeedForward(MiniMindConfig(hidden_size=D, num_experts=E, num_experts_per_tok=2, moe_intermediate_size=F,
+                                          moe_impl="fused")).train()
+    weight_shapes = {(E, 2 * F, D), (E, D, F), (E * 2 * F, D), (2 * F, D), (F, D), (D, F)}
+    weight_sizes = {E * 2 * F * D, E * D * F, E * 3 * F * D}
+    x = torch.randn(2, 5, D)
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = rebuilt(plain, engines_for(plain.config, "cpu", dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            seen = forward_allocations(layer, x)
+        copies = [s for s in seen if s[1] in weight_shapes or math.prod(s[1]) in weight_sizes]
+        casts = [(E, 2 * F, D), (E, D, F)] if dtype == torch.bfloat16 else []
+        assert sorted(shape for _, shape, _ in copies) == sorted(casts), (dtype, copies)
+        assert all(op == "_to_copy" for op, _, _ in copies), copies
+        print(f"        fused layer forward, {str(dtype)[6:]}: {sum(b for *_, b in seen):,} bytes made in "
+              f"{len(seen)} tensors (expert weights {4 * E * 3 * F * D:,} bytes in fp32)")
+    sorted_layer = MOEFeedForward(MiniMindConfig(hidden_size=D, num_experts=E, num_experts_per_tok=2,
+                                                 moe_intermediate_size=F)).train()
+    copies = [s for s in forward_allocations(sorted_layer, x) if s[1] in weight_shapes]
+    assert not copies, copies
 
 
 def test_config_defaults_and_roundtrip():
@@ -331,6 +381,7 @@ def test_empty_inputs_refused_or_kept_in_the_graph():
 
 
 TESTS = [test_config_errors_name_the_field, test_config_defaults_and_roundtrip, test_checkpoint_roundtrip,
+         test_no_expert_weight_copy_per_forward,
          test_forward_loss_and_aux, test_chunked_lm_loss_is_the_torch_loss, test_tied_and_untied_embeddings, test_causal, test_kv_cache_matches_full_forward,
          test_generate_cache_equals_no_cache, test_generate_stops_at_eos_and_max_len, test_overfit_one_batch,
          test_attention_mask_hides_left_and_right_padding, test_batched_generation_of_different_lengths,

@@ -2,18 +2,19 @@
 
     python scripts/test_moe_fused.py
 
-The fused layer is MOEFeedForward with a RowMapDispatcher (model/dispatch.py). Its experts run three ways,
-and every equivalence test runs all three (ENGINES):
-  "plain"    the layer built with the plain engines (model/engines.py: PLAIN): model/moe.py's ExpertLoop,
-             one nn.Linear chain per expert (reads the counts to the host, so it is not the zero-sync path);
-  "cpu"      the layer built with kernels.engines.engines_for's engines (a copy with the same weights:
-             kernels.engines.rebuilt): GroupedExperts (kernels/experts.py) running the CPU oneDNN expert
-             GEMMs (what it picks on CPU where kernels.experts.cpu_experts_run holds) and the
-             KernelRowMapDispatcher (kernels/permute.py autograd);
-  "grouped"  the same engine-built layer with GroupedExperts' grouped-GEMM engine (kernels/grouped_gemm.py:
-             grouped_swiglu, torch's grouped_mm where it takes the operands, else the per-expert reference
-             loop), forced on CPU by making kernels.experts.cpu_experts_run return False.
-Each engine run checks which expert engine actually ran (`engine`).
+The fused layer is MOEFeedForward with a RowMapDispatcher (model/dispatch.py). Its experts (model/moe.py:
+Experts) run on the engine chosen when the layer is built, three ways, and every equivalence test runs all
+three (ENGINES), each on a layer of its own with the same weights (kernels.engines.rebuilt: `engine_layers`):
+  "plain"    the layer built with the plain engines (model/engines.py: PLAIN): model/moe.py's expert_loop,
+             one nn.Linear-style chain per expert (reads the counts to the host, so it is not the zero-sync
+             path), and model/dispatch.py's permute_rows / combine_rows;
+  "cpu"      the layer built with kernels.engines.engines_for's engines: kernels/experts.py's cpu_experts (the
+             CPU oneDNN expert GEMMs, CPUExperts: what engines_for picks on CPU where oneDNN runs the dtype) and
+             kernels/permute.py's permute_kernel / combine_kernel (autograd Functions);
+  "grouped"  the same engines with the grouped-GEMM experts engine grouped_experts_for picks for the CPU
+             (kernels/experts.py: GROUPED_EXPERTS, kernels/grouped_gemm.py: GroupedSwiGLU on torch's
+             grouped_mm where it takes the sizes, else on the per-expert reference loop): the GPU's engine.
+Each engine run checks which experts engine the layer holds and which one actually ran (`engine`).
 
 Tolerance, fp32: forward and every gradient within 1e-5 absolute on outputs of size ~0.1-1 (the grouped
 GEMM sums each dot product in another order than per-expert nn.Linear, the routing weight is applied
@@ -24,6 +25,7 @@ path's error (relative L2 norm, per output and per gradient) is at most BF16_MAR
 """
 import contextlib
 import copy
+import dataclasses
 import warnings
 from unittest import mock
 
@@ -32,65 +34,88 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from testlib import Skip, run  # noqa: F401
 from sync_count import SyncCounter, count_syncs
-import kernels.experts as experts_module
+from kernels.cpu_linear import onednn_runs
 from kernels.engines import describe, engines_for, rebuilt
-from kernels.experts import GroupedExperts, cpu_experts_run
-from kernels.permute import KernelRowMapDispatcher
+from kernels.experts import GROUPED_EXPERTS, CPUExperts, GroupedSwiGLU, cpu_experts, grouped_experts_for
+from kernels.permute import combine_kernel, permute_kernel
 from model.dispatch import RowLayout, RowMapDispatcher, SortedDispatcher
 from model.model_minimind import MiniMindConfig, MOEFeedForward
-from model.moe import ExpertLoop
+from model.moe import engine_name, expert_loop
 
 D = 32
 ENGINES = ("plain", "cpu", "grouped")
-FUSED_ENGINES = "engines: KernelRowMapDispatcher x1, GroupedExperts x1"  # describe() of one engine-built fused layer
+ENGINE_FUNCTIONS = {"plain": (expert_loop,), "cpu": (cpu_experts,), "grouped": tuple(GROUPED_EXPERTS.values())}
 
 
-def with_engines(fused, device="cpu", dtype=torch.float32):
-    """A copy of the plain fused layer built with the engines kernels/engines.py picks for `device` and
-    autocast `dtype` (same weights and buffers, same train/eval mode). The build's initialisation draws
-    are kept off the caller's random stream, so a test's inputs do not depend on how its layers are made."""
+def fused_engines(experts_engine, n=1):
+    """describe() of n engine-built fused layers whose experts run `experts_engine`."""
+    return f"engines: permute_kernel/combine_kernel x{n}, {engine_name(experts_engine)} x{n}"
+
+
+def with_engines(fused, device="cpu", dtype=torch.float32, experts=None, compiled=False):
+    """A copy of the plain fused layer built with the engines kernels/engines.py picks for `device`, autocast
+    `dtype` and `compiled` (with the experts engine `experts` in their place when given): same weights and
+    buffers, same train/eval mode. The build's initialisation draws are kept off the caller's random
+    stream, so a test's inputs do not depend on how its layers are made."""
+    engines = engines_for(fused.config, device, dtype, compiled)
+    if experts is not None:
+        engines = dataclasses.replace(engines, experts=experts)
     with torch.random.fork_rng(devices=[]):
-        layer = rebuilt(fused, engines_for(fused.config, device, dtype))
+        layer = rebuilt(fused, engines)
     assert type(layer) is MOEFeedForward and layer.training == fused.training
-    assert type(layer.experts) is GroupedExperts and type(layer.dispatcher) is KernelRowMapDispatcher
-    assert describe(layer) == FUSED_ENGINES, describe(layer)
+    assert layer.experts.engine is engines.experts and type(layer.dispatcher) is RowMapDispatcher
+    assert layer.dispatcher.permute is permute_kernel and layer.dispatcher.combine_rows is combine_kernel
+    assert describe(layer) == fused_engines(engines.experts), describe(layer)
     return layer
-
-
-@contextlib.contextmanager
-def engine(layers, name):
-    """Run the fused layer with expert engine `name` (ENGINES): layers = (plain fused, engine-built). Yields
-    the layer to call; on leaving checks that the intended expert engine (and no other) ran: the CPU expert
-    GEMMs (kernels.experts._ExpertGEMMs) or the grouped GEMM (kernels.experts.grouped_swiglu)."""
-    plain, built = layers
-    calls = {"ExpertGEMMs": 0, "grouped_swiglu": 0}
-    real = {"ExpertGEMMs": experts_module._ExpertGEMMs.apply, "grouped_swiglu": experts_module.grouped_swiglu}
-
-    def counting(n):
-        def f(*args, **kwargs):
-            calls[n] += 1
-            return real[n](*args, **kwargs)
-        return f
-
-    if name not in ENGINES:
-        raise ValueError(name)
-    with contextlib.ExitStack() as patches:
-        patches.enter_context(mock.patch.object(experts_module._ExpertGEMMs, "apply", counting("ExpertGEMMs")))
-        patches.enter_context(mock.patch.object(experts_module, "grouped_swiglu", counting("grouped_swiglu")))
-        if name == "grouped":
-            patches.enter_context(mock.patch.object(experts_module, "cpu_experts_run", lambda device, dtype: False))
-        yield plain if name == "plain" else built
-    if name == "plain":
-        assert calls == {"ExpertGEMMs": 0, "grouped_swiglu": 0}, f"plain ExpertLoop ran an engine: {calls}"
-    else:
-        ran, other = ("ExpertGEMMs", "grouped_swiglu") if name == "cpu" else ("grouped_swiglu", "ExpertGEMMs")
-        assert calls[other] == 0, f"engine {name}: {other} ran ({calls})"
-        assert calls[ran] > 0 or sum(calls.values()) == 0, f"engine {name}: {ran} did not run ({calls})"
 
 
 def engines_here(dtype=torch.float32):
     """ENGINES that run on this machine for the compute dtype (the CPU engine needs oneDNN)."""
-    return tuple(e for e in ENGINES if e != "cpu" or cpu_experts_run("cpu", dtype))
+    return tuple(e for e in ENGINES if e != "cpu" or onednn_runs("cpu", dtype))
+
+
+def engine_layers(fused, dtype=torch.float32):
+    """{name: layer} for the ENGINES that run here under compute `dtype`: the plain fused layer, and copies
+    built for the CPU with engines_for's engines (cpu_experts) and with the grouped engine in their place."""
+    layers = {"plain": fused}
+    if "cpu" in engines_here(dtype):
+        layers["cpu"] = with_engines(fused, "cpu", dtype)
+    config = fused.config
+    grouped = grouped_experts_for("cpu", dtype, config.hidden_size, config.moe_intermediate_size)
+    layers["grouped"] = with_engines(fused, "cpu", dtype, experts=grouped)
+    return layers
+
+
+def counting(function, calls):
+    """Patches the autograd Function `function`'s forward to count its runs in calls[its name]."""
+    real = function.forward
+
+    def forward(*args, **kwargs):
+        calls[function.__name__] += 1
+        return real(*args, **kwargs)
+    return mock.patch.object(function, "forward", staticmethod(forward))
+
+
+@contextlib.contextmanager
+def engine(layers, name):
+    """Run the fused layer with experts engine `name` (ENGINES): layers from engine_layers. Checks that the
+    layer holds that engine, yields it; on leaving checks that the intended experts engine (and no other)
+    ran: the CPU expert GEMMs (kernels.experts.CPUExperts: cpu_experts) or the grouped GEMMs
+    (kernels.grouped_gemm.GroupedSwiGLU)."""
+    if name not in ENGINES:
+        raise ValueError(name)
+    layer = layers[name]
+    engine_ = layer.experts.engine
+    assert engine_ in ENGINE_FUNCTIONS[name], f"engine {name}: the layer runs {engine_name(engine_)}"
+    calls = {"CPUExperts": 0, "GroupedSwiGLU": 0}
+    with counting(CPUExperts, calls), counting(GroupedSwiGLU, calls):
+        yield layer
+    if name == "plain":
+        assert calls == {"CPUExperts": 0, "GroupedSwiGLU": 0}, f"plain expert_loop ran an engine: {calls}"
+    else:
+        ran, other = ("CPUExperts", "GroupedSwiGLU") if name == "cpu" else ("GroupedSwiGLU", "CPUExperts")
+        assert calls[other] == 0, f"engine {name}: {other} ran ({calls})"
+        assert calls[ran] > 0 or sum(calls.values()) == 0, f"engine {name}: {ran} did not run ({calls})"
 
 
 def dispatch_experts_combine(layer, x_TD, topk_idx_TK, topk_weight_TK, layout=RowLayout()):
@@ -101,7 +126,7 @@ def dispatch_experts_combine(layer, x_TD, topk_idx_TK, topk_weight_TK, layout=Ro
 
 
 def pair(E, k, seed=0, **kw):
-    """(sorted layer, plain fused layer, engine-built fused layer) with the same weights."""
+    """(sorted layer, engine_layers of a plain fused layer) with the same weights."""
     torch.manual_seed(seed)
     cfg = dict(hidden_size=D, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True,
                num_experts=E, num_experts_per_tok=k, moe_intermediate_size=24, **kw)
@@ -109,8 +134,8 @@ def pair(E, k, seed=0, **kw):
     fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).train()
     fused.load_state_dict(ref.state_dict())
     assert type(ref.dispatcher) is SortedDispatcher and type(fused.dispatcher) is RowMapDispatcher
-    assert type(ref.experts) is ExpertLoop and type(fused.experts) is ExpertLoop
-    return ref, fused, with_engines(fused)
+    assert ref.experts.engine is expert_loop and fused.experts.engine is expert_loop
+    return ref, engine_layers(fused)
 
 
 def fwd_bwd(mod, x, g):
@@ -168,7 +193,7 @@ def assert_bf16_as_close_as_sorted(ref, run_fused, x, g, what):
 
 def test_matches_sorted_fp32():
     for E, k, kw in CONFIGS:
-        ref, *layers = pair(E, k, **kw)
+        ref, layers = pair(E, k, **kw)
         for impl in engines_here():
             for S in (1, 7, 50):
                 x = torch.randn(2, S, D)
@@ -194,8 +219,8 @@ def test_matches_sorted_fp32():
 
 def test_idle_experts_get_zero_grads():
     """An expert with no tokens still gets a (zero) gradient in training (DDP needs every parameter)."""
-    _, *layers = pair(6, 1)
-    for layer in layers:
+    _, layers = pair(6, 1)
+    for layer in layers.values():
         with torch.no_grad():
             layer.gate.weight[:, 0] = 0.0
             layer.gate.weight[5] = 0.0
@@ -206,14 +231,14 @@ def test_idle_experts_get_zero_grads():
         with engine(layers, impl) as fused:
             _, _, grads = fwd_bwd(fused, x, torch.randn(1, 20, D))
         assert int(fused.stats.tokens_per_expert[5]) == 0
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            g = grads[f"experts.5.{name}.weight"]
-            assert g is not None and not g.abs().any(), f"{impl} {name}"
+        for name in ("gate_up_proj", "down_proj"):  # stacked: expert 5's slice (gate and up rows, down)
+            g = grads[f"experts.{name}"]
+            assert g is not None and g.abs().any() and not g[5].abs().any(), f"{impl} {name}"
 
 
 def test_deterministic():
     for E, k, kw in CONFIGS[:6]:
-        _, *layers = pair(E, k, **kw)
+        _, layers = pair(E, k, **kw)
         x, g = torch.randn(3, 40, D), torch.randn(3, 40, D)
         for impl in engines_here():
             with engine(layers, impl) as fused:
@@ -226,13 +251,13 @@ def test_zero_syncs():
     """Built with engines_for's engines, no sync-inducing call in forward or backward, in training and eval,
     with capacity, padding and alignment: with the CPU expert GEMMs (which read their segment bounds from
     CPU memory: not a sync), and with the grouped engine on torch's grouped_mm, whose offsets never leave
-    the device (the CUDA design). The plain fused layer reads the counts at most once (its ExpertLoop),
+    the device (the CUDA design). The plain fused layer reads the counts at most once (its expert_loop),
     the sorted layer exactly once. Also through a module tree: every fused MoE layer of a model built with
     engines_for's engines gets them (and a sorted layer keeps the plain ones); rebuilding an engine-built
     layer with the same engines gives the same engines and state."""
     variants = [e for e in engines_here() if e != "plain"]
     for E, k, kw in CONFIGS + [(64, 8, {}), (16, 4, {"capacity_factor": 1.25, "moe_pad_to_capacity": True})]:
-        ref, *layers = pair(E, k, **kw)
+        ref, layers = pair(E, k, **kw)
         x = torch.randn(2, 30, D)
         for train in (True, False):
             for impl in variants:
@@ -242,8 +267,8 @@ def test_zero_syncs():
                     with SyncCounter() as c:
                         fused(xi).sum().backward()
                 assert c.count == 0, f"{impl} E={E} k={k} {kw} train={train}: syncs {c.ops}"
-            layers[0].train(train)
-            assert count_syncs(layers[0], x)[1] <= 1, f"plain fused E={E} k={k} {kw}"
+            layers["plain"].train(train)
+            assert count_syncs(layers["plain"], x)[1] <= 1, f"plain fused E={E} k={k} {kw}"
             ref.train(train)
             assert count_syncs(ref, x)[1] == 1
     # a module tree: two fused layers, each built with engines_for's engines
@@ -252,11 +277,15 @@ def test_zero_syncs():
                num_experts_per_tok=2, moe_intermediate_size=24)
     plain_tree = torch.nn.Sequential(MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")),
                                      MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused", capacity_factor=1.0)))
+    engines = engines_for(plain_tree[0].config, "cpu", torch.float32)
+    assert engines.experts is (cpu_experts if onednn_runs("cpu", torch.float32) else
+                               grouped_experts_for("cpu", torch.float32, D, 24))
     tree = torch.nn.Sequential(*(rebuilt(m, engines_for(m.config, "cpu", torch.float32)) for m in plain_tree))
-    assert describe(tree) == "engines: KernelRowMapDispatcher x2, GroupedExperts x2", describe(tree)
+    assert describe(tree) == fused_engines(engines.experts, 2), describe(tree)
     assert describe(plain_tree) == "engines: plain PyTorch", describe(plain_tree)
     again = rebuilt(tree[0], engines_for(tree[0].config, "cpu", torch.float32))
-    assert type(again.experts) is GroupedExperts and type(again.dispatcher) is KernelRowMapDispatcher
+    assert again.experts.engine is engines.experts and type(again.dispatcher) is RowMapDispatcher
+    assert again.dispatcher.permute is permute_kernel and again.dispatcher.combine_rows is combine_kernel
     assert list(again.state_dict()) == list(tree[0].state_dict()) and all(
         torch.equal(a, b) for a, b in zip(again.state_dict().values(), tree[0].state_dict().values()))
     x = torch.randn(2, 30, D)
@@ -267,15 +296,15 @@ def test_zero_syncs():
     from model.model_minimind import MiniMindForCausalLM
     config = MiniMindConfig(**cfg, moe_impl="fused", num_hidden_layers=3, vocab_size=64)
     model = MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float32))
-    assert all(type(b.mlp.experts) is GroupedExperts and type(b.mlp.dispatcher) is KernelRowMapDispatcher
-               for b in model.model.layers)
-    assert "KernelRowMapDispatcher x3, GroupedExperts x3" in describe(model), describe(model)
+    assert all(b.mlp.experts.engine is engines.experts and b.mlp.dispatcher.permute is permute_kernel
+               and b.mlp.dispatcher.combine_rows is combine_kernel for b in model.model.layers)
+    assert fused_engines(engines.experts, 3)[len("engines: "):] in describe(model), describe(model)
     # a sorted layer keeps the plain experts and dispatcher
     sorted_config = MiniMindConfig(**cfg)
     sorted_engines = engines_for(sorted_config, "cpu", torch.float32)
-    assert sorted_engines.experts is ExpertLoop
+    assert sorted_engines.experts is expert_loop
     sorted_layer = rebuilt(MOEFeedForward(sorted_config), sorted_engines)
-    assert type(sorted_layer) is MOEFeedForward and type(sorted_layer.experts) is ExpertLoop
+    assert type(sorted_layer) is MOEFeedForward and sorted_layer.experts.engine is expert_loop
     assert type(sorted_layer.dispatcher) is SortedDispatcher and describe(sorted_layer) == "engines: plain PyTorch"
 
 
@@ -284,7 +313,7 @@ def test_empty_and_tiny_inputs():
     and layout. Every case runs; the failures are reported together."""
     failures = []
     for kw in ({}, {"moe_expert_alignment": 4}, {"capacity_factor": 2.0, "moe_pad_to_capacity": True}):
-        ref, *layers = pair(4, 2, **kw)
+        ref, layers = pair(4, 2, **kw)
         for shape, impl in ((s, i) for s in ((1, 0, D), (0, 5, D), (1, 1, D)) for i in engines_here()):
             x = torch.randn(*shape)
             try:
@@ -296,7 +325,7 @@ def test_empty_and_tiny_inputs():
             except Exception as e:  # noqa: BLE001 (collected, raised below)
                 failures.append(f"{impl} {kw} {shape}: {type(e).__name__}: {str(e).splitlines()[0]}")
     # an EP rank that received no pairs but pads every expert to an alignment: P > 0 rows, T = 0 tokens
-    _, *layers = pair(4, 2)
+    _, layers = pair(4, 2)
     for impl in engines_here():
         try:
             with engine(layers, impl) as fused:
@@ -312,8 +341,10 @@ def test_state_dict_and_engines():
     """The engines change no parameter: the layer built with them has the plain layer's parameter names
     and state_dict keys (the sorted layer's too) and equal values, in copies of its own (an optimizer step
     on it leaves the plain layer alone); it survives an optimizer step, .to(dtype), load_state_dict (also
-    with assign=True), inference_mode and deepcopy, and keeps computing the plain layer's function."""
-    ref, fused, _ = pair(4, 2)
+    with assign=True), inference_mode and deepcopy, and keeps computing the plain layer's function (.to(float64):
+    test_engine_built_layers_in_float64)."""
+    ref, layers = pair(4, 2)
+    fused = layers["plain"]
     assert list(ref.state_dict()) == list(fused.state_dict())
     layer = with_engines(fused)
     params = {n: p for n, p in fused.named_parameters()}
@@ -331,12 +362,9 @@ def test_state_dict_and_engines():
     x = torch.randn(1, 9, D)
     ref.load_state_dict(layer.state_dict())
     assert_close(layer(x), ref(x), 1e-5, "after an optimizer step")
-    layer.to(torch.float64)  # fp64: no oneDNN GEMMs, the grouped engine's reference loop
-    assert type(layer.experts) is GroupedExperts and layer.experts[0].gate_proj.weight.dtype == torch.float64
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert_close(layer(x.double()), ref.double()(x.double()), 1e-5, "float64")
-    layer.to(torch.float32), ref.to(torch.float32)
+    layer.to(torch.bfloat16)
+    assert layer.experts.gate_up_proj.dtype == layer.experts[0].weights()[0].dtype == torch.bfloat16
+    layer.to(torch.float32)
     fused.load_state_dict(ref.state_dict())
     layer.load_state_dict(ref.state_dict())
     want = ref(x)
@@ -346,17 +374,40 @@ def test_state_dict_and_engines():
     with torch.inference_mode():
         assert_close(layer(x), want, 1e-5, "inference_mode")
     twin = copy.deepcopy(layer)
-    assert type(twin.experts) is GroupedExperts and type(twin.dispatcher) is KernelRowMapDispatcher
+    # (== rather than is: an autograd Function's apply, as cpu_experts is, deep-copies to a new bound method)
+    assert twin.experts.engine == layer.experts.engine and twin.dispatcher.permute is permute_kernel
     assert_close(twin(x), want, 1e-5, "deepcopy")
     assert_close(fused(x), want, 1e-5, "plain fused layer")
+
+
+def test_engine_built_layers_in_float64():
+    """Engine-built layers moved to float64 by .to(dtype) keep computing the plain layer's function: the CPU
+    engine (its batched GEMMs by torch.bmm for fp64) and the grouped engine of a layer built for fp64
+    (engines_for picks the reference loop: torch's grouped_mm takes no fp64). Failures are reported together."""
+    ref, layers = pair(4, 2)
+    x = torch.randn(1, 9, D, dtype=torch.float64)
+    want, failures = ref.double()(x), []
+    for impl in engines_here():
+        layer = layers[impl].to(torch.float64)
+        if impl == "grouped":  # an engine decided at build for fp32 rows: build for fp64 instead
+            layer = rebuilt(layer, engines_for(layer.config, "cpu", torch.float64))
+        assert layer.experts.gate_up_proj.dtype == layer.experts[0].weights()[2].dtype == torch.float64
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                assert_close(layer(x), want, 1e-5, f"{impl} float64")
+        except Exception as e:  # noqa: BLE001 (collected, raised below)
+            failures.append(f"{impl} ({engine_name(layer.experts.engine)}): {type(e).__name__}: "
+                            f"{str(e).splitlines()[0]}")
+    assert not failures, f"{len(failures)} engines failed in float64:\n  " + "\n  ".join(failures)
 
 
 def test_bf16_autocast_cpu():
     """Every engine under CPU bf16 autocast, by the fp64 criterion; fp32 router logits (router_dtype) give fp32
     routing weights, which the engines apply in the rows' dtype (bf16) as well."""
     for E, k, kw in CONFIGS + [(8, 2, {"router_dtype": "float32"}), (4, 2, {"router_dtype": "float32", "capacity_factor": 0.5})]:
-        ref, fused, _ = pair(E, k, **kw)
-        layers = (fused, with_engines(fused, "cpu", torch.bfloat16))
+        ref, layers = pair(E, k, **kw)
+        layers = engine_layers(layers["plain"], torch.bfloat16)
         x, g = torch.randn(2, 32, D), torch.randn(2, 32, D)
         for impl in engines_here(torch.bfloat16):
             def run_fused(x, g):
@@ -367,9 +418,9 @@ def test_bf16_autocast_cpu():
 
 def test_odd_sizes_fall_back():
     """Sizes torch's grouped_mm cannot take, in forward or only in backward (rows not 16-byte multiples:
-    D or F not a multiple of 4 in fp32, of 8 in bf16), use the reference loop in the grouped engine (as on
-    CUDA, where the CPU engine never runs); the CPU expert GEMMs take any size. Values and all grads agree in
-    every variant."""
+    D or F not a multiple of 4 in fp32, of 8 in bf16), get the reference loop as their grouped engine
+    (grouped_experts_for; as on CUDA, where the CPU engine never runs); the CPU expert GEMMs take any size.
+    Values and all grads agree in every variant."""
     for D_, F_, dtype in ((33, 13, None), (32, 13, None), (33, 24, None), (36, 64, torch.bfloat16),
                           (100, 64, torch.bfloat16)):
         torch.manual_seed(0)
@@ -378,7 +429,8 @@ def test_odd_sizes_fall_back():
         ref = MOEFeedForward(MiniMindConfig(**cfg)).train()
         fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).train()
         fused.load_state_dict(ref.state_dict())
-        layers = (fused, with_engines(fused, "cpu", dtype or torch.float32))
+        layers = engine_layers(fused, dtype or torch.float32)
+        assert layers["grouped"].experts.engine is GROUPED_EXPERTS["reference"], (D_, F_, dtype)
         x, g = torch.randn(2, 11, D_), torch.randn(2, 11, D_)
         tol = 1e-5 if dtype is None else 5e-2
         for variant in engines_here(dtype or torch.float32):
@@ -396,7 +448,7 @@ def test_odd_sizes_fall_back():
 def test_direct_call_with_dropped_pairs():
     """The dispatchers and experts called directly with -1 entries (as the EP transport passes them, in
     any slot order): those pairs contribute 0; sorted and row-map paths agree for every engine."""
-    ref, *layers = pair(4, 2)
+    ref, layers = pair(4, 2)
     x = torch.randn(10, D)
     idx = torch.tensor([[0, 1], [-1, 2], [3, -1], [-1, -1], [3, 0], [1, 2], [2, 3], [0, 2], [-1, 1], [1, 0]])
     w = torch.rand(10, 2)
@@ -433,13 +485,14 @@ LAYER_OPS = {"forward": 52, "backward": 49}
 
 def test_layer_op_count():
     """The ops of one fused-layer training forward and backward (the grouped engine, bf16 autocast, the
-    trainer's routing) equal LAYER_OPS, for E=8 k=2 and E=64 k=8 alike: no op per expert (the experts'
-    weights are laid out for the grouped GEMMs by one copy). A change here is a change of LAYER_OPS."""
+    trainer's routing) equal LAYER_OPS, for E=8 k=2 and E=64 k=8 alike: no op per expert (the grouped GEMMs
+    read the stacked weights, each cast once to bf16). A change here is a change of LAYER_OPS."""
     for E, k in ((8, 2), (64, 8)):
-        _, plain, _ = pair(E, k, routed_scaling_factor=float(k))
-        layer = with_engines(plain, "cpu", torch.bfloat16)
+        _, layers = pair(E, k, routed_scaling_factor=float(k))
+        layers = engine_layers(layers["plain"], torch.bfloat16)
+        layer = layers["grouped"]
         x = torch.randn(2, 64, D, requires_grad=True)
-        with engine((plain, layer), "grouped"), torch.autocast("cpu", dtype=torch.bfloat16):
+        with engine(layers, "grouped"), torch.autocast("cpu", dtype=torch.bfloat16):
             with OpCounter() as forward:
                 loss = layer(x).float().sum() + layer.aux_loss
             with OpCounter() as backward:
@@ -453,10 +506,10 @@ def test_cuda_matches_sorted():
     if not torch.cuda.is_available():
         raise Skip("needs CUDA")
     for E, k, kw in CONFIGS[:6]:
-        ref, plain, _ = pair(E, k, **kw)
-        ref.cuda(), plain.cuda()
-        fused = with_engines(plain, "cuda", torch.float32)
-        assert fused.experts[0].gate_proj.weight.is_cuda
+        ref, layers = pair(E, k, **kw)
+        ref.cuda(), layers["plain"].cuda()
+        fused = with_engines(layers["plain"], "cuda", torch.float32)
+        assert fused.experts.gate_up_proj.is_cuda and fused.experts.engine in ENGINE_FUNCTIONS["grouped"]
         x, g = torch.randn(4, 64, D, device="cuda"), torch.randn(4, 64, D, device="cuda")
         a, b = fwd_bwd(ref, x, g), fwd_bwd(fused, x, g)
         assert_close(a[0], b[0], 1e-5, "cuda fp32 forward")
@@ -467,7 +520,8 @@ def test_cuda_matches_sorted():
 
 
 TESTS = [test_matches_sorted_fp32, test_idle_experts_get_zero_grads, test_deterministic, test_zero_syncs,
-         test_empty_and_tiny_inputs, test_state_dict_and_engines, test_bf16_autocast_cpu, test_odd_sizes_fall_back,
+         test_empty_and_tiny_inputs, test_state_dict_and_engines,
+         test_engine_built_layers_in_float64, test_bf16_autocast_cpu, test_odd_sizes_fall_back,
          test_direct_call_with_dropped_pairs, test_layer_op_count, test_cuda_matches_sorted]
 
 if __name__ == "__main__":

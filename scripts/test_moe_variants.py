@@ -22,7 +22,7 @@ import testlib
 from testlib import run, spawn_ranks  # noqa: F401
 from kernels.cpu_linear import OneDNNLinear, onednn_runs
 from kernels.engines import engines_for, rebuilt
-from kernels.experts import GroupedExperts
+from kernels.experts import cpu_experts
 from model.hf_adapter import ExportError, check_exportable
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, MOEFeedForward
 from model.moe import FeedForward
@@ -58,8 +58,9 @@ def test_shared_expert_is_the_routed_layer_plus_a_plain_ffn():
     x, dy = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
     for impl in ("sorted", "masked", "fused", "fused+engines"):
         layer = _layer(impl).train()
-        if impl.endswith("engines"):  # GroupedExperts, and OneDNNLinear in the shared FFN only where oneDNN runs
-            assert type(layer.experts) is GroupedExperts, layer
+        if impl.endswith("engines"):  # cpu_experts, and OneDNNLinear in the shared FFN, only where oneDNN runs
+            assert layer.experts.engine is engines_for(layer.config, "cpu", torch.float32).experts, layer
+            assert (layer.experts.engine is cpu_experts) == onednn_runs("cpu", torch.float32), layer
             onednn = {n for n, m in layer.named_modules() if type(m) is OneDNNLinear}
             assert onednn == ({f"shared_experts.{p}_proj" for p in ("gate", "up", "down")}
                               if onednn_runs("cpu", torch.float32) else set()), onednn
@@ -112,8 +113,7 @@ def test_routed_scaling_factor_is_the_down_projections_times_s():
     for impl in ("sorted", "masked", "fused", "fused+engines"):
         scaled, plain = _layer(impl, routed_scaling_factor=2.5).train(), _layer(impl).train()
         with torch.no_grad():
-            for e in plain.experts:
-                e.down_proj.weight.mul_(2.5)
+            plain.experts.down_proj.mul_(2.5)  # every expert's down projection (stacked [E, D, F])
         (y, gx, _), (y_p, gx_p, _) = _fwd_bwd(scaled, x, dy, impl), _fwd_bwd(plain, x, dy, impl)
         assert (y - y_p).abs().max() < 1e-6 and (gx - gx_p).abs().max() < 1e-6, impl
         outs[impl] = y, gx

@@ -35,15 +35,82 @@ def atomic_torch_save(obj, path):
 
 
 def save_checkpoint(path, model, optimizer=None, extra=None):
-    """Write {"model": fp32 CPU state_dict, "optimizer", "config", **extra, "sha256"} atomically (train/loop.py's
-    extra: TrainState, the flags as "args", the data identity, the world size)."""
+    """Write {"model": fp32 CPU state_dict, "optimizer" (per-expert layout: `optimizer_state_per_expert`),
+    "config", **extra, "sha256"} atomically (train/loop.py's extra: TrainState, the flags as "args", the data
+    identity, the world size)."""
     model = unwrap(model)
     state = {"model": {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
                        for k, v in model.state_dict().items()},
-             "optimizer": optimizer.state_dict() if optimizer is not None else None,
+             "optimizer": optimizer_state_per_expert(optimizer, model) if optimizer is not None else None,
              "config": model.config.to_dict(), **(extra or {})}
     state[CHECKSUM_KEY] = checksum(state)
     atomic_torch_save(state, path)
+
+
+def _per_expert_slots(model, params):
+    """What the per-expert layout lists in place of `params` (an optimizer's parameters in order): [(i, where)],
+    params[i][where] each; an Experts' stacked gate_up_proj stands for E x (gate, up, down) slices, its
+    down_proj for nothing (the order of E FeedForward modules' parameters)."""
+    from model.moe import Experts
+    stacks = {id(m.gate_up_proj): m for m in unwrap(model).modules() if isinstance(m, Experts)}
+    downs, position = {id(m.down_proj) for m in stacks.values()}, {id(p): i for i, p in enumerate(params)}
+    slots = []
+    for i, p in enumerate(params):
+        if id(p) in stacks:
+            experts = stacks[id(p)]
+            down, F_ = position[id(experts.down_proj)], experts.down_proj.shape[2]
+            for e in range(len(experts)):
+                slots += [(i, (e, slice(None, F_))), (i, (e, slice(F_, None))), (down, (e,))]
+        elif id(p) not in downs:
+            slots.append((i, ()))
+    return slots
+
+
+def optimizer_state_per_expert(optimizer, model):
+    """optimizer.state_dict() with each stacked expert tensor's state as per-expert entries (views), the layout of
+    a model of E FeedForward experts: what checkpoints hold, whatever the storage of the experts."""
+    saved, params = optimizer.state_dict(), [p for g in optimizer.param_groups for p in g["params"]]
+    slots = _per_expert_slots(model, params)
+    state = {n: {k: v[where] if torch.is_tensor(v) and v.dim() else v for k, v in saved["state"][i].items()}
+             for n, (i, where) in enumerate(slots) if i in saved["state"]}
+    first_of_group = [sum(len(g["params"]) for g in saved["param_groups"][:j]) for j in range(len(saved["param_groups"]))]
+    group_of = lambda i: max(j for j, first in enumerate(first_of_group) if first <= i)  # noqa: E731
+    groups = [{**g, "params": [n for n, (i, _) in enumerate(slots) if group_of(i) == j]}
+              for j, g in enumerate(saved["param_groups"])]
+    return {"state": state, "param_groups": groups}
+
+
+def optimizer_state_stacked(saved, optimizer, model):
+    """The inverse of `optimizer_state_per_expert`: a checkpoint's optimizer state for `optimizer` (stacked experts).
+    Raises ValueError when it does not fit the model (count of entries, an expert's state partial or its steps
+    unequal)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    slots = _per_expert_slots(model, params)
+    listed = sum(len(g["params"]) for g in saved["param_groups"])
+    if listed != len(slots) or len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"the optimizer state lists {listed} parameters in {len(saved['param_groups'])} groups; the "
+                         f"model has {len(slots)} in {len(optimizer.param_groups)}")
+    state, filled = {}, {}
+    for n, (i, where) in enumerate(slots):
+        if n not in saved["state"]:
+            continue
+        filled[i] = filled.get(i, 0) + 1
+        if where == ():
+            state[i] = saved["state"][n]
+            continue
+        entry = state.setdefault(i, {})
+        for k, v in saved["state"][n].items():
+            if torch.is_tensor(v) and v.dim():
+                entry.setdefault(k, v.new_empty(params[i].shape))[where].copy_(v)
+            elif entry.setdefault(k, v) is not v and not torch.equal(torch.as_tensor(entry[k]), torch.as_tensor(v)):
+                raise ValueError(f"the experts' optimizer {k} differs between experts ({entry[k]} and {v})")
+    expected = {i: sum(1 for j, _ in slots if j == i) for i in filled}
+    if any(filled[i] != expected[i] for i in filled):
+        raise ValueError("the optimizer state covers only some experts of a layer")
+    members = [set(g["params"]) for g in saved["param_groups"]]
+    groups = [{**g, "params": sorted({i for n, (i, _) in enumerate(slots) if n in listed_here})}
+              for g, listed_here in zip(saved["param_groups"], members)]
+    return {"state": state, "param_groups": groups}
 
 
 def _leaves(obj, prefix=""):

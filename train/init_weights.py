@@ -95,10 +95,10 @@ def upcycle(model, dense, seed=0):
     for layer, dense_layer in zip(model.model.layers, dense.model.layers):
         moe, ffn = layer.mlp, dense_layer.mlp
         for e, expert in enumerate(moe.experts):
-            rows = slice((e % G) * F, (e % G + 1) * F)
-            expert.gate_proj.weight.copy_(ffn.gate_proj.weight[rows])
-            expert.up_proj.weight.copy_(ffn.up_proj.weight[rows])
-            expert.down_proj.weight.copy_(ffn.down_proj.weight[:, rows] * (G / config.routed_scaling_factor))
+            rows, (gate, up, down) = slice((e % G) * F, (e % G + 1) * F), expert.weights()
+            gate.copy_(ffn.gate_proj.weight[rows])
+            up.copy_(ffn.up_proj.weight[rows])
+            down.copy_(ffn.down_proj.weight[:, rows] * (G / config.routed_scaling_factor))
         copies = torch.randn(config.num_experts // G, config.hidden_size, generator=generator) * config.initializer_range
         moe.gate.weight.copy_(copies.repeat_interleave(G, dim=0))
         if moe.shared_experts is not None:

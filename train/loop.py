@@ -32,7 +32,7 @@ from data.tokenizer import stop_token_ids, token_byte_lengths
 from kernels.engines import describe as describe_engines, engines_for, native_bf16
 from model.model_minimind import MiniMindForCausalLM
 from train import flags
-from train.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
+from train.checkpoint import CKPT_NAME, load_checkpoint, optimizer_state_stacked, save_checkpoint
 from train.init_weights import upcycle, upcycled_base, weights_source
 from train.parallel import (PeerFailed, check_same_on_all_ranks, clip_grad_norm_ep, ep_dispatchers, expert_param_names,
                             gather_experts, init_distributed, install as install_ep, main_rank_first, moe_layers,
@@ -336,7 +336,7 @@ def setup(stage, args, ctx, device_type, log):
                        "holds every expert")
             log(f"distributed: world size {ctx.world_size} ({dist.get_backend()}), data parallel size {ctx.world_size}, "
                 f"expert parallel size {ctx.ep_size} ({experts})")
-        model = MiniMindForCausalLM(config, engines_for(config, device, dtype))
+        model = MiniMindForCausalLM(config, engines_for(config, device, dtype, compiled=args.compile))
         if init_model is not None and args.upcycle_from:
             upcycle(model, init_model, args.seed)
             log(f"upcycled the dense model {args.upcycle_from} into {config.num_experts} experts per layer")
@@ -405,7 +405,7 @@ def restore(args, ckpt, model, optimizer, state, data, log):
             raise ValueError(f"{args.resume}: the checkpoint was trained with {key}={show(ckpt[key])} but the data now "
                              f"gives {show(value)}; resume needs the same data and tokenizer")
     model.load_state_dict(ckpt["model"], strict=True)
-    optimizer.load_state_dict(ckpt["optimizer"])
+    optimizer.load_state_dict(optimizer_state_stacked(ckpt["optimizer"], optimizer, model))
     state.load_state_dict(ckpt)
     log(f"resumed from {args.resume} at step {state.step}")
 

@@ -262,67 +262,60 @@ def expert_param_names(model):
     return [n for n, _ in model.named_parameters() if ".experts." in n]
 
 
-def local_expert_params(model):
-    """The parameters of the experts this rank owns (all of them where EP is not installed)."""
+def owned_expert_slices(model):
+    """(stacked expert parameter, the slice of its experts this rank owns) for every MoE layer: all experts
+    where EP is not installed."""
     out = []
     for moe in moe_layers(model):
         ep = moe.dispatcher if isinstance(moe.dispatcher, AllToAllDispatcher) else None
-        for e, expert in enumerate(moe.experts):
-            if ep is None or ep.owns(e):
-                out.extend(expert.parameters())
+        owned = slice(ep.first_expert, ep.first_expert + ep.experts_per_rank) if ep is not None else slice(None)
+        out += [(p, owned) for p in moe.experts.parameters()]
     return out
 
 
 def reduce_expert_grads(model, expert_dp_group, world_size):
-    """Sum each owned expert's grads over the ranks holding the same experts and divide by the world
+    """Sum the owned experts' grads over the ranks holding the same experts and divide by the world
     size: the DDP-consistent mean over all ranks (each local grad already sums its EP group's tokens)."""
-    for p in local_expert_params(model):
+    for p, owned in owned_expert_slices(model):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        grad = p.grad[owned]
         if dist.get_world_size(expert_dp_group) > 1:
-            dist.all_reduce(p.grad, group=expert_dp_group)
-        p.grad.div_(world_size)
+            dist.all_reduce(grad, group=expert_dp_group)
+        grad.div_(world_size)
 
 
 def clip_grad_norm_ep(model, max_norm, ep_group):
     """Global grad-norm clipping when experts are sharded: dense grads are identical on every rank,
     each expert's grad lives on its owner, so norm^2 = dense^2 + (sum over the EP group of owned^2)."""
-    owned = {id(p) for p in local_expert_params(model)}
     expert_names = set(expert_param_names(model))
-    dense = [p for n, p in model.named_parameters() if n not in expert_names and p.grad is not None]
-    local = [p for p in model.parameters() if id(p) in owned and p.grad is not None]
+    dense = [p.grad for n, p in model.named_parameters() if n not in expert_names and p.grad is not None]
+    owned = [p.grad[rows] for p, rows in owned_expert_slices(model) if p.grad is not None]
     dev = next(model.parameters()).device
-    dense_sq = sum((p.grad.float().pow(2).sum() for p in dense), torch.zeros((), device=dev))
-    expert_sq = sum((p.grad.float().pow(2).sum() for p in local), torch.zeros((), device=dev))
+    dense_sq = sum((g.float().pow(2).sum() for g in dense), torch.zeros((), device=dev))
+    expert_sq = sum((g.float().pow(2).sum() for g in owned), torch.zeros((), device=dev))
     dist.all_reduce(expert_sq, group=ep_group)
     total = (dense_sq + expert_sq).sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for p in dense + local:
-        p.grad.mul_(scale)
+    for g in dense + owned:
+        g.mul_(scale)
     return total
 
 
 @torch.no_grad()
 def gather_experts(model, optimizer, ep_group):
-    """Make every rank's expert weights (and AdamW state) the owners' current ones, so any rank holds
-    the full single-process state_dict: checkpoints stay independent of the EP size."""
+    """Make every rank's expert weights (and AdamW moments) the owners' current ones, so any rank holds
+    the full single-process state_dict: checkpoints stay independent of the EP size. (Every rank steps the
+    whole stacked tensors, zero gradients outside its own experts, so the step counts agree.)"""
     ranks = dist.get_process_group_ranks(ep_group)
     for moe in moe_layers(model):
         ep = moe.dispatcher
         if not isinstance(ep, AllToAllDispatcher):
             continue
-        for e, expert in enumerate(moe.experts):
-            src = ranks[e // ep.experts_per_rank]
-            for p in expert.parameters():
-                dist.broadcast(p.data, src=src, group=ep_group)
-                if optimizer is None:
-                    continue
-                state = optimizer.state[p]
-                if not state:  # never stepped here: make room for the owner's state
-                    state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
-                                 exp_avg_sq=torch.zeros_like(p))
-                for key in ("exp_avg", "exp_avg_sq"):
-                    dist.broadcast(state[key], src=src, group=ep_group)
-                step = state["step"].to(p.device)
-                dist.broadcast(step, src=src, group=ep_group)
-                state["step"].copy_(step)
+        for p in moe.experts.parameters():
+            state = optimizer.state[p] if optimizer is not None else {}
+            tensors = [p.data] + [state[k] for k in ("exp_avg", "exp_avg_sq") if k in state]
+            for r, src in enumerate(ranks):
+                rows = slice(r * ep.experts_per_rank, (r + 1) * ep.experts_per_rank)
+                for t in tensors:
+                    dist.broadcast(t[rows], src=src, group=ep_group)

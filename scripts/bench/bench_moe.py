@@ -7,11 +7,11 @@
 Implementations:
   masked      MiniMind's per-expert masked loop (scripts/moe_reference.py), the bitwise reference
   sorted      ours, moe_impl="sorted": one host sync per layer, bitwise equal to masked
-  fused       ours, moe_impl="fused" built with kernels/engines.py's engines (GroupedExperts,
-              KernelRowMapDispatcher): zero syncs, grouped GEMM and Triton permute/combine on CUDA; on CPU
-              its experts run as oneDNN expert GEMMs (kernels/experts.py)
+  fused       ours, moe_impl="fused" built with kernels/engines.py's engines (the experts engine and the
+              kernels' permute / combine): zero syncs, grouped GEMM and Triton permute/combine on CUDA; on CPU
+              its experts run as oneDNN expert GEMMs (kernels/experts.py: CPUExperts)
   fused-grouped
-              (CPU, where the expert GEMMs run) the same layer with GroupedExperts' grouped-GEMM engine (torch's
+              (CPU, where the expert GEMMs run) the same layer with the grouped-GEMM experts engine (torch's
               CPU grouped_mm): the row that tells whether the expert GEMMs pay for themselves
   hf-eager, hf-grouped_mm, hf-batched_mm
               transformers' Qwen3MoeSparseMoeBlock with each `experts_implementation` (same weights,
@@ -46,10 +46,9 @@ import torch  # noqa: E402
 
 from moe_reference import reference_masked_forward  # noqa: E402
 from sync_count import count_syncs  # noqa: E402
-from kernels import experts as X  # noqa: E402
 from kernels.cpu_linear import _OneDNNLinear, onednn_runs  # noqa: E402  (the oneDNN linear, forward + backward)
 from kernels.engines import engines_for  # noqa: E402
-from kernels.experts import cpu_experts_run  # noqa: E402
+from kernels.experts import cpu_experts, grouped_experts_for  # noqa: E402
 from train.threads import keep_freed_memory  # noqa: E402
 from model.model_minimind import FeedForward, MiniMindConfig, MOEFeedForward  # noqa: E402
 
@@ -69,10 +68,10 @@ def dense_equivalent(moe):
     k, f = cfg.num_experts_per_tok, cfg.moe_intermediate_size
     dense = FeedForward(cfg.hidden_size, k * f)
     with torch.no_grad():
-        experts = moe.experts[:k]
-        dense.gate_proj.weight.copy_(torch.cat([e.gate_proj.weight for e in experts], 0))
-        dense.up_proj.weight.copy_(torch.cat([e.up_proj.weight for e in experts], 0))
-        dense.down_proj.weight.copy_(torch.cat([e.down_proj.weight for e in experts], 1))
+        experts = [moe.experts[e].weights() for e in range(k)]
+        dense.gate_proj.weight.copy_(torch.cat([gate for gate, _, _ in experts], 0))
+        dense.up_proj.weight.copy_(torch.cat([up for _, up, _ in experts], 0))
+        dense.down_proj.weight.copy_(torch.cat([down for _, _, down in experts], 1))
     return dense
 
 
@@ -102,9 +101,8 @@ def hf_block(moe, implementation):
     block = Qwen3MoeSparseMoeBlock(cfg)
     with torch.no_grad():
         block.gate.weight.copy_(moe.gate.weight)
-        for e, ex in enumerate(moe.experts):
-            block.experts.gate_up_proj[e].copy_(torch.cat([ex.gate_proj.weight, ex.up_proj.weight], 0))
-            block.experts.down_proj[e].copy_(ex.down_proj.weight)
+        block.experts.gate_up_proj.copy_(moe.experts.gate_up_proj)  # (the same stacked layout)
+        block.experts.down_proj.copy_(moe.experts.down_proj)
     return block
 
 
@@ -249,17 +247,14 @@ def main(argv=None):
         moe = MOEFeedForward(MiniMindConfig(**cfg)).to(device).train()
         fused_cfg = MiniMindConfig(**cfg, moe_impl="fused")
         engines = engines_for(fused_cfg, device, ptdtype)  # the trainer's engines for the fused path
-        fused = MOEFeedForward(fused_cfg, engines.experts, engines.row_map_dispatcher, engines.linear).to(device).train()
+        fused = MOEFeedForward(fused_cfg, engines.experts, engines.permute, engines.combine, engines.linear).to(device).train()
         fused.load_state_dict(moe.state_dict())
         onednn = onednn_runs(device, torch.float32)
-        cpu_gemms = cpu_experts_run(device, ptdtype)
-
-        def grouped(t):  # the fused layer with the grouped-GEMM engine where the expert GEMMs would run
-            saved, X.cpu_experts_run = X.cpu_experts_run, (lambda *a: False)
-            try:
-                return fused(t)
-            finally:
-                X.cpu_experts_run = saved
+        cpu_gemms = engines.experts is cpu_experts
+        # the fused layer with the grouped-GEMM engine where the CPU expert GEMMs would run
+        grouped = MOEFeedForward(fused_cfg, grouped_experts_for(device, ptdtype, d, f), engines.permute, engines.combine,
+                                 engines.linear).to(device).train()
+        grouped.load_state_dict(moe.state_dict())
         builders = {"dense": lambda: dense_equivalent(moe).to(device).train(),
                     "dense-onednn": lambda: DenseOneDNN(dense_equivalent(moe)).to(device).train(),
                     "masked": lambda: (lambda t: reference_masked_forward(moe, t)),

@@ -46,9 +46,7 @@ import torch  # noqa: E402
 from kernels.attention import explicit_attention  # noqa: E402
 from kernels.cpu_linear import OneDNNLinear  # noqa: E402
 from kernels.engines import engines_for, native_bf16  # noqa: E402
-from kernels.experts import GroupedExperts  # noqa: E402
 from kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
-from kernels.permute import KernelRowMapDispatcher  # noqa: E402
 from model.engines import PLAIN  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from train.threads import keep_freed_memory  # noqa: E402
@@ -68,10 +66,11 @@ VARIANTS = {
 def chosen_engines(config, chosen):
     """Plain engines but the chosen ones of kernels/engines.py (engines_for picks all that pay): "linear"
     OneDNNLinear, "attention" explicit_attention, "loss" the chunked LM loss, "moe" (moe_impl "fused" only)
-    GroupedExperts and KernelRowMapDispatcher."""
+    the CPU or grouped experts engine and the kernels' permute / combine."""
+    fused = engines_for(config, "cpu", torch.bfloat16)
     engines = {"linear": dict(linear=OneDNNLinear), "attention": dict(attend=explicit_attention),
                "loss": dict(lm_loss=linear_cross_entropy),
-               "moe": dict(experts=GroupedExperts, row_map_dispatcher=KernelRowMapDispatcher)
+               "moe": {k: getattr(fused, k) for k in ("experts", "permute", "combine")}
                if config.use_moe and config.moe_impl == "fused" else {}}
     return dataclasses.replace(PLAIN, **{k: v for name in chosen for k, v in engines[name].items()})
 

@@ -68,12 +68,12 @@ def hf_twin(model):
     hf_config.output_router_logits = True  # its load-balancing loss, as ours trains with one
     hf = Qwen3MoeForCausalLM(hf_config)
     state = to_hf_state_dict(model.state_dict(), config)
-    for i in range(config.num_hidden_layers):  # per-expert weights -> its fused [E, 2F, D] / [E, D, F] tensors
+    for i, layer in enumerate(model.model.layers):  # its experts are stacked as ours: [E, 2F, D] / [E, D, F]
         prefix = f"model.layers.{i}.mlp.experts"
-        experts = range(config.num_experts)
-        state[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([state.pop(f"{prefix}.{e}.gate_proj.weight"),
-                                                                  state.pop(f"{prefix}.{e}.up_proj.weight")]) for e in experts])
-        state[f"{prefix}.down_proj"] = torch.stack([state.pop(f"{prefix}.{e}.down_proj.weight") for e in experts])
+        state = {k: v for k, v in state.items() if not k.startswith(prefix + ".")}
+        scale = config.routed_scaling_factor
+        state[f"{prefix}.gate_up_proj"] = layer.mlp.experts.gate_up_proj.detach()
+        state[f"{prefix}.down_proj"] = layer.mlp.experts.down_proj.detach() * scale
     hf.load_state_dict(state, strict=False)  # (a tied lm_head is left out: it is the embedding)
     return hf
 
