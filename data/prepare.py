@@ -23,16 +23,18 @@ TOKENIZER_SAMPLE_MB = 16  # the BPE is trained on the first this-many MB of trai
 PARALLEL_FROM_BYTES = 32 << 20  # below this a process pool costs more to start than it saves
 
 
-def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=6400, cache_dir=CACHE_DIR, log=print,
+def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=None, cache_dir=CACHE_DIR, log=print,
                  text_field="text", tokenizer_sample_mb=TOKENIZER_SAMPLE_MB, workers=None, progress=False,
                  engine="auto"):
     """Load or build everything training needs. data_path None: the embedded stdlib-docstring corpus; else
     anything data/sources.py reads, every VAL_EVERY-th document held out. tokenizer_dir None: a `vocab_size` BPE
     trained on the first `tokenizer_sample_mb` MB of training documents. workers: tokenization processes (None:
     one per core, at most 8, over PARALLEL_FROM_BYTES, else 0 = in process). engine: "auto" (tiktoken where it
-    gives the tokenizer's ids, data/fast_bpe.py) or "tokenizers".
+    gives the tokenizer's ids, data/fast_bpe.py) or "tokenizers". Raises ValueError without tokenizer_dir and vocab_size.
     Returns dict(tokenizer, tokenizer_dir, train, val (1-D read-only np.memmap of ids), index (the cache's
     index.json), source (description)). Raises DataError for missing, empty or malformed input (file and line)."""
+    if tokenizer_dir is None and vocab_size is None:
+        raise ValueError("prepare_data: a vocab_size is needed to train a tokenizer (the trainer's is model/config.py's)")
     os.makedirs(cache_dir, exist_ok=True)
     if data_path is None:  # the default corpus comes split in two files; a user corpus is one source
         paths = default_corpus(cache_dir)

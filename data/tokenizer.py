@@ -60,9 +60,10 @@ def bounded_words(texts, longest=LONGEST_WORD):
             yield from (text[i:i + longest] for i in range(0, len(text), longest))
 
 
-def train_tokenizer(texts, vocab_size=6400):
-    """A `PreTrainedTokenizerFast` byte-level BPE trained on an iterable of str (words cut to LONGEST_WORD
-    characters). Raises ValueError if vocab_size cannot hold the 256 bytes plus the special tokens."""
+def train_tokenizer(texts, vocab_size):
+    """A `PreTrainedTokenizerFast` byte-level BPE of `vocab_size` tokens (the trainer's: model/config.py's
+    vocab_size) trained on an iterable of str (words cut to LONGEST_WORD characters). Raises ValueError if
+    vocab_size cannot hold the 256 bytes plus the special tokens."""
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size={vocab_size} must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens)")
     tok = Tokenizer(models.BPE())

@@ -1,11 +1,12 @@
 """y = x @ W^T on CPU through oneDNN, forward and backward: the engine for the model's bias-free
 linears.
 
-torch's fp32 CPU matmul goes through MKL, on some CPUs well below oneDNN (`scripts/bench/bench_step.py`); bf16
-autocast already reaches oneDNN, so only the fp32 path changes. kernels/engines.py builds it into the attention
-projections, the LM head and the dense FFN (fixed row counts: each GEMM's kernel is built once), never into
-the sorted path's experts (their bitwise contract is nn.Linear's). fp32 results differ from `F.linear` by
-rounding only (`scripts/test_kernels.py`: within 1e-5 relative of fp64, forward and backward).
+torch's fp32 CPU matmul goes through MKL, on some CPUs well below oneDNN
+(`scripts/bench/bench_step.py`); bf16 autocast already reaches oneDNN, so only the fp32 path
+changes. kernels/engines.py builds it into the attention projections, the LM head and the dense FFN
+(fixed row counts: each GEMM's kernel is built once), never into the sorted path's experts (their
+bitwise contract is nn.Linear's). fp32 results differ from `F.linear` by rounding only
+(`scripts/test_kernels.py`: within 1e-5 relative of fp64, forward and backward).
 """
 
 import torch
@@ -19,7 +20,8 @@ def _probe_onednn():
         op = torch.ops.mkldnn._linear_pointwise
         if not torch.backends.mkldnn.is_available():
             return None
-        if not torch.equal(op(torch.ones(2, 4), torch.ones(3, 4), None, "none", [], ""), torch.full((2, 3), 4.0)):
+        if not torch.equal(op(torch.ones(2, 4), torch.ones(3, 4), None, "none", [], ""),
+                           torch.full((2, 3), 4.0)):
             return None
         return op
     except (AttributeError, RuntimeError):
@@ -30,10 +32,12 @@ _ONEDNN_LINEAR = _probe_onednn()
 
 
 def onednn_runs(device, dtype) -> bool:
-    """Whether oneDNN matmuls run here: CPU, torch built with oneDNN, fp32 (or bf16 with native CPU support)."""
+    """Whether oneDNN matmuls run here: CPU, torch built with oneDNN, fp32 (or bf16 with native CPU
+    support)."""
     if _ONEDNN_LINEAR is None or torch.device(device).type != "cpu":
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 or (dtype == torch.bfloat16
+                                      and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def onednn_linear(x_MK, w_NK):
@@ -57,15 +61,16 @@ class _OneDNNLinear(torch.autograd.Function):
 
 
 def onednn_linear_fits(x, weight) -> bool:
-    """Whether `linear` takes the oneDNN path: CPU fp32 operands outside autocast, oneDNN built in, and not
-    while torch.compile traces (inductor plans its own GEMMs)."""
+    """Whether `linear` takes the oneDNN path: CPU fp32 operands outside autocast, oneDNN built in,
+    and not while torch.compile traces (inductor plans its own GEMMs)."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and weight.device.type == "cpu" and onednn_runs(x.device, x.dtype)
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
 
 
 def linear(x_MK, weight_NK):
-    """F.linear(x, weight) without bias, x [..., K] -> [..., N], through oneDNN where `onednn_linear_fits`."""
+    """F.linear(x, weight) without bias, x [..., K] -> [..., N], through oneDNN where
+    `onednn_linear_fits`."""
     if not onednn_linear_fits(x_MK, weight_NK):
         return F.linear(x_MK, weight_NK)
     lead, K = x_MK.shape[:-1], x_MK.shape[-1]
@@ -73,7 +78,8 @@ def linear(x_MK, weight_NK):
 
 
 class OneDNNLinear(nn.Linear):
-    """The engine for a bias-free nn.Linear (kernels/engines.py): same parameters, forward through `linear`."""
+    """The engine for a bias-free nn.Linear (kernels/engines.py): same parameters, forward through
+    `linear`."""
 
     def forward(self, x):
         return linear(x, self.weight)

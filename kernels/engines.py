@@ -1,10 +1,11 @@
 """The one place that decides which engines a model is built with on a device (torchtitan's model
 converters, applied before the model is built rather than after).
 
-`engines_for(config, device, dtype)` returns the model/engines.py `Engines` that pay on `device` under
-autocast `dtype` (fp32 = none); the trainer builds `MiniMindForCausalLM(config, engines)` with them and
-logs `describe(model)`. Each engine keeps the parameters and state_dict keys of the plain part, so
-checkpoints and exports are the same either way. The rules (measured ones, not the CPU's name):
+`engines_for(config, device, dtype)` returns the model/engines.py `Engines` that pay on `device`
+under autocast `dtype` (fp32 = none); the trainer builds `MiniMindForCausalLM(config, engines)` with
+them and logs `describe(model)`. Each engine keeps the parameters and state_dict keys of the plain
+part, so checkpoints and exports are the same either way. The rules (measured ones, not the CPU's
+name):
 
     Engines.linear        OneDNNLinear (cpu_linear.py)              CPU fp32 where oneDNN runs (it beats MKL)
     Engines.attend        explicit_attention (attention.py)         CPU under bf16 autocast
@@ -14,9 +15,9 @@ checkpoints and exports are the same either way. The rules (measured ones, not t
     Engines.permute       permute_kernel, combine_kernel            always (moe_impl "fused")
       and .combine        (permute.py)
 
-moe_impl "sorted" keeps the plain expert_loop of nn.Linear-style chains: its contract is bitwise equality
-with the masked loop. Tolerances of each engine against the plain part: scripts/test_kernels.py,
-test_model.py.
+moe_impl "sorted" keeps the plain expert_loop of nn.Linear-style chains: its contract is bitwise
+equality with the masked loop. Tolerances of each engine against the plain part:
+scripts/test_kernels.py, test_model.py.
 """
 import torch
 from torch import nn
@@ -30,28 +31,32 @@ from model.engines import PLAIN, Engines
 from model.moe import Experts, MOEFeedForward, engine_name
 
 def native_bf16():
-    """The CPU's native bf16 GEMM instructions that oneDNN runs, "AMX" or "AVX512-BF16", else None (emulated bf16
-    is slower than fp32): where bf16 autocast pays, --dtype auto's rule. A property of the machine, not a timing,
-    so the machine's load never changes a run's dtype."""
+    """The CPU's native bf16 GEMM instructions that oneDNN runs, "AMX" or "AVX512-BF16", else None
+    (emulated bf16 is slower than fp32): where bf16 autocast pays, --dtype auto's rule. A property
+    of the machine, not a timing, so the machine's load never changes a run's dtype."""
     if not onednn_runs("cpu", torch.bfloat16):
         return None
-    for name, has in (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported")):
+    for name, has in (("AMX", "_is_amx_tile_supported"),
+                      ("AVX512-BF16", "_is_avx512_bf16_supported")):
         if getattr(torch.cpu, has, lambda: False)():
             return name
     return None
 
 
 def engines_for(config, device, dtype, compiled=False) -> Engines:
-    """The engines that pay for `config` on `device` ("cpu" | "cuda...") under autocast `dtype` (see the
-    module doc); compiled: the model will run under torch.compile (its graph cannot hold the CPU experts
-    engine's host-side layout)."""
+    """The engines that pay for `config` on `device` ("cpu" | "cuda...") under autocast `dtype` (see
+    the module doc); compiled: the model will run under torch.compile (its graph cannot hold the CPU
+    experts engine's host-side layout)."""
     cpu = torch.device(device).type == "cpu"
     if not (config.use_moe and config.moe_impl == "fused"):
         experts = PLAIN.experts
     else:
         experts = (cpu_experts if cpu and onednn_runs("cpu", dtype) and not compiled else
-                   grouped_experts_for(device, dtype, config.hidden_size, config.moe_intermediate_size, compiled))
-    return Engines(linear=OneDNNLinear if cpu and dtype == torch.float32 and onednn_runs("cpu", torch.float32) else nn.Linear,
+                   grouped_experts_for(device, dtype, config.hidden_size,
+                                       config.moe_intermediate_size, compiled))
+    return Engines(linear=(OneDNNLinear
+                           if cpu and dtype == torch.float32 and onednn_runs("cpu", torch.float32)
+                           else nn.Linear),
                    attend=explicit_attention if cpu and dtype == torch.bfloat16 else PLAIN.attend,
                    lm_loss=linear_cross_entropy if cpu else None,
                    experts=experts, permute=permute_kernel, combine=combine_kernel)
@@ -64,7 +69,8 @@ def describe(model):
         names = [type(m).__name__] if type(m) is OneDNNLinear else []
         if isinstance(m, Experts) and m.engine is not PLAIN.experts:
             names.append(engine_name(m.engine))
-        if isinstance(m, MOEFeedForward) and getattr(m.dispatcher, "permute", None) is permute_kernel:
+        if (isinstance(m, MOEFeedForward)
+                and getattr(m.dispatcher, "permute", None) is permute_kernel):
             names.append("permute_kernel/combine_kernel")
         if getattr(m, "attend", None) is explicit_attention:
             names.append("explicit_attention")
@@ -72,20 +78,23 @@ def describe(model):
             names.append(m.chunked_lm_loss.__name__)
         for n in names:
             counts[n] = counts.get(n, 0) + 1
-    return "engines: " + (", ".join(f"{name} x{n}" for name, n in counts.items()) if counts else "plain PyTorch")
+    return "engines: " + (", ".join(f"{name} x{n}" for name, n in counts.items()) if counts
+                          else "plain PyTorch")
 
 
 def rebuilt(module, engines):
-    """A copy of `module` (a MiniMindForCausalLM or an MOEFeedForward) built with `engines` and holding
-    its weights and buffers (load_state_dict, strict): how the tests and benchmarks put a plain model's
-    weights onto other engines."""
+    """A copy of `module` (a MiniMindForCausalLM or an MOEFeedForward) built with `engines` and
+    holding its weights and buffers (load_state_dict, strict): how the tests and benchmarks put a
+    plain model's weights onto other engines."""
     from model.model_minimind import MiniMindForCausalLM
     if isinstance(module, MiniMindForCausalLM):
         twin = MiniMindForCausalLM(module.config, engines)
     elif isinstance(module, MOEFeedForward):
-        twin = MOEFeedForward(module.config, engines.experts, engines.permute, engines.combine, engines.linear)
+        twin = MOEFeedForward(module.config, engines.experts, engines.permute,
+                              engines.combine, engines.linear)
     else:
-        raise ValueError(f"rebuilt: a MiniMindForCausalLM or MOEFeedForward, got {type(module).__name__}")
+        raise ValueError(f"rebuilt: a MiniMindForCausalLM or MOEFeedForward, "
+                         f"got {type(module).__name__}")
     param = next(module.parameters())
     twin = twin.to(device=param.device, dtype=param.dtype)
     twin.load_state_dict(module.state_dict(), strict=True)

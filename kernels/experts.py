@@ -1,26 +1,29 @@
-"""The experts engines of the fused MoE path: functions with model/moe.py: expert_loop's interface that run
-all experts at once on their stacked weights (model/moe.py: Experts), read as they are.
+"""The experts engines of the fused MoE path: functions with model/moe.py: expert_loop's interface
+that run all experts at once on their stacked weights (model/moe.py: Experts), read as they are.
 
     cpu_experts              CPU with oneDNN (fp32, native bf16): the batched expert GEMMs below
     GROUPED_EXPERTS[backend] elsewhere (CUDA; CPU under torch.compile): kernels/grouped_gemm.py's
-                             GroupedSwiGLU on torch's grouped_mm, our Triton kernels or the reference loop
+                             GroupedSwiGLU on torch's grouped_mm, our Triton kernels or the
+                             reference loop
 
 No host read of the counts on either; the only pass over the weights is the cast to the rows' dtype
 under autocast (none in fp32).
 
 The CPU engine: a few batched GEMMs per projection, everything else once per layer.
 
-    x_R = the rows gathered into per-expert segments, neighbouring experts of similar counts batched in
-    groups, each expert of a group padded to its largest's bucket size;  gu_R = x_R[seg e] @ W_gu[e]^T
-    h_R = silu(gate) * up * w (routing weight), over the whole buffer;  out_R = h_R[seg e] @ W_down[e]^T
+    x_R = the rows gathered into per-expert segments, neighbouring experts of similar counts batched
+    in groups, each expert of a group padded to its largest's bucket size;
+    gu_R = x_R[seg e] @ W_gu[e]^T
+    h_R = silu(gate) * up * w (routing weight), over the whole buffer;
+    out_R = h_R[seg e] @ W_down[e]^T
 
-A GEMM's oneDNN kernel is built once per shape at several times the GEMM's cost, hence the buckets (a
-bounded set of shapes). Padding rows repeat a routed row with weight 0: their h and their share of every
-gradient are zero (if finite), and each weight gradient is one GEMM over its segment. The SwiGLU, its
-backward and the casts run once per layer over the whole buffer in the rows' dtype: per-expert and
-mixed-dtype elementwise ops cost far more than their arithmetic on a CPU. torch's CPU grouped_mm is
-slower than this; on GPUs the fused path runs grouped GEMMs (kernels/grouped_gemm.py). Segment
-bounds are read from CPU memory: no device sync.
+A GEMM's oneDNN kernel is built once per shape at several times the GEMM's cost, hence the buckets
+(a bounded set of shapes). Padding rows repeat a routed row with weight 0: their h and their share
+of every gradient are zero (if finite), and each weight gradient is one GEMM over its segment. The
+SwiGLU, its backward and the casts run once per layer over the whole buffer in the rows' dtype:
+per-expert and mixed-dtype elementwise ops cost far more than their arithmetic on a CPU. torch's CPU
+grouped_mm is slower than this; on GPUs the fused path runs grouped GEMMs (kernels/grouped_gemm.py).
+Segment bounds are read from CPU memory: no device sync.
 """
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -29,13 +32,14 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from kernels.backend import cast, cpu_values, triton_importable
-from kernels.grouped_gemm import (GROUPED_OPS, GroupedSwiGLU, scaled_swiglu_backward, scaled_swiglu_forward,
-                                  torch_grouped_mm_fits)
+from kernels.grouped_gemm import (GROUPED_OPS, GroupedSwiGLU, scaled_swiglu_backward,
+                                  scaled_swiglu_forward, torch_grouped_mm_fits)
 
 
 def _bucket(rows):
-    """`rows` padded to a multiple of 1/16 of its power of two and of 8 (<= 6.25% from 128 rows; idempotent):
-    exact counts, new every step, would keep building oneDNN kernels and grow its cache without bound."""
+    """`rows` padded to a multiple of 1/16 of its power of two and of 8 (<= 6.25% from 128 rows;
+    idempotent): exact counts, new every step, would keep building oneDNN kernels and grow its cache
+    without bound."""
     if rows <= 16:
         return rows
     step = 1 << max(3, rows.bit_length() - 5)
@@ -43,8 +47,9 @@ def _bucket(rows):
 
 
 def _bmm(lhs, rhs, out):
-    """out[i] = lhs[i] @ rhs[i] in place: fp32 by oneDNN's linear per matrix (kernels/cpu_linear.py's op; torch's
-    fp32 matmuls are MKL), other dtypes by one torch.bmm (oneDNN for bf16)."""
+    """out[i] = lhs[i] @ rhs[i] in place: fp32 by oneDNN's linear per matrix
+    (kernels/cpu_linear.py's op; torch's fp32 matmuls are MKL), other dtypes by one torch.bmm
+    (oneDNN for bf16)."""
     if lhs.dtype != torch.float32:
         return torch.bmm(lhs, rhs, out=out)
     for i in range(lhs.shape[0]):
@@ -52,7 +57,8 @@ def _bmm(lhs, rhs, out):
 
 
 class ExpertGroup(NamedTuple):
-    """Experts first..end-1 batched in one GEMM, each padded to `rows_each` rows, from padded row `row_start` on."""
+    """Experts first..end-1 batched in one GEMM, each padded to `rows_each` rows, from padded row
+    `row_start` on."""
     first: int
     end: int
     row_start: int
@@ -65,24 +71,27 @@ class ExpertGroup(NamedTuple):
     def rows(self, padded_R):
         """The group's rows of a [R, ...] tensor as a [end - first, rows_each, ...] view."""
         count = self.end - self.first
-        return padded_R[self.row_start:self.row_start + count * self.rows_each].view(count, self.rows_each,
-                                                                                  *padded_R.shape[1:])
+        return (padded_R[self.row_start:self.row_start + count * self.rows_each]
+                .view(count, self.rows_each, *padded_R.shape[1:]))
 
 
 @dataclass
 class CPULayout:
-    """Where the CPU engine puts each routed row: `groups` of neighbouring experts; padded_rows R in all;
-    dst_N int64 [N] each routed row's padded row; src_R int64 [R] each padded row's source row (a padding
-    row repeats a routed row); real_R bool [R] not a padding row."""
+    """Where the CPU engine puts each routed row: `groups` of neighbouring experts; padded_rows R in
+    all; dst_N int64 [N] each routed row's padded row; src_R int64 [R] each padded row's source row
+    (a padding row repeats a routed row); real_R bool [R] not a padding row; idle: the experts of no
+    group (no rows)."""
     groups: list
     padded_rows: int
     dst_N: torch.Tensor
     src_R: torch.Tensor
     real_R: torch.Tensor
+    idle: list
 
 
 def _from_padded(padded_R, dst_N, P):
-    """[P, ...]: row i = padded_R[dst_N[i]] for the N routed rows, zero after them (rows of no expert)."""
+    """[P, ...]: row i = padded_R[dst_N[i]] for the N routed rows, zero after them (rows of no
+    expert)."""
     out = padded_R.new_empty(P, *padded_R.shape[1:])
     out[dst_N.shape[0]:].zero_()
     torch.index_select(padded_R, 0, dst_N, out=out[:dst_N.shape[0]])
@@ -90,11 +99,12 @@ def _from_padded(padded_R, dst_N, P):
 
 
 class CPUExperts(torch.autograd.Function):
-    """The CPU engine (module doc): `cpu_experts = CPUExperts.apply`, model/moe.py: expert_loop's interface:
-    rows_PD [P, D] (expert-sorted; padding included, real rows first), tokens_per_expert int64 [E'] on the
-    CPU, row_weight_P [P] or None (= 1), the stacked weights -> [P, D] in the rows' dtype, zero rows outside
-    the segments. The routing weight is applied before the down projection. Differentiable in rows, row
-    weights and weights; runs outside autocast, in the rows' dtype (the weights cast to it once)."""
+    """The CPU engine (module doc): `cpu_experts = CPUExperts.apply`, model/moe.py: expert_loop's
+    interface: rows_PD [P, D] (expert-sorted; padding included, real rows first), tokens_per_expert
+    int64 [E'] on the CPU, row_weight_P [P] or None (= 1), the stacked weights -> [P, D] in the
+    rows' dtype, zero rows outside the segments. The routing weight is applied before the down
+    projection. Differentiable in rows, row weights and weights; runs outside autocast, in the rows'
+    dtype (the weights cast to it once)."""
 
     @staticmethod
     def forward(ctx, rows_PD, tokens_per_expert, row_weight_P, w_gate_up_E2FD, w_down_EDF):
@@ -105,7 +115,8 @@ class CPUExperts(torch.autograd.Function):
             w_gu, w_down = cast(w_gate_up_E2FD, dtype), cast(w_down_EDF, dtype)
             x_RD = rows_PD.index_select(0, layout.src_R)
             scale_R = torch.where(layout.real_R, scale_P.to(dtype).index_select(0, layout.src_R), 0)
-            gu_R2F, out_RD = rows_PD.new_empty(layout.padded_rows, w_gu.shape[1]), rows_PD.new_empty(layout.padded_rows, D)
+            gu_R2F, out_RD = (rows_PD.new_empty(layout.padded_rows, w_gu.shape[1]),
+                              rows_PD.new_empty(layout.padded_rows, D))
             for group in layout.groups:
                 _bmm(group.rows(x_RD), w_gu[group.experts].transpose(1, 2), group.rows(gu_R2F))
             h_RF, silu_RF = scaled_swiglu_forward(gu_R2F, scale_R)
@@ -122,8 +133,11 @@ class CPUExperts(torch.autograd.Function):
         layout, need_x, need_scale = ctx.layout, ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         (E, F2, D), P = w_gu.shape, grad_PD.shape[0]
         gy_RD = grad_PD.to(x_RD.dtype).index_select(0, layout.src_R)
-        # weight gradients (zero for an idle expert) in the rows' dtype, cast to the weights' dtype at the end
-        gw_down, gw_gu = x_RD.new_zeros(E, D, F2 // 2), x_RD.new_zeros(E, F2, D)
+        # weight gradients in the rows' dtype, cast to the weights' dtype at the end; each group's
+        # GEMMs write its experts' whole gradients, an idle expert's is zero
+        gw_down, gw_gu = x_RD.new_empty(E, D, F2 // 2), x_RD.new_empty(E, F2, D)
+        for e in layout.idle:
+            gw_down[e].zero_(), gw_gu[e].zero_()
         gh_RF = h_RF.new_empty(h_RF.shape)
         for group in layout.groups:
             gy = group.rows(gy_RD)
@@ -137,20 +151,25 @@ class CPUExperts(torch.autograd.Function):
             if need_x:
                 _bmm(ggu, w_gu[group.experts], group.rows(gx_RD))
         grad_x = _from_padded(gx_RD, layout.dst_N, P) if need_x else None
-        grad_scale = _from_padded(gscale_R, layout.dst_N, P).to(ctx.scale_dtype) if need_scale else None
-        return grad_x, None, grad_scale, cast(gw_gu, ctx.weight_dtype), cast(gw_down, ctx.weight_dtype)
+        grad_scale = (_from_padded(gscale_R, layout.dst_N, P).to(ctx.scale_dtype) if need_scale
+                      else None)
+        return (grad_x, None, grad_scale, cast(gw_gu, ctx.weight_dtype),
+                cast(gw_down, ctx.weight_dtype))
 
 
 def _cpu_layout(counts, dtype):
     """The CPULayout of host row counts per expert (a list of ints)."""
-    # ~8 batched GEMMs per projection beat one small GEMM per expert despite the padding (bf16); a group takes
-    # neighbouring experts while the smallest count is >= 2/3 of the padded largest, so a skewed routing cannot
-    # multiply the padded rows. (Neighbours, not experts sorted by count: each group's weights are a view.)
+    # ~8 batched GEMMs per projection beat one small GEMM per expert despite the padding (bf16); a
+    # group takes neighbouring experts while the smallest count is >= 2/3 of the padded largest, so
+    # a skewed routing cannot multiply the padded rows. (Neighbours, not experts sorted by count:
+    # each group's weights are a view.)
     max_group, E = (max(1, len(counts) // 8) if dtype == torch.bfloat16 else 1), len(counts)
-    groups, first_row, padded_rows, first = [], [], 0, 0  # first_row: each expert's first padded row
+    # first_row: each expert's first padded row
+    groups, first_row, padded_rows, first = [], [], 0, 0
     while first < E:
         end, smallest, largest = first + 1, counts[first], counts[first]
-        while end < min(first + max_group, E) and 3 * min(smallest, counts[end]) >= 2 * _bucket(max(largest, counts[end])):
+        while (end < min(first + max_group, E)
+               and 3 * min(smallest, counts[end]) >= 2 * _bucket(max(largest, counts[end]))):
             smallest, largest, end = min(smallest, counts[end]), max(largest, counts[end]), end + 1
         rows_each = _bucket(largest)
         if rows_each:
@@ -162,24 +181,27 @@ def _cpu_layout(counts, dtype):
     dst_N = torch.arange(routed) + torch.repeat_interleave(shift_E, count_E, output_size=routed)
     src_R = torch.zeros(padded_rows, dtype=torch.int64).index_copy_(0, dst_N, torch.arange(routed))
     real_R = torch.zeros(padded_rows, dtype=torch.bool).index_fill_(0, dst_N, True)
-    return CPULayout(groups, padded_rows, dst_N, src_R, real_R)
+    return CPULayout(groups, padded_rows, dst_N, src_R, real_R,
+                     [e for e, n in enumerate(counts) if n == 0])
 
 
 cpu_experts = CPUExperts.apply
 
 
 def _grouped_engine(ops):
-    """The experts engine of two grouped GEMMs on `ops` (kernels/grouped_gemm.py: GROUPED_OPS[backend]):
-    expert_loop's interface with tokens_per_expert on the rows' device (no host read); the weights cast to the
-    rows' dtype once; the routing weight applied in the rows' dtype before the down projection, as the CPU
-    engine applies it (the SwiGLU then makes no fp32 [P, F])."""
+    """The experts engine of two grouped GEMMs on `ops` (kernels/grouped_gemm.py:
+    GROUPED_OPS[backend]): expert_loop's interface with tokens_per_expert on the rows' device
+    (no host read); the weights cast to the rows' dtype once; the routing weight applied in the
+    rows' dtype before the down projection, as the CPU engine applies it (the SwiGLU then makes no
+    fp32 [P, F])."""
     def engine(rows_PD, tokens_per_expert, row_weight_P, w_gate_up_E2FD, w_down_EDF):
         if row_weight_P is None:
             row_weight_P = rows_PD.new_ones(rows_PD.shape[0])
         dtype = rows_PD.dtype
         with torch.autocast(rows_PD.device.type, enabled=False):
             offsets_E = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
-            return GroupedSwiGLU.apply(rows_PD, cast(w_gate_up_E2FD, dtype), cast(w_down_EDF, dtype), offsets_E,
+            return GroupedSwiGLU.apply(rows_PD, cast(w_gate_up_E2FD, dtype),
+                                       cast(w_down_EDF, dtype), offsets_E,
                                        row_weight_P.to(dtype), ops)
     engine.__name__ = engine.__qualname__ = f"grouped_experts_{ops.name}"
     engine.__doc__ = _grouped_engine.__doc__
@@ -190,8 +212,9 @@ GROUPED_EXPERTS = {name: _grouped_engine(ops) for name, ops in GROUPED_OPS.items
 
 
 def grouped_experts_for(device, dtype, hidden_size, intermediate_size, compiled=False):
-    """The grouped experts engine for rows of `dtype` on `device`: torch's grouped_mm where it takes them
-    (through custom ops when `compiled`), else our Triton kernels on CUDA, else the per-expert reference loop."""
+    """The grouped experts engine for rows of `dtype` on `device`: torch's grouped_mm where it takes
+    them (through custom ops when `compiled`), else our Triton kernels on CUDA, else the per-expert
+    reference loop."""
     if torch_grouped_mm_fits(device, dtype, hidden_size, intermediate_size):
         return GROUPED_EXPERTS["torch_compiled" if compiled else "torch"]
     if torch.device(device).type == "cuda" and triton_importable():

@@ -1,14 +1,17 @@
 """Grouped GEMM over variable-length expert segments, and the grouped SwiGLU expert FFN built on it:
 c[rows of e] = a[rows of e] @ b[e] for the row segments given by offsets (int32 [E], on the device).
 
-The GPU engine of the fused MoE path (`GroupedSwiGLU`, run by kernels/experts.py: GROUPED_EXPERTS; on CPU with
-oneDNN the batched GEMMs of CPUExperts run instead). Backends (`GROUPED_OPS`, chosen when the model is built):
-  "torch"     F.grouped_mm (or torch._grouped_mm): CPU in torch >= 2.9, CUDA bf16 on sm >= 8.0; no host sync.
-  "triton"    our kernels (forward, input- and weight-grad) for what torch's cannot run (e.g. fp32 / fp16 on
-              CUDA); also in the CPU interpreter for tests; no host sync.
+The GPU engine of the fused MoE path (`GroupedSwiGLU`, run by kernels/experts.py: GROUPED_EXPERTS;
+on CPU with oneDNN the batched GEMMs of CPUExperts run instead). Backends (`GROUPED_OPS`, chosen
+when the model is built):
+  "torch"     F.grouped_mm (or torch._grouped_mm): CPU in torch >= 2.9, CUDA bf16 on sm >= 8.0; no
+              host sync.
+  "triton"    our kernels (forward, input- and weight-grad) for what torch's cannot run (e.g. fp32 /
+              fp16 on CUDA); also in the CPU interpreter for tests; no host sync.
   "reference" a Python loop of per-expert matmuls; reads the offsets to the host (one sync).
   "auto"      "torch" where it supports the operands, else "triton" on CUDA, else "reference".
-Output rows at or past offsets[-1] (in no segment) are unspecified for "torch" (never read), zero otherwise.
+Output rows at or past offsets[-1] (in no segment) are unspecified for "torch" (never read), zero
+otherwise.
 """
 from typing import Callable, NamedTuple
 
@@ -28,11 +31,13 @@ if triton_importable():
 
     @triton.jit
     def _grouped_mm_kernel(a_ptr, b_ptr, c_ptr, bounds_ptr, tile_start_ptr, E, N, K,
-                           stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+                           stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                           stride_cm, stride_cn,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            PRECISION: tl.constexpr):
-        # Grid: (upper bound on BLOCK_M row tiles over all segments, cdiv(N, BLOCK_N)); tile_start[e] = first row
-        # tile of segment e (cumulative cdiv(len_e, BLOCK_M)); extra programs exit.
+        # Grid: (upper bound on BLOCK_M row tiles over all segments, cdiv(N, BLOCK_N));
+        # tile_start[e] = first row tile of segment e (cumulative cdiv(len_e, BLOCK_M)); extra
+        # programs exit.
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if pid_m < tl.load(tile_start_ptr + E):
@@ -40,7 +45,8 @@ if triton_importable():
             for i in range(E):  # segment of this tile: how many segments end at or before it
                 e += (tl.load(tile_start_ptr + i + 1) <= pid_m).to(tl.int32)
             row_end = tl.load(bounds_ptr + e + 1)
-            rows = tl.load(bounds_ptr + e) + (pid_m - tl.load(tile_start_ptr + e)) * BLOCK_M + tl.arange(0, BLOCK_M)
+            rows = (tl.load(bounds_ptr + e) + (pid_m - tl.load(tile_start_ptr + e)) * BLOCK_M
+                    + tl.arange(0, BLOCK_M))
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             row_ok = rows < row_end
             col_ok = cols < N
@@ -48,9 +54,11 @@ if triton_importable():
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_ok = ks < K
-                a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :] * stride_ak,
+                a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_am
+                            + ks[None, :] * stride_ak,
                             mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptr + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                b = tl.load(b_ptr + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk
+                            + cols[None, :] * stride_bn,
                             mask=k_ok[:, None] & col_ok[None, :], other=0.0)
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
             tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn,
@@ -58,10 +66,12 @@ if triton_importable():
 
     @triton.jit
     def _grouped_wgrad_kernel(a_ptr, g_ptr, out_ptr, bounds_ptr, K, N,
-                              stride_am, stride_ak, stride_gm, stride_gn, stride_oe, stride_ok, stride_on,
+                              stride_am, stride_ak, stride_gm, stride_gn,
+                              stride_oe, stride_ok, stride_on,
                               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                               PRECISION: tl.constexpr):
-        # out[e] = a[rows of e]^T @ g[rows of e]; zero for an empty segment. Grid: (E, cdiv(K,BK), cdiv(N,BN)).
+        # out[e] = a[rows of e]^T @ g[rows of e]; zero for an
+        # empty segment. Grid: (E, cdiv(K,BK), cdiv(N,BN)).
         e = tl.program_id(0)
         ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         ns = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -78,7 +88,8 @@ if triton_importable():
             g = tl.load(g_ptr + ms[:, None].to(tl.int64) * stride_gm + ns[None, :] * stride_gn,
                         mask=m_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(tl.trans(a), g, acc, input_precision=PRECISION)
-        tl.store(out_ptr + e.to(tl.int64) * stride_oe + ks[:, None] * stride_ok + ns[None, :] * stride_on,
+        tl.store(out_ptr + e.to(tl.int64) * stride_oe + ks[:, None] * stride_ok
+                 + ns[None, :] * stride_on,
                  _round_to(acc, out_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
 
 
@@ -87,7 +98,8 @@ def _bounds(offsets_E):
 
 
 def _blocks(a):
-    # Small tiles in the interpreter (numpy is slow on big tiles) and for tiny problems; tl.dot needs >= 16.
+    # Small tiles in the interpreter (numpy is slow on big
+    # tiles) and for tiny problems; tl.dot needs >= 16.
     return (16, 32, 32) if not a.is_cuda else (64, 64, 32)
 
 
@@ -96,7 +108,8 @@ def _precision(a):
 
 
 def grouped_mm_triton(a_MK, b_EKN, offsets_E):
-    """Forward Triton grouped GEMM (no autograd). a [M, K], b [E, K, N] (any strides), offsets int32 [E]."""
+    """Forward Triton grouped GEMM (no autograd). a [M, K], b [E, K, N] (any strides), offsets int32
+    [E]."""
     M, K = a_MK.shape
     E, _, N = b_EKN.shape
     c = a_MK.new_zeros(M, N)
@@ -108,7 +121,8 @@ def grouped_mm_triton(a_MK, b_EKN, offsets_E):
     tile_start = torch.cat([tiles.new_zeros(1), torch.cumsum(tiles, 0)]).to(torch.int32)
     grid = (triton.cdiv(M, BM) + E, triton.cdiv(N, BN))
     _grouped_mm_kernel[grid](a_MK, b_EKN, c, bounds, tile_start, E, N, K,
-                             a_MK.stride(0), a_MK.stride(1), *b_EKN.stride(), c.stride(0), c.stride(1),
+                             a_MK.stride(0), a_MK.stride(1),
+                             *b_EKN.stride(), c.stride(0), c.stride(1),
                              BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, PRECISION=_precision(a_MK))
     return c
 
@@ -123,14 +137,16 @@ def grouped_wgrad_triton(a_MK, g_MN, offsets_E):
         return out
     BM, BN, BK = _blocks(a_MK)
     grid = (E, triton.cdiv(K, BK), triton.cdiv(N, BN))
-    _grouped_wgrad_kernel[grid](a_MK, g_MN, out, _bounds(offsets_E), K, N, a_MK.stride(0), a_MK.stride(1),
+    _grouped_wgrad_kernel[grid](a_MK, g_MN, out, _bounds(offsets_E), K, N,
+                                a_MK.stride(0), a_MK.stride(1),
                                 g_MN.stride(0), g_MN.stride(1), *out.stride(),
                                 BLOCK_M=BM, BLOCK_K=BK, BLOCK_N=BN, PRECISION=_precision(a_MK))
     return out
 
 
 def grouped_mm_reference(a_MK, b_EKN, offsets_E):
-    """Per-segment matmuls in a Python loop (differentiable through autograd). One host read of offsets."""
+    """Per-segment matmuls in a Python loop (differentiable through autograd). One host read of
+    offsets."""
     bounds = _bounds(offsets_E).tolist()
     M, N = a_MK.shape[0], b_EKN.shape[2]
     chunks = [a_MK[bounds[e]:bounds[e + 1]] @ b_EKN[e] for e in range(b_EKN.shape[0])]
@@ -138,10 +154,12 @@ def grouped_mm_reference(a_MK, b_EKN, offsets_E):
     return torch.cat(chunks)
 
 
-# torch's grouped_mm and the per-segment weight-gradient, as opaque custom ops: torch.compile sees single nodes
-# with known output shapes instead of tracing into them (grouped_mm's compile support covers bf16 only).
+# torch's grouped_mm and the per-segment weight-gradient, as opaque custom ops: torch.compile sees
+# single nodes with known output shapes instead of tracing into them (grouped_mm's compile support
+# covers bf16 only).
 @torch.library.custom_op("minimind_kernels::grouped_mm", mutates_args=())
-def _grouped_mm_op(a_MK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def _grouped_mm_op(a_MK: torch.Tensor, b_EKN: torch.Tensor,
+                   offsets_E: torch.Tensor) -> torch.Tensor:
     return _TORCH_GROUPED_MM(a_MK, b_EKN, offs=offsets_E)
 
 
@@ -156,7 +174,8 @@ def _segment_outer(lhs_MX, rhs_MY, offsets_E):
 
 
 @torch.library.custom_op("minimind_kernels::segment_outer", mutates_args=())
-def _segment_outer_op(lhs_MX: torch.Tensor, rhs_MY: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def _segment_outer_op(lhs_MX: torch.Tensor, rhs_MY: torch.Tensor,
+                      offsets_E: torch.Tensor) -> torch.Tensor:
     return _segment_outer(lhs_MX, rhs_MY, offsets_E)
 
 
@@ -166,31 +185,36 @@ def _(lhs_MX, rhs_MY, offsets_E):
 
 
 def _segment_outer_reference(lhs_MX, rhs_MY, offsets_E):
-    """out[e] = lhs[rows of e]^T @ rhs[rows of e] -> [E, X, Y] by a per-segment loop (one host read)."""
+    """out[e] = lhs[rows of e]^T @ rhs[rows of e] -> [E, X, Y] by a per-segment loop (one host
+    read)."""
     bounds = _bounds(offsets_E).tolist()
     return torch.stack([lhs_MX[bounds[e]:bounds[e + 1]].t() @ rhs_MY[bounds[e]:bounds[e + 1]]
                         for e in range(offsets_E.shape[0])])
 
 
 class GroupedOps(NamedTuple):
-    """One backend's two grouped GEMMs: mm(a [M, K], b [E, K, N], offsets) -> [M, N] per segment; outer(lhs
-    [M, X], rhs [M, Y], offsets) -> [E, X, Y], lhs_e^T @ rhs_e."""
+    """One backend's two grouped GEMMs: mm(a [M, K], b [E, K, N], offsets) -> [M, N] per segment;
+    outer(lhs [M, X], rhs [M, Y], offsets) -> [E, X, Y], lhs_e^T @ rhs_e."""
     name: str
     mm: Callable
     outer: Callable
 
 
-# backend -> its ops; "torch" calls torch's grouped_mm directly, "torch_compiled" through the custom ops above
-# (a single graph node each; their Python dispatch costs ~30 us a call, paid only under torch.compile)
-GROUPED_OPS = {"torch": GroupedOps("torch", getattr(torch, "_grouped_mm", None) or _TORCH_GROUPED_MM, _segment_outer),
+# backend -> its ops; "torch" calls torch's grouped_mm directly, "torch_compiled" through the custom
+# ops above (a single graph node each; their Python dispatch costs ~30 us a call, paid only under
+# torch.compile)
+GROUPED_OPS = {"torch": GroupedOps("torch",
+                                   getattr(torch, "_grouped_mm", None) or _TORCH_GROUPED_MM,
+                                   _segment_outer),
                "torch_compiled": GroupedOps("torch_compiled", _grouped_mm_op, _segment_outer_op),
                "triton": GroupedOps("triton", grouped_mm_triton, grouped_wgrad_triton),
                "reference": GroupedOps("reference", grouped_mm_reference, _segment_outer_reference)}
 
 
 class _GroupedMM(torch.autograd.Function):
-    """Grouped GEMM with our own backward: grad_a = grad @ b^T per segment, grad_b[e] = a_e^T @ grad_e (torch's
-    built-in backward rejects a stride-0 gradient, e.g. from `.sum().backward()`)."""
+    """Grouped GEMM with our own backward: grad_a = grad @ b^T per segment, grad_b[e] = a_e^T @
+    grad_e (torch's built-in backward rejects a stride-0 gradient, e.g. from
+    `.sum().backward()`)."""
 
     @staticmethod
     def forward(ctx, a_MK, b_EKN, offsets_E, ops):
@@ -202,24 +226,30 @@ class _GroupedMM(torch.autograd.Function):
     def backward(ctx, grad_MN):
         a_MK, b_EKN, offsets_E = ctx.saved_tensors
         grad_MN = grad_MN.contiguous()
-        grad_a = ctx.ops.mm(grad_MN, b_EKN.transpose(1, 2), offsets_E) if ctx.needs_input_grad[0] else None
+        grad_a = (ctx.ops.mm(grad_MN, b_EKN.transpose(1, 2), offsets_E) if ctx.needs_input_grad[0]
+                  else None)
         grad_b = None
-        if ctx.needs_input_grad[1]:  # b = W^T of a row-major W [E, N, K] (nn.Linear layout): made in W's layout
-            grad_b = (ctx.ops.outer(grad_MN, a_MK, offsets_E).to(b_EKN.dtype).transpose(1, 2) if b_EKN.stride(1) == 1
+        # b = W^T of a row-major W [E, N, K] (nn.Linear layout): made in W's layout
+        if ctx.needs_input_grad[1]:
+            grad_b = (ctx.ops.outer(grad_MN, a_MK, offsets_E).to(b_EKN.dtype).transpose(1, 2)
+                      if b_EKN.stride(1) == 1
                       else ctx.ops.outer(a_MK, grad_MN, offsets_E).to(b_EKN.dtype))
         return grad_a, grad_b, None, None
 
 
 def _aligned16(t):
     size = t.element_size()
-    strides_ok = all((st * size) % 16 == 0 for n, st in zip(t.shape, t.stride()) if n > 1 and st != 1)
-    # data_ptr() is not traceable; under torch.compile the base address is the allocator's (aligned) one
+    strides_ok = all((st * size) % 16 == 0 for n, st in zip(t.shape, t.stride())
+                     if n > 1 and st != 1)
+    # data_ptr() is not traceable; under torch.compile
+    # the base address is the allocator's (aligned) one
     return strides_ok and (torch.compiler.is_compiling() or t.data_ptr() % 16 == 0)
 
 
 def torch_grouped_mm_supports(a, b) -> bool:
-    """Whether torch's grouped_mm runs these operands, forward and backward: CPU fp32/bf16, CUDA bf16 on sm >= 8.0;
-    non-unit strides, the output's row stride and base addresses multiples of 16 bytes (D, F % 4 fp32, % 8 bf16)."""
+    """Whether torch's grouped_mm runs these operands, forward and backward: CPU fp32/bf16, CUDA
+    bf16 on sm >= 8.0; non-unit strides, the output's row stride and base addresses multiples of 16
+    bytes (D, F % 4 fp32, % 8 bf16)."""
     if (_TORCH_GROUPED_MM is None or not (_aligned16(a) and _aligned16(b))
             or (b.shape[2] * a.element_size()) % 16 or (a.shape[1] * a.element_size()) % 16):
         return False
@@ -231,8 +261,8 @@ def torch_grouped_mm_supports(a, b) -> bool:
 
 
 def torch_grouped_mm_fits(device, dtype, hidden_size, intermediate_size) -> bool:
-    """torch_grouped_mm_supports decided from the shapes, for an engine chosen before any tensor exists (fresh
-    allocations and the parameters are aligned)."""
+    """torch_grouped_mm_supports decided from the shapes, for an engine chosen before any tensor
+    exists (fresh allocations and the parameters are aligned)."""
     size = torch.empty((), dtype=dtype).element_size()
     if _TORCH_GROUPED_MM is None or (hidden_size * size) % 16 or (intermediate_size * size) % 16:
         return False
@@ -245,46 +275,54 @@ def torch_grouped_mm_fits(device, dtype, hidden_size, intermediate_size) -> bool
 
 def resolve_backend(backend, a, b):
     if backend not in ("auto", "torch", "triton", "reference"):
-        raise ValueError(f"grouped_mm backend must be auto, torch, triton or reference, got {backend!r}")
+        raise ValueError(f"grouped_mm backend must be auto, torch, triton or reference, "
+                         f"got {backend!r}")
     if backend == "triton" and not triton_runs_on(a):
-        raise RuntimeError(f"grouped_mm: Triton cannot run on this {a.device.type} tensor (CPU needs "
-                           "TRITON_INTERPRET=1 before triton is imported); use backend='auto', 'torch' or 'reference'")
+        raise RuntimeError(f"grouped_mm: Triton cannot run on this {a.device.type} tensor "
+                           "(CPU needs TRITON_INTERPRET=1 before triton is imported); "
+                           "use backend='auto', 'torch' or 'reference'")
     if backend == "torch" and not torch_grouped_mm_supports(a, b):
-        raise RuntimeError(f"grouped_mm: torch's grouped_mm cannot take {a.dtype} {tuple(a.shape)} x "
-                           f"{tuple(b.shape)} on {a.device.type} (dtype or 16-byte alignment); use backend='auto'")
+        raise RuntimeError(f"grouped_mm: torch's grouped_mm cannot take {a.dtype} "
+                           f"{tuple(a.shape)} x {tuple(b.shape)} on {a.device.type} "
+                           "(dtype or 16-byte alignment); use backend='auto'")
     if backend != "auto":
         return backend
     if torch_grouped_mm_supports(a, b):
         return "torch"
     if triton_runs_on(a) and a.is_cuda:
         return "triton"
-    warn_once(f"grouped_mm-{a.device.type}-{a.dtype}-{a.shape[1]}-{b.shape[2]}", f"grouped_mm: neither torch's "
-              f"grouped_mm nor Triton takes {a.dtype} {tuple(b.shape)} here: the per-expert loop (one host read)")
+    warn_once(f"grouped_mm-{a.device.type}-{a.dtype}-{a.shape[1]}-{b.shape[2]}",
+              f"grouped_mm: neither torch's grouped_mm nor Triton takes {a.dtype} {tuple(b.shape)} "
+              "here: the per-expert loop (one host read)")
     return "reference"
 
 
 def grouped_mm(a_MK, b_EKN, offsets_E, backend="auto"):
-    """Differentiable c[offsets[e-1]:offsets[e]] = a[offsets[e-1]:offsets[e]] @ b[e] -> c [M, N] in a's dtype.
-    a_MK [M, K], b_EKN [E, K, N] (may be a transposed view) of one float dtype; offsets_E int32/int64 [E],
-    non-decreasing, <= M, on a's device (unchecked: a host read). Raises ValueError for mismatched
-    shapes / dtypes or an unknown backend, RuntimeError for a backend that cannot run these operands."""
-    if a_MK.dim() != 2 or b_EKN.dim() != 3 or a_MK.shape[1] != b_EKN.shape[1] or offsets_E.shape[0] != b_EKN.shape[0]:
+    """Differentiable c[offsets[e-1]:offsets[e]] = a[offsets[e-1]:offsets[e]] @ b[e] -> c [M, N] in
+    a's dtype. a_MK [M, K], b_EKN [E, K, N] (may be a transposed view) of one float dtype; offsets_E
+    int32/int64 [E], non-decreasing, <= M, on a's device (unchecked: a host read). Raises ValueError
+    for mismatched shapes / dtypes or an unknown backend, RuntimeError for a backend that cannot run
+    these operands."""
+    if (a_MK.dim() != 2 or b_EKN.dim() != 3 or a_MK.shape[1] != b_EKN.shape[1]
+            or offsets_E.shape[0] != b_EKN.shape[0]):
         raise ValueError(f"grouped_mm: a {tuple(a_MK.shape)}, b {tuple(b_EKN.shape)}, offsets "
                          f"{tuple(offsets_E.shape)} do not fit ([M, K], [E, K, N], [E])")
     if a_MK.dtype != b_EKN.dtype or not a_MK.is_floating_point():
-        raise ValueError(f"grouped_mm: a and b must share one float dtype, got {a_MK.dtype} and {b_EKN.dtype}")
+        raise ValueError(f"grouped_mm: a and b must share one float dtype, "
+                         f"got {a_MK.dtype} and {b_EKN.dtype}")
     if offsets_E.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"grouped_mm: offsets must be int32 or int64, got {offsets_E.dtype}")
     backend = resolve_backend(backend, a_MK, b_EKN)
     if backend in ("torch", "triton"):
-        ops = GROUPED_OPS["torch_compiled" if backend == "torch" and torch.compiler.is_compiling() else backend]
+        ops = GROUPED_OPS["torch_compiled" if backend == "torch" and torch.compiler.is_compiling()
+                          else backend]
         return _GroupedMM.apply(a_MK, b_EKN, offsets_E.to(torch.int32), ops)
     return grouped_mm_reference(a_MK, b_EKN, offsets_E)
 
 
 def scaled_swiglu_forward(gate_up_PF2, scale_P):
-    """(h = silu(gate) * up * scale[:, None] for gate_up = [gate | up] in its dtype (products in promote(dtype,
-    scale dtype), cast once), silu(gate) for backward)."""
+    """(h = silu(gate) * up * scale[:, None] for gate_up = [gate | up] in its dtype (products in
+    promote(dtype, scale dtype), cast once), silu(gate) for backward)."""
     F_ = gate_up_PF2.shape[1] // 2
     silu_PF = F.silu(gate_up_PF2[:, :F_])
     h_PF = silu_PF * gate_up_PF2[:, F_:]
@@ -305,8 +343,10 @@ def scaled_swiglu_backward(grad_PF, gate_up_PF2, silu_PF, scale_P, need_scale_gr
     acc = torch.promote_types(gate_up_PF2.dtype, scale_P.dtype)
     scale_P1 = scale_P.to(acc).unsqueeze(1)
     v_PF = grad_PF.to(acc) * up
-    grad_scale = torch.linalg.vecdot(v_PF, silu_PF.to(acc)).to(scale_P.dtype) if need_scale_grad else None
-    if torch.compiler.is_compiling() or acc != gate_up_PF2.dtype:  # the compiler fuses; no out= views
+    grad_scale = (torch.linalg.vecdot(v_PF, silu_PF.to(acc)).to(scale_P.dtype) if need_scale_grad
+                  else None)
+    # the compiler fuses; no out= views
+    if torch.compiler.is_compiling() or acc != gate_up_PF2.dtype:
         grad = torch.cat([torch.ops.aten.silu_backward(v_PF * scale_P1, gate.to(acc)),
                           grad_PF.to(acc) * scale_P1 * silu_PF], dim=1).to(gate_up_PF2.dtype)
         return grad, grad_scale
@@ -317,40 +357,44 @@ def scaled_swiglu_backward(grad_PF, gate_up_PF2, silu_PF, scale_P, need_scale_gr
 
 
 class GroupedSwiGLU(torch.autograd.Function):
-    """y_PD = down_e(silu(gate_e(x)) * up_e(x) * s) for the expert-sorted rows of every expert e, by two grouped
-    GEMMs of `ops` (a GroupedOps) and the SwiGLU between them, forward and backward in one Function (so the
-    experts engine reaches the GEMM in one frame). apply(x_PD [P, D], w_gate_up_E2FD [E, 2F, D] (gate_proj
-    then up_proj weight, nn.Linear layout), w_down_EDF [E, D, F], offsets_E int32 [E] cumulative row counts,
-    row_scale_P [P] the factor s (routing weights), ops), all of x's dtype. Differentiable in x, the weights
-    and s; the routing weight's gradient is a dot over F rather than D."""
+    """y_PD = down_e(silu(gate_e(x)) * up_e(x) * s) for the expert-sorted rows of every expert e, by
+    two grouped GEMMs of `ops` (a GroupedOps) and the SwiGLU between them, forward and backward in
+    one Function (so the experts engine reaches the GEMM in one frame). apply(x_PD [P, D],
+    w_gate_up_E2FD [E, 2F, D] (gate_proj then up_proj weight, nn.Linear layout), w_down_EDF
+    [E, D, F], offsets_E int32 [E] cumulative row counts, row_scale_P [P] the factor s (routing
+    weights), ops), all of x's dtype. Differentiable in x, the weights and s; the routing weight's
+    gradient is a dot over F rather than D."""
 
     @staticmethod
     def forward(ctx, x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_scale_P, ops):
         gate_up_PF2 = ops.mm(x_PD, w_gate_up_E2FD.transpose(1, 2), offsets_E)
         h_PF, silu_PF = scaled_swiglu_forward(gate_up_PF2, row_scale_P)
         ctx.ops = ops
-        ctx.save_for_backward(x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_scale_P, gate_up_PF2, silu_PF, h_PF)
+        ctx.save_for_backward(x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_scale_P,
+                              gate_up_PF2, silu_PF, h_PF)
         return ops.mm(h_PF, w_down_EDF.transpose(1, 2), offsets_E)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_PD):
-        x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_scale_P, gate_up_PF2, silu_PF, h_PF = ctx.saved_tensors
+        (x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_scale_P, gate_up_PF2, silu_PF,
+         h_PF) = ctx.saved_tensors
         mm, outer, need = ctx.ops.mm, ctx.ops.outer, ctx.needs_input_grad
         grad_PD = grad_PD.contiguous()
         grad_h_PF = mm(grad_PD, w_down_EDF, offsets_E)
         grad_w_down = outer(grad_PD, h_PF, offsets_E) if need[2] else None
-        grad_gate_up_PF2, grad_scale = scaled_swiglu_backward(grad_h_PF, gate_up_PF2, silu_PF, row_scale_P, need[4])
+        grad_gate_up_PF2, grad_scale = scaled_swiglu_backward(grad_h_PF, gate_up_PF2, silu_PF,
+                                                              row_scale_P, need[4])
         grad_w_gate_up = outer(grad_gate_up_PF2, x_PD, offsets_E) if need[1] else None
         grad_x = mm(grad_gate_up_PF2, w_gate_up_E2FD, offsets_E) if need[0] else None
         return grad_x, grad_w_gate_up, grad_w_down, None, grad_scale, None
 
 
 def grouped_swiglu(x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_scale_P, backend="auto"):
-    """GroupedSwiGLU on `backend` (as grouped_mm resolves it): y_PD [P, D] for x_PD [P, D], w_gate_up_E2FD
-    [E, 2F, D], w_down_EDF [E, D, F], offsets_E int32 [E], row_scale_P [P]."""
+    """GroupedSwiGLU on `backend` (as grouped_mm resolves it): y_PD [P, D] for x_PD [P, D],
+    w_gate_up_E2FD [E, 2F, D], w_down_EDF [E, D, F], offsets_E int32 [E], row_scale_P [P]."""
     backend = resolve_backend(backend, x_PD, w_gate_up_E2FD.transpose(1, 2))
     if backend == "torch" and torch.compiler.is_compiling():
         backend = "torch_compiled"
-    return GroupedSwiGLU.apply(x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E.to(torch.int32), row_scale_P,
-                               GROUPED_OPS[backend])
+    return GroupedSwiGLU.apply(x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E.to(torch.int32),
+                               row_scale_P, GROUPED_OPS[backend])

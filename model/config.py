@@ -1,38 +1,41 @@
-"""MiniMindConfig: the architecture of the MiniMind-style GPT (GQA + q/k RMSNorm + RoPE + SwiGLU or MoE FFN),
-and the MoE training choices stored with it. A plain dataclass (importing it imports neither torch nor
-transformers, so the trainer's flags parse in a blink): saved as config.json and inside every checkpoint
-(`to_dict`), from where resume and export read the architecture (`from_dict`).
+"""MiniMindConfig: the architecture of the MiniMind-style GPT (GQA + q/k RMSNorm + RoPE + SwiGLU or
+MoE FFN), and the MoE training choices stored with it. A plain dataclass (importing it imports
+neither torch nor transformers, so the trainer's flags parse in a blink): saved as config.json and
+inside every checkpoint (`to_dict`), from where resume and export read the architecture
+(`from_dict`).
 
 The defaults are the main job's model (train/pretrain.py; the flags take their defaults from here).
-Fields declared with `_training(...)` say how to train, not what function the model computes: they may
-change on --resume / --init_from and the HF export has nothing to carry for them.
+Fields declared with `_training(...)` say how to train, not what function the model computes: they
+may change on --resume / --init_from and the HF export has nothing to carry for them.
 """
 import json
 import math
 import typing
 from dataclasses import asdict, dataclass, field
 
-# Keys transformers' PreTrainedConfig added to the config dicts of checkpoints written while MiniMindConfig
-# was one: read and dropped, so those checkpoints still resume.
-HF_CONFIG_KEYS = {"transformers_version", "architectures", "output_hidden_states", "return_dict", "dtype",
-                  "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
-                  "_name_or_path", "model_type", "output_attentions"}
+# Keys transformers' PreTrainedConfig added to the config dicts of checkpoints written while
+# MiniMindConfig was one: read and dropped, so those checkpoints still resume.
+HF_CONFIG_KEYS = {"transformers_version", "architectures", "output_hidden_states", "return_dict",
+                  "dtype", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
+                  "problem_type", "_name_or_path", "model_type", "output_attentions"}
 
 
-FP32_MAX = 3.4028234663852886e38  # a larger magnitude becomes inf in the fp32 tensors every value ends up in
+# a larger magnitude becomes inf in the fp32 tensors every value ends up in
+FP32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
 class Range:
-    """The numbers a field or flag accepts: finite in fp32 (|value| <= FP32_MAX), within [lo, hi] (an end is
-    excluded when *_open)."""
+    """The numbers a field or flag accepts: finite in fp32 (|value| <= FP32_MAX), within [lo, hi]
+    (an end is excluded when *_open)."""
     lo: float
     hi: float = math.inf
     lo_open: bool = False
     hi_open: bool = False
 
     def __contains__(self, value):
-        return (math.isfinite(value) and abs(value) <= FP32_MAX and (value > self.lo if self.lo_open else value >= self.lo)
+        return (math.isfinite(value) and abs(value) <= FP32_MAX
+                and (value > self.lo if self.lo_open else value >= self.lo)
                 and (value < self.hi if self.hi_open or self.hi == math.inf else value <= self.hi))
 
     def __str__(self):
@@ -41,25 +44,31 @@ class Range:
         return f"{'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
 
     def worded(self, value):
-        """What `value` must be, for an error message: `in [0, 1)`, `> 0 and finite` (a float), `>= 1`."""
+        """What `value` must be, for an error message: `in [0, 1)`, `> 0 and finite` (a float),
+        `>= 1`."""
         if self.hi != math.inf:
             return f"in {self}"
         return f"{self} and finite in fp32" if isinstance(value, float) else str(self)
 
 
 AT_LEAST_1, AT_LEAST_0, POSITIVE = Range(1), Range(0), Range(0, lo_open=True)
-# The numbers each numeric field accepts (None, where a field allows it, is not checked here). The trainer's
-# flags of the same names show these in --help and check them at parse time (train/flags.py). Loss weights
-# above 10 and a bias step above 1 (the router scores are probabilities) are typos.
+# The numbers each numeric field accepts (None, where a field allows it, is not checked here). The
+# trainer's flags of the same names show these in --help and check them at parse time
+# (train/flags.py). Loss weights above 10 and a bias step above 1 (the router scores are
+# probabilities) are typos.
 FIELD_RANGES = {
-    **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "intermediate_size", "num_experts", "num_experts_per_tok",
-                     "moe_intermediate_size", "shared_expert_intermediate_size", "moe_expert_alignment"), AT_LEAST_1),
+    **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "intermediate_size", "num_experts",
+                     "num_experts_per_tok", "moe_intermediate_size",
+                     "shared_expert_intermediate_size", "moe_expert_alignment"), AT_LEAST_1),
     **dict.fromkeys(("n_shared_experts", "initializer_range"), AT_LEAST_0),
-    **dict.fromkeys(("rope_theta", "rms_norm_eps", "capacity_factor", "routed_scaling_factor"), POSITIVE),
-    "max_position_embeddings": Range(1, 2**20),  # RoPE tables are built for all of them (2 x 4 bytes x head_dim each)
+    **dict.fromkeys(("rope_theta", "rms_norm_eps", "capacity_factor", "routed_scaling_factor"),
+                    POSITIVE),
+    # RoPE tables are built for all of them (2 x 4 bytes x head_dim each)
+    "max_position_embeddings": Range(1, 2**20),
     "dropout": Range(0, 1, hi_open=True),
-    "router_aux_loss_coef": Range(0, 10), "router_z_loss_coef": Range(0, 10), "router_bias_update_rate": Range(0, 1),
+    "router_aux_loss_coef": Range(0, 10), "router_z_loss_coef": Range(0, 10),
+    "router_bias_update_rate": Range(0, 1),
 }
 
 
@@ -69,8 +78,9 @@ def _training(default):
 
 @dataclass(kw_only=True)
 class MiniMindConfig:
-    """Raises TypeError naming the field for a value of the wrong type (`hidden_size="64"`) or an unknown
-    field, ConfigError (a ValueError) naming the fields for a value outside FIELD_RANGES or a bad combination."""
+    """Raises TypeError naming the field for a value of the wrong type (`hidden_size="64"`) or an
+    unknown field, ConfigError (a ValueError) naming the fields for a value outside FIELD_RANGES or
+    a bad combination."""
 
     model_type: typing.ClassVar[str] = "minimind"
 
@@ -79,8 +89,10 @@ class MiniMindConfig:
     num_hidden_layers: int = 4
     num_attention_heads: int = 4            # query heads; divide hidden_size unless head_dim is set
     num_key_value_heads: int = 2            # GQA; divide num_attention_heads
-    head_dim: int | None = None             # None: hidden_size // num_attention_heads (even, for RoPE)
-    intermediate_size: int | None = None    # dense SwiGLU width; None: ceil(D * pi / 64) * 64 (MiniMind's rule)
+    # None: hidden_size // num_attention_heads (even, for RoPE)
+    head_dim: int | None = None
+    # dense SwiGLU width; None: ceil(D * pi / 64) * 64 (MiniMind's rule)
+    intermediate_size: int | None = None
     max_position_embeddings: int = 2048     # longest sequence [tokens]
     rope_theta: float = 1e6                 # RoPE base (MiniMind-3 / Qwen3)
     rms_norm_eps: float = 1e-6
@@ -90,27 +102,35 @@ class MiniMindConfig:
     num_experts: int = 4                    # E
     num_experts_per_tok: int = 2            # top-k, 1 <= k <= E
     moe_intermediate_size: int | None = 384  # SwiGLU width of one expert; None: intermediate_size
-    # shared experts (DeepSeekMoE, Qwen2-MoE): a dense SwiGLU every token takes beside its routed experts
+    # shared experts (DeepSeekMoE, Qwen2-MoE): a dense
+    # SwiGLU every token takes beside its routed experts
     n_shared_experts: int = 0
-    shared_expert_intermediate_size: int | None = None  # its width; None: n_shared_experts * moe_intermediate_size
-    norm_topk_prob: bool = True             # renormalise the k chosen router probabilities to sum to 1
-    routed_scaling_factor: float = 1.0      # multiplies the combine weights (DeepSeek-V2/V3's routed_scaling_factor)
+    # its width; None: n_shared_experts * moe_intermediate_size
+    shared_expert_intermediate_size: int | None = None
+    # renormalise the k chosen router probabilities to sum to 1
+    norm_topk_prob: bool = True
+    # multiplies the combine weights (DeepSeek-V2/V3's routed_scaling_factor)
+    routed_scaling_factor: float = 1.0
     router_aux_loss_coef: float = _training(0.01)  # balance-loss weight (0 = off)
-    capacity_factor: float | None = None    # None: dropless; else an expert takes <= ceil(cf * T * K / E) pairs
-    moe_drop_policy: str = "probs"          # which pairs an over-full expert keeps: "probs" (highest weight) | "position"
-    moe_pad_to_capacity: bool = False       # pad every expert's rows to the capacity (fixed GEMM shapes)
+    # None: dropless; else an expert takes <= ceil(cf * T * K / E) pairs
+    capacity_factor: float | None = None
+    # which pairs an over-full expert keeps: "probs" (highest weight) | "position"
+    moe_drop_policy: str = "probs"
+    # pad every expert's rows to the capacity (fixed GEMM shapes)
+    moe_pad_to_capacity: bool = False
     moe_expert_alignment: int = _training(1)  # pad every expert's rows to a multiple of this
-    # "sorted": one host sync per layer, bitwise the masked loop (scripts/moe_reference.py); "fused": no host
-    # sync, equal up to rounding (what training runs, train/flags.py)
+    # "sorted": one host sync per layer, bitwise the masked loop (scripts/moe_reference.py);
+    # "fused": no host sync, equal up to rounding (what training runs, train/flags.py)
     moe_impl: str = _training("sorted")
-    # balance loss per layer (model/router.py): "minimind" (coef * K when balanced), "switch" (coef when
-    # balanced), "sequence" (DeepSeek-V3 sequence-wise) or "none"
+    # balance loss per layer (model/router.py): "minimind" (coef * K when balanced), "switch" (coef
+    # when balanced), "sequence" (DeepSeek-V3 sequence-wise) or "none"
     router_aux_loss_type: str = _training("minimind")
     router_z_loss_coef: float = _training(0.0)  # ST-MoE router z-loss weight
-    # aux-loss-free balancing (DeepSeek-V3): > 0 adds an fp32 buffer `expert_bias` that steers the top-k
-    # choice, moved this much per optimizer step towards balance
+    # aux-loss-free balancing (DeepSeek-V3): > 0 adds an fp32 buffer `expert_bias` that steers the
+    # top-k choice, moved this much per optimizer step towards balance
     router_bias_update_rate: float = 0.0
-    router_dtype: str | None = _training(None)  # "float32": the router in fp32 under autocast (Megatron-LM)
+    # "float32": the router in fp32 under autocast (Megatron-LM)
+    router_dtype: str | None = _training(None)
     initializer_range: float = 0.02
     pad_token_id: int | None = 0
     bos_token_id: int | None = None
@@ -130,8 +150,8 @@ class MiniMindConfig:
 
     @classmethod
     def from_dict(cls, fields):
-        """The config a `to_dict()` (or an older checkpoint's config dict) describes. Raises TypeError /
-        ValueError as the constructor."""
+        """The config a `to_dict()` (or an older checkpoint's config dict) describes. Raises
+        TypeError / ValueError as the constructor."""
         return cls(**{k: v for k, v in fields.items() if k not in HF_CONFIG_KEYS})
 
     def _check(self, ok, template, **fields):
@@ -143,67 +163,98 @@ class MiniMindConfig:
             value = getattr(self, name)
             if not any(_is_a(value, t) for t in (typing.get_args(f.type) or (f.type,))):
                 wanted = f.type.__name__ if isinstance(f.type, type) else str(f.type)
-                raise TypeError(f"MiniMindConfig.{name} must be {wanted}, got {value!r} ({type(value).__name__})")
+                raise TypeError(f"MiniMindConfig.{name} must be {wanted}, got {value!r} "
+                                f"({type(value).__name__})")
 
     def __post_init__(self):
         self._check_types()
         for name, allowed in FIELD_RANGES.items():
             value = getattr(self, name)
-            self._check(value is None or value in allowed, f"{{{name}}} must be {allowed.worded(value)}, got {value}",
-                        **{name: None})
+            self._check(value is None or value in allowed,
+                        f"{{{name}}} must be {allowed.worded(value)}, got {value}", **{name: None})
         if self.head_dim is None:
-            self._check(self.hidden_size % self.num_attention_heads == 0, "{num_attention_heads} must divide "
-                        "{hidden_size}", num_attention_heads=self.num_attention_heads,
-                        hidden_size=self.hidden_size)
+            self._check(self.hidden_size % self.num_attention_heads == 0,
+                        "{num_attention_heads} must divide {hidden_size}",
+                        num_attention_heads=self.num_attention_heads, hidden_size=self.hidden_size)
             self.head_dim = self.hidden_size // self.num_attention_heads
-        self._check(self.head_dim >= 2 and self.head_dim % 2 == 0, "{head_dim} must be even and >= 2 (RoPE)",
-                    head_dim=self.head_dim)
-        self._check(self.num_attention_heads % self.num_key_value_heads == 0, "{num_key_value_heads} must divide "
-                    "{num_attention_heads}", num_key_value_heads=self.num_key_value_heads,
+        self._check(self.head_dim >= 2 and self.head_dim % 2 == 0,
+                    "{head_dim} must be even and >= 2 (RoPE)", head_dim=self.head_dim)
+        self._check(self.num_attention_heads % self.num_key_value_heads == 0,
+                    "{num_key_value_heads} must divide {num_attention_heads}",
+                    num_key_value_heads=self.num_key_value_heads,
                     num_attention_heads=self.num_attention_heads)
         if self.intermediate_size is None:
             self.intermediate_size = math.ceil(self.hidden_size * math.pi / 64) * 64
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
-        self._check(self.n_shared_experts == 0 or self.use_moe, "{n_shared_experts} needs {use_moe}",
+        self._check(self.n_shared_experts == 0 or self.use_moe,
+                    "{n_shared_experts} needs {use_moe}",
                     n_shared_experts=self.n_shared_experts, use_moe=True)
         self._check(self.shared_expert_intermediate_size is None or self.n_shared_experts > 0,
                     "{shared_expert_intermediate_size} needs {n_shared_experts} > 0",
-                    shared_expert_intermediate_size=self.shared_expert_intermediate_size, n_shared_experts=None)
+                    shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+                    n_shared_experts=None)
         if self.n_shared_experts and self.shared_expert_intermediate_size is None:
-            self.shared_expert_intermediate_size = self.n_shared_experts * self.moe_intermediate_size
-        self._check(self.num_experts_per_tok <= self.num_experts, "{num_experts_per_tok} must be <= {num_experts}",
+            self.shared_expert_intermediate_size = (self.n_shared_experts
+                                                    * self.moe_intermediate_size)
+        self._check(self.num_experts_per_tok <= self.num_experts,
+                    "{num_experts_per_tok} must be <= {num_experts}",
                     num_experts_per_tok=self.num_experts_per_tok, num_experts=self.num_experts)
         self._check(not self.moe_pad_to_capacity or self.capacity_factor is not None,
-                    "{moe_pad_to_capacity} needs {capacity_factor} to be set", moe_pad_to_capacity=True,
-                    capacity_factor=None)
-        for name, allowed in (("moe_drop_policy", ("probs", "position")), ("moe_impl", ("sorted", "fused")),
+                    "{moe_pad_to_capacity} needs {capacity_factor} to be set",
+                    moe_pad_to_capacity=True, capacity_factor=None)
+        for name, allowed in (("moe_drop_policy", ("probs", "position")),
+                              ("moe_impl", ("sorted", "fused")),
                               ("router_aux_loss_type", ("minimind", "switch", "sequence", "none")),
                               ("router_dtype", (None, "float32"))):
-            got = repr(getattr(self, name)).replace("{", "{{").replace("}", "}}")  # (literal text in the template)
-            self._check(getattr(self, name) in allowed, f"{{{name}}} must be one of {allowed}, got {got}", **{name: None})
-        self._check(self.router_bias_update_rate == 0 or self.use_moe, "{router_bias_update_rate} needs {use_moe} "
-                    "(a dense model has no router)", router_bias_update_rate=self.router_bias_update_rate, use_moe=True)
+            # (literal text in the template)
+            got = repr(getattr(self, name)).replace("{", "{{").replace("}", "}}")
+            self._check(getattr(self, name) in allowed,
+                        f"{{{name}}} must be one of {allowed}, got {got}", **{name: None})
+        self._check(self.router_bias_update_rate == 0 or self.use_moe,
+                    "{router_bias_update_rate} needs {use_moe} "
+                    "(a dense model has no router)",
+                    router_bias_update_rate=self.router_bias_update_rate, use_moe=True)
+
+
+# The main job's model (`python train/pretrain.py`) is these defaults with the trainer's departures:
+# the fused path (no host sync, the fastest) and routed scaling k (None: num_experts_per_tok). The
+# layer's own defaults stay MiniMind's sorted path and scaling 1, which the acceptance test pins.
+TRAINING_DEFAULTS = {"moe_impl": "fused", "routed_scaling_factor": None}
+
+
+def trained_config(**fields) -> MiniMindConfig:
+    """The config the trainer builds from `fields` over the defaults and TRAINING_DEFAULTS (with
+    none: the main job's model); routed_scaling_factor None becomes num_experts_per_tok. Raises
+    ConfigError / TypeError."""
+    fields = {**TRAINING_DEFAULTS, **fields}
+    if fields["routed_scaling_factor"] is None:
+        fields["routed_scaling_factor"] = float(
+            fields.get("num_experts_per_tok",
+                       MiniMindConfig.__dataclass_fields__["num_experts_per_tok"].default))
+    return MiniMindConfig(**fields)
 
 
 class ConfigError(ValueError):
-    """An invalid MiniMindConfig value or combination. `template` names each field it is about as a `{field}`
-    placeholder; `fields` maps it to the value to show beside its name (None: the name alone). str():
-    `MiniMindConfig: num_experts_per_tok=8 must be <= num_experts=4`; `worded(name_value)` writes each field
-    as `name_value(field, value)` instead (the trainer's flags: `--num_experts_per_tok 8 must be <=
-    --num_experts 4`)."""
+    """An invalid MiniMindConfig value or combination. `template` names each field it is about as a
+    `{field}` placeholder; `fields` maps it to the value to show beside its name (None: the name
+    alone). str(): `MiniMindConfig: num_experts_per_tok=8 must be <= num_experts=4`;
+    `worded(name_value)` writes each field as `name_value(field, value)` instead (the trainer's
+    flags: `--num_experts_per_tok 8 must be <= --num_experts 4`)."""
 
     def __init__(self, template, **fields):
         self.template, self.fields = template, fields
-        super().__init__("MiniMindConfig: " + self.worded(lambda name, value: name if value is None else f"{name}={value!r}"))
+        super().__init__("MiniMindConfig: " + self.worded(lambda name, value: name if value is None
+                                                          else f"{name}={value!r}"))
 
     def worded(self, name_value):
-        return self.template.format_map({name: name_value(name, value) for name, value in self.fields.items()})
+        return self.template.format_map({name: name_value(name, value)
+                                         for name, value in self.fields.items()})
 
 
 def _is_a(value, annotation):
-    """Whether `value` is of the field type `annotation` (one member of a union): bool is not an int, an
-    int is a float, list[int] holds ints."""
+    """Whether `value` is of the field type `annotation` (one member of a union): bool is not an
+    int, an int is a float, list[int] holds ints."""
     if annotation is type(None):
         return value is None
     if typing.get_origin(annotation) is list:

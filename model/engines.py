@@ -1,10 +1,10 @@
 """What each swappable part of the model runs on, chosen when the model is built.
 
-`MiniMindForCausalLM(config, engines)` builds every part from an `Engines`: its defaults are the plain
-PyTorch of model/ (what the tests hold every engine against); kernels/engines.py: `engines_for(config,
-device, dtype)` picks the faster ones that pay on a device, and the trainer builds its model with them.
-An engine keeps the parameters and state_dict keys of the part it stands for (checkpoints and exports are
-the same either way), and `print(model)` names each one.
+`MiniMindForCausalLM(config, engines)` builds every part from an `Engines`: its defaults are the
+plain PyTorch of model/ (what the tests hold every engine against); kernels/engines.py:
+`engines_for(config, device, dtype)` picks the faster ones that pay on a device, and the trainer
+builds its model with them. An engine keeps the parameters and state_dict keys of the part it stands
+for (checkpoints and exports are the same either way), and `print(model)` names each one.
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -18,13 +18,13 @@ from model.moe import expert_loop
 
 @dataclass(frozen=True)
 class Engines:
-    """linear: class of the bias-free projections outside the MoE router and experts (attention, dense
-    FFN, shared experts, LM head), nn.Linear or a subclass; attend: the attention kernel, called as
-    F.scaled_dot_product_attention; lm_loss: (h_ND, lm_head weight_VD, labels_N int64) -> mean
-    cross-entropy over labels != -100 in fp32, without logits, or None (logits, then F.cross_entropy);
-    experts: the function that runs the routed experts on their stacked weights (model/moe.py:
-    expert_loop's interface); permute / combine: the fused path's row movers (model/dispatch.py:
-    permute_rows / combine_rows' interfaces)."""
+    """linear: class of the bias-free projections outside the MoE router and experts (attention,
+    dense FFN, shared experts, LM head), nn.Linear or a subclass; attend: the attention kernel,
+    called as F.scaled_dot_product_attention; lm_loss: (h_ND, lm_head weight_VD, labels_N int64) ->
+    mean cross-entropy over labels != -100 in fp32, without logits, or None (logits, then
+    F.cross_entropy); experts: the function that runs the routed experts on their stacked weights
+    (model/moe.py: expert_loop's interface); permute / combine: the fused path's row movers
+    (model/dispatch.py: permute_rows / combine_rows' interfaces)."""
     linear: type = nn.Linear
     attend: Callable = F.scaled_dot_product_attention
     lm_loss: Callable | None = None

@@ -1,27 +1,33 @@
-"""Map MiniMind checkpoints to and from HF `transformers` Qwen3 architectures (no custom code needed).
+"""Map MiniMind checkpoints to and from HF `transformers` Qwen3 architectures (no custom code
+needed).
 
-The MiniMind-3 block is the Qwen3 block, so an MoE checkpoint is a `Qwen3MoeForCausalLM` ("qwen3_moe") and
-a dense one a `Qwen3ForCausalLM` ("qwen3"); parity is proven by scripts/test_export.py. Experts are
-written per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`), which transformers 5.x fuses on load
-into `gate_up_proj` [E, 2F, D] / `down_proj` [E, D, F]; `from_hf_state_dict` reads either layout.
+The MiniMind-3 block is the Qwen3 block, so an MoE checkpoint is a `Qwen3MoeForCausalLM`
+("qwen3_moe") and a dense one a `Qwen3ForCausalLM` ("qwen3"); parity is proven by
+scripts/test_export.py. Experts are written per expert
+(`mlp.experts.{e}.{gate,up,down}_proj.weight`), which transformers 5.x fuses on load into
+`gate_up_proj` [E, 2F, D] / `down_proj` [E, D, F]; `from_hf_state_dict` reads either layout.
 """
 import re
 
 
 from model.config import MiniMindConfig
 
-# How each MiniMindConfig field maps; a non-default value of a field not listed is refused, not dropped.
-_SAME = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-         "intermediate_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "initializer_range",
-         "pad_token_id", "bos_token_id", "eos_token_id")
-_MOE_ONLY = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef")
+# How each MiniMindConfig field maps; a non-default
+# value of a field not listed is refused, not dropped.
+_SAME = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings",
+         "rms_norm_eps", "tie_word_embeddings", "initializer_range", "pad_token_id",
+         "bos_token_id", "eos_token_id")
+_MOE_ONLY = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+             "router_aux_loss_coef")
 # (training fields do not change the function; aux-loss-free balancing has no Qwen3-MoE counterpart)
 _HANDLED = set(_SAME) | set(_MOE_ONLY) | set(MiniMindConfig.training_fields()) | {
     "rope_theta", "dropout", "use_moe", "routed_scaling_factor"}
 
 
 class ExportError(ValueError):
-    """The checkpoint uses a feature the target HF architecture cannot represent (the message says which)."""
+    """The checkpoint uses a feature the target HF architecture cannot represent (the message says
+    which)."""
 
 
 def check_exportable(config: MiniMindConfig):
@@ -35,46 +41,57 @@ def check_exportable(config: MiniMindConfig):
 
 
 def to_hf_config(config: MiniMindConfig):
-    """Qwen3MoeConfig (use_moe) or Qwen3Config (dense) describing the same function. Raises ExportError."""
+    """Qwen3MoeConfig (use_moe) or Qwen3Config (dense) describing the same function. Raises
+    ExportError."""
     from transformers import Qwen3Config, Qwen3MoeConfig
     check_exportable(config)
     common = {f: getattr(config, f) for f in _SAME}
     common.update(rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
-                  attention_dropout=config.dropout, attention_bias=False, hidden_act="silu", use_cache=True)
+                  attention_dropout=config.dropout, attention_bias=False,
+                  hidden_act="silu", use_cache=True)
     if not config.use_moe:
         return Qwen3Config(**common, architectures=["Qwen3ForCausalLM"])
-    return Qwen3MoeConfig(**common, **{f: getattr(config, f) for f in _MOE_ONLY}, decoder_sparse_step=1,
+    return Qwen3MoeConfig(**common,
+                          **{f: getattr(config, f) for f in _MOE_ONLY}, decoder_sparse_step=1,
                           mlp_only_layers=[], architectures=["Qwen3MoeForCausalLM"])
 
 
-# Import is an allow-list: a field is mapped, has no effect on the function (_NEUTRAL) or must hold the one value
-# MiniMind computes (_FIXED); anything else (a new activation, a bias) is refused, never silently dropped.
-_NEUTRAL = {"transformers_version", "architectures", "model_type", "_name_or_path", "dtype", "torch_dtype",
-            "output_hidden_states", "output_attentions", "return_dict", "use_cache", "output_router_logits",
-            "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
-            "sliding_window", "max_window_layers"}  # (the last two act only with use_sliding_window)
-_FIXED = {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False, "mlp_only_layers": [],
-          "decoder_sparse_step": 1, "rope_scaling": None, "pretraining_tp": 1, "layer_types": ["full_attention"]}
-_MAPPED = set(_SAME) | set(_MOE_ONLY) | {"num_local_experts", "rope_parameters", "rope_theta", "attention_dropout"}
+# Import is an allow-list: a field is mapped, has no effect on the function (_NEUTRAL) or must hold
+# the one value MiniMind computes (_FIXED); anything else (a new activation, a bias) is refused,
+# never silently dropped.
+_NEUTRAL = {"transformers_version", "architectures", "model_type", "_name_or_path", "dtype",
+            "torch_dtype", "output_hidden_states", "output_attentions", "return_dict", "use_cache",
+            "output_router_logits", "chunk_size_feed_forward", "is_encoder_decoder", "id2label",
+            "label2id", "problem_type", "sliding_window",
+            "max_window_layers"}  # (the last two act only with use_sliding_window)
+_FIXED = {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
+          "mlp_only_layers": [], "decoder_sparse_step": 1, "rope_scaling": None,
+          "pretraining_tp": 1, "layer_types": ["full_attention"]}
+_MAPPED = set(_SAME) | set(_MOE_ONLY) | {"num_local_experts", "rope_parameters", "rope_theta",
+                                         "attention_dropout"}
 
 
 def from_hf_config(hf_config) -> MiniMindConfig:
-    """MiniMindConfig from a Qwen3 / Qwen3-MoE config. Raises ExportError naming every field MiniMind cannot
-    express (the allow-list above)."""
+    """MiniMindConfig from a Qwen3 / Qwen3-MoE config. Raises ExportError naming every field
+    MiniMind cannot express (the allow-list above)."""
     mt = hf_config.model_type
     if mt not in ("qwen3", "qwen3_moe"):
-        raise ExportError(f"cannot import model_type {mt!r}: only qwen3 and qwen3_moe are supported")
+        raise ExportError(f"cannot import model_type {mt!r}: "
+                          "only qwen3 and qwen3_moe are supported")
     fields, rope = hf_config.to_dict(), dict(getattr(hf_config, "rope_parameters", None) or {})
     if "layer_types" in fields:  # one entry per layer
         fields["layer_types"] = sorted(set(fields["layer_types"] or ["full_attention"]))
-    bad = [f"{k}={v!r} (MiniMind computes {_FIXED[k]!r})" for k, v in fields.items() if k in _FIXED and v != _FIXED[k]]
-    bad += [f"{k}={v!r} (no MiniMind equivalent)" for k, v in fields.items() if k not in _FIXED.keys() | _NEUTRAL | _MAPPED]
+    bad = [f"{k}={v!r} (MiniMind computes {_FIXED[k]!r})"
+           for k, v in fields.items() if k in _FIXED and v != _FIXED[k]]
+    bad += [f"{k}={v!r} (no MiniMind equivalent)" for k, v in fields.items()
+            if k not in _FIXED.keys() | _NEUTRAL | _MAPPED]
     if rope.get("rope_type", "default") != "default" or set(rope) - {"rope_type", "rope_theta"}:
         bad.append(f"rope_parameters={rope!r} (MiniMind uses plain RoPE)")
     if bad:
         raise ExportError(f"cannot import {hf_config.model_type}: " + "; ".join(bad))
     kw = {f: getattr(hf_config, f) for f in _SAME}
-    kw.update(rope_theta=float(rope.get("rope_theta", 10000.0)), dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
+    kw.update(rope_theta=float(rope.get("rope_theta", 10000.0)),
+              dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
               use_moe=mt == "qwen3_moe")
     if mt == "qwen3_moe":
         kw.update({f: getattr(hf_config, f) for f in _MOE_ONLY})
@@ -82,11 +99,15 @@ def from_hf_config(hf_config) -> MiniMindConfig:
 
 
 def to_hf_state_dict(state_dict, config: MiniMindConfig):
-    """Our state_dict -> HF keys (per-expert layout). Tied lm_head is omitted (HF re-ties it). Qwen3-MoE has
-    no routed_scaling_factor s: the experts' down projections take it (the combine is linear in them)."""
-    scale = config.routed_scaling_factor if config.use_moe else 1.0  # (our parameter names are the HF names)
-    return {k: v * scale if scale != 1.0 and ".mlp.experts." in k and k.endswith("down_proj.weight") else v
-            for k, v in state_dict.items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
+    """Our state_dict -> HF keys (per-expert layout). Tied lm_head is omitted (HF re-ties it).
+    Qwen3-MoE has no routed_scaling_factor s: the experts' down projections take it (the combine is
+    linear in them)."""
+    # (our parameter names are the HF names)
+    scale = config.routed_scaling_factor if config.use_moe else 1.0
+    return {k: v * scale
+            if scale != 1.0 and ".mlp.experts." in k and k.endswith("down_proj.weight") else v
+            for k, v in state_dict.items()
+            if not (k == "lm_head.weight" and config.tie_word_embeddings)}
 
 
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -104,7 +125,8 @@ def from_hf_state_dict(hf_state, config: MiniMindConfig):
         for e in range(v.shape[0]):
             if kind == "gate_up_proj":  # [E, 2F, D]: gate rows first, then up rows
                 gate, up = v[e].chunk(2, dim=0)
-                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate.clone(), up.clone()
+                (out[f"{prefix}.{e}.gate_proj.weight"],
+                 out[f"{prefix}.{e}.up_proj.weight"]) = gate.clone(), up.clone()
             else:  # [E, D, F]
                 out[f"{prefix}.{e}.down_proj.weight"] = v[e].clone()
     if config.tie_word_embeddings:
@@ -117,10 +139,12 @@ def is_hf_folder(path):
     import json
     import os
     cfg = os.path.join(path, "config.json")
-    if not (os.path.isdir(path) and os.path.exists(cfg)) or os.path.exists(os.path.join(path, "ckpt.pt")):
+    if (not (os.path.isdir(path) and os.path.exists(cfg))
+            or os.path.exists(os.path.join(path, "ckpt.pt"))):
         return False
     try:
         with open(cfg, encoding="utf-8") as f:
             return json.load(f).get("model_type") in ("qwen3", "qwen3_moe")
-    except (ValueError, AttributeError):  # a damaged config.json: train/checkpoint.py's load_hf_checked names it
+    except (ValueError, AttributeError):
+        # a damaged config.json: train/checkpoint.py's load_hf_checked names it
         return True

@@ -1,12 +1,14 @@
-"""MiniMind-style causal LM: GQA attention with per-head q/k RMSNorm, RoPE, RMSNorm, SwiGLU or MoE FFN.
+"""MiniMind-style causal LM: GQA attention with per-head q/k RMSNorm, RoPE, RMSNorm, SwiGLU or MoE
+FFN.
 
 Shape legend: B batch, S query length, L key length (cache + S), D hidden size, H query heads,
 G key/value heads, Dh head dim, V vocab.
 
 The block is the MiniMind-3 / Qwen3 block (pre-norm, q/k norm before RoPE, rotate-half RoPE, tied
-embeddings) with HF parameter names: a checkpoint maps onto `Qwen3MoeForCausalLM` by renaming. Plain PyTorch by
-default; the engines of the linears, the attention kernel, the LM loss and the MoE experts and dispatch
-are chosen when the model is built (model/engines.py; the trainer's come from kernels/engines.py).
+embeddings) with HF parameter names: a checkpoint maps onto `Qwen3MoeForCausalLM` by renaming. Plain
+PyTorch by default; the engines of the linears, the attention kernel, the LM loss and the MoE
+experts and dispatch are chosen when the model is built (model/engines.py; the trainer's come from
+kernels/engines.py).
 """
 from dataclasses import dataclass
 
@@ -21,7 +23,8 @@ from model.router import layer_mean
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back (as Qwen3, for export parity)."""
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back (as Qwen3, for export
+    parity)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -43,17 +46,19 @@ def rope_tables(head_dim: int, max_len: int, theta: float):
 
 
 def apply_rope(x, cos, sin):
-    """x: [B, heads, S, Dh]; cos/sin: [S, Dh] (every row at the same positions) or [B, 1, S, Dh] (per-row
-    positions, e.g. left padding). Rotates pairs (i, i + Dh/2)."""
+    """x: [B, heads, S, Dh]; cos/sin: [S, Dh] (every row at the same positions) or [B, 1, S, Dh]
+    (per-row positions, e.g. left padding). Rotates pairs (i, i + Dh/2)."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
-    """GQA attention; `attend` is the kernel (an Engines.attend, called as F.scaled_dot_product_attention)."""
+    """GQA attention; `attend` is the kernel (an Engines.attend, called as
+    F.scaled_dot_product_attention)."""
 
-    def __init__(self, config: MiniMindConfig, linear=nn.Linear, attend=F.scaled_dot_product_attention):
+    def __init__(self, config: MiniMindConfig, linear=nn.Linear,
+                 attend=F.scaled_dot_product_attention):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
@@ -68,10 +73,13 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x_BSD, cos, sin, past_kv=None, use_cache=False, attn_mask_B1SL=None):
-        """attn_mask_B1SL: bool [B, 1, S, L] (True = may attend), already causal; None = plain causal."""
+        """attn_mask_B1SL: bool [B, 1, S, L] (True = may attend), already causal; None = plain
+        causal."""
         B, S, _ = x_BSD.shape
-        q = self.q_norm(self.q_proj(x_BSD).view(B, S, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        q = (self.q_norm(self.q_proj(x_BSD).view(B, S, self.num_heads, self.head_dim))
+             .transpose(1, 2))
+        k = (self.k_norm(self.k_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim))
+             .transpose(1, 2))
         v = self.v_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if past_kv is not None:
@@ -102,24 +110,28 @@ class MiniMindBlock(nn.Module):
         self.self_attn = Attention(config, engines.linear, engines.attend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = (MOEFeedForward(config, engines.experts, engines.permute, engines.combine, engines.linear)
+        self.mlp = (MOEFeedForward(config, engines.experts, engines.permute, engines.combine,
+                                   engines.linear)
                     if config.use_moe
                     else FeedForward(config.hidden_size, config.intermediate_size, engines.linear))
         self.mlp_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, cos, sin, past_kv=None, use_cache=False, token_mask=None, attn_mask=None):
-        attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, past_kv, use_cache, attn_mask)
+        attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, past_kv,
+                                           use_cache, attn_mask)
         x = x + attn_out
         h = self.post_attention_layernorm(x)
-        h = self.mlp(h, token_mask) if isinstance(self.mlp, MOEFeedForward) and token_mask is not None else self.mlp(h)
+        h = (self.mlp(h, token_mask)
+             if isinstance(self.mlp, MOEFeedForward) and token_mask is not None else self.mlp(h))
         x = x + self.mlp_dropout(h)
         return x, present
 
 
 @torch.no_grad()
 def init_weights(module: nn.Module, std: float):
-    """GPT-2's init on `module` and everything inside it, in `named_modules` order (so a seed gives the same
-    weights whatever else the model holds): linear and embedding weights ~ N(0, std^2), norm weights 1."""
+    """GPT-2's init on `module` and everything inside it, in `named_modules` order (so a seed gives
+    the same weights whatever else the model holds): linear and embedding weights ~ N(0, std^2),
+    norm weights 1."""
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             m.weight.normal_(0.0, std)
@@ -130,18 +142,19 @@ def init_weights(module: nn.Module, std: float):
 
 
 class MiniMindModel(nn.Module):
-    """Decoder stack. forward(input_ids [B, S] int64, past_key_values, use_cache, attention_mask [B, P + S]
-    (1 = token, 0 = padding; P = cached positions) or None) -> hidden [B, S, D], presents, aux_loss (scalar:
-    the MoE layers' router losses averaged over layers, so one layer's imbalance cannot offset another's
-    and the scale does not grow with depth).
+    """Decoder stack. forward(input_ids [B, S] int64, past_key_values, use_cache, attention_mask
+    [B, P + S] (1 = token, 0 = padding; P = cached positions) or None) -> hidden [B, S, D],
+    presents, aux_loss (scalar: the MoE layers' router losses averaged over layers, so one layer's
+    imbalance cannot offset another's and the scale does not grow with depth).
 
-    segment_ids [B, S] int64 (packed training windows): positions with equal ids form one sequence; each
-    attends only within its own sequence, positions restart at 0 where a sequence starts, and id -1 marks
-    padding (no expert, no router statistic). Sequences must be contiguous runs.
+    segment_ids [B, S] int64 (packed training windows): positions with equal ids form one sequence;
+    each attends only within its own sequence, positions restart at 0 where a sequence starts, and
+    id -1 marks padding (no expert, no router statistic). Sequences must be contiguous runs.
 
-    With an attention_mask, padding (left or right) is invisible: no real token attends to it, positions
-    (RoPE) count real tokens only, and the MoE layers send it to no expert and leave it out of every router
-    statistic. A padded position attends to itself only (so its row stays finite); its output is junk.
+    With an attention_mask, padding (left or right) is invisible: no real token attends to it,
+    positions (RoPE) count real tokens only, and the MoE layers send it to no expert and leave it
+    out of every router statistic. A padded position attends to itself only (so its row stays
+    finite); its output is junk.
     """
 
     def __init__(self, config: MiniMindConfig, engines: Engines = PLAIN):
@@ -149,10 +162,12 @@ class MiniMindModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.dropout = nn.Dropout(config.dropout)
-        self.layers = nn.ModuleList(MiniMindBlock(config, engines) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(MiniMindBlock(config, engines)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # RoPE tables: built on first use on the input's device, not buffers, so nothing can leave them
-        # stale (from_pretrained materialises non-persistent buffers from the meta device uninitialised).
+        # RoPE tables: built on first use on the input's device, not buffers, so nothing can leave
+        # them stale (from_pretrained materialises non-persistent buffers from the meta device
+        # uninitialised).
         self._rope = None
         init_weights(self, config.initializer_range)
 
@@ -161,16 +176,20 @@ class MiniMindModel(nn.Module):
         per-row positions ([B, 1, S, head_dim])."""
         if self._rope is None or self._rope[0].device != device:
             cfg = self.config
-            self._rope = tuple(t.to(device) for t in rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta))
+            self._rope = tuple(t.to(device)
+                               for t in rope_tables(cfg.head_dim, cfg.max_position_embeddings,
+                                                    cfg.rope_theta))
         cos, sin = self._rope
         if position_ids_BS is not None:
             return cos[position_ids_BS].unsqueeze(1), sin[position_ids_BS].unsqueeze(1)
         return cos[start:start + length], sin[start:start + length]
 
-    def forward(self, input_ids, past_key_values=None, use_cache=False, attention_mask=None, segment_ids=None):
+    def forward(self, input_ids, past_key_values=None, use_cache=False, attention_mask=None,
+                segment_ids=None):
         B, S = input_ids.shape
         if B == 0 or S == 0:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} is empty: need at least one sequence of one token")
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} is empty: "
+                             "need at least one sequence of one token")
         start = past_key_values[0][0].shape[2] if past_key_values else 0
         if start + S > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {start + S} tokens exceeds max_position_embeddings="
@@ -178,7 +197,8 @@ class MiniMindModel(nn.Module):
         token_mask = attn_mask = position_ids = None
         if segment_ids is not None:
             if attention_mask is not None or past_key_values:
-                raise ValueError("segment_ids (packed sequences) go without attention_mask and without a KV cache")
+                raise ValueError("segment_ids (packed sequences) go without attention_mask "
+                                 "and without a KV cache")
             token_mask, attn_mask, position_ids = segment_masks(segment_ids, B, S)
         elif attention_mask is not None:
             token_mask, attn_mask, position_ids = padding_masks(attention_mask, B, S, start)
@@ -186,49 +206,55 @@ class MiniMindModel(nn.Module):
         h = self.dropout(self.embed_tokens(input_ids))
         presents = []
         for i, layer in enumerate(self.layers):
-            h, present = layer(h, cos, sin, past_key_values[i] if past_key_values else None, use_cache, token_mask,
-                               attn_mask)
+            h, present = layer(h, cos, sin, past_key_values[i] if past_key_values else None,
+                               use_cache, token_mask, attn_mask)
             presents.append(present)
-        aux_loss = layer_mean((layer.mlp.aux_loss for layer in self.layers if isinstance(layer.mlp, MOEFeedForward)), h)
+        aux_loss = layer_mean((layer.mlp.aux_loss for layer in self.layers
+                               if isinstance(layer.mlp, MOEFeedForward)), h)
         return self.norm(h), (presents if use_cache else None), aux_loss
 
 
 def segment_masks(segment_ids, B, S):
-    """From segment ids [B, S] (packed sequences, -1 = padding) to: token_mask [B, S] bool (not padding);
-    the attention mask [B, 1, S, S] bool (causal, within one sequence: block-diagonal); position_ids [B, S]
-    (the index within the sequence). Raises ValueError on a shape that does not fit input_ids."""
+    """From segment ids [B, S] (packed sequences, -1 = padding) to: token_mask [B, S] bool
+    (not padding); the attention mask [B, 1, S, S] bool (causal, within one sequence:
+    block-diagonal); position_ids [B, S] (the index within the sequence). Raises ValueError on a
+    shape that does not fit input_ids."""
     if segment_ids.shape != (B, S):
-        raise ValueError(f"segment_ids {tuple(segment_ids.shape)} must have input_ids' shape ({B}, {S})")
+        raise ValueError(f"segment_ids {tuple(segment_ids.shape)} "
+                         f"must have input_ids' shape ({B}, {S})")
     pos_S = torch.arange(S, device=segment_ids.device)
     starts_BS = torch.ones_like(segment_ids, dtype=torch.bool)
     starts_BS[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    first_BS = torch.where(starts_BS, pos_S, 0).cummax(dim=1).values  # where each position's sequence starts
+    # where each position's sequence starts
+    first_BS = torch.where(starts_BS, pos_S, 0).cummax(dim=1).values
     same_BSS = segment_ids[:, :, None] == segment_ids[:, None, :]
     attn_mask_B1SS = (same_BSS & (pos_S[None, :] <= pos_S[:, None])).unsqueeze(1)
     return segment_ids >= 0, attn_mask_B1SS, pos_S - first_BS
 
 
 def padding_masks(attention_mask, B, S, past):
-    """From an HF-style attention_mask [B, past + S] (1 = token, 0 = padding; [B, S] also accepted when
-    there is no cache) to: token_mask [B, S] bool for the new positions; the attention mask [B, 1, S, L]
-    bool (causal, no padded key, every query sees at least itself); position_ids [B, S] int64 counting only
-    real tokens (so a left-padded prompt gets the positions it has alone). Raises ValueError on a shape
-    that does not fit input_ids and the cache."""
+    """From an HF-style attention_mask [B, past + S] (1 = token, 0 = padding; [B, S] also accepted
+    when there is no cache) to: token_mask [B, S] bool for the new positions; the attention mask
+    [B, 1, S, L] bool (causal, no padded key, every query sees at least itself); position_ids [B, S]
+    int64 counting only real tokens (so a left-padded prompt gets the positions it has alone).
+    Raises ValueError on a shape that does not fit input_ids and the cache."""
     L = past + S
     if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] != L:
-        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must be [batch, cached + new tokens] = "
-                         f"[{B}, {L}] ({past} cached, {S} new)")
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must be "
+                         f"[batch, cached + new tokens] = [{B}, {L}] ({past} cached, {S} new)")
     key_mask_BL = attention_mask.to(torch.bool)
     position_ids_BS = (key_mask_BL.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
     q_pos_S1 = torch.arange(past, L, device=key_mask_BL.device)[:, None]
     k_pos_1L = torch.arange(L, device=key_mask_BL.device)[None, :]
-    attn_mask_B1SL = ((k_pos_1L <= q_pos_S1) & key_mask_BL[:, None, None, :]) | (k_pos_1L == q_pos_S1)
+    attn_mask_B1SL = (((k_pos_1L <= q_pos_S1) & key_mask_BL[:, None, None, :])
+                      | (k_pos_1L == q_pos_S1))
     return key_mask_BL[:, past:], attn_mask_B1SL, position_ids_BS
 
 
 @dataclass
 class MiniMindCausalLMOutput:
-    """loss = ce_loss + aux_loss (scalars, fp32); logits [B, S, V]; past_key_values: per layer (k, v)."""
+    """loss = ce_loss + aux_loss (scalars, fp32); logits [B, S, V]; past_key_values: per layer
+    (k, v)."""
     loss: torch.Tensor | None = None
     ce_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
@@ -238,11 +264,11 @@ class MiniMindCausalLMOutput:
 
 class MiniMindForCausalLM(nn.Module):
     """Causal LM head on MiniMindModel. forward(input_ids [B, S] int64, labels [B, S] int64 or None
-    (position t predicts labels[:, t]; -100 ignored), past_key_values, use_cache, attention_mask, segment_ids
-    (see MiniMindModel)) -> MiniMindCausalLMOutput(loss = ce_loss + aux_loss, ce_loss, aux_loss, logits
-    [B, S, V] in the compute dtype (None with labels under an Engines.lm_loss, which makes no logits),
-    past_key_values: (k, v) [B, G, L, Dh] per layer when use_cache). engines: what each part runs on
-    (model/engines.py; plain PyTorch by default)."""
+    (position t predicts labels[:, t]; -100 ignored), past_key_values, use_cache, attention_mask,
+    segment_ids (see MiniMindModel)) -> MiniMindCausalLMOutput(loss = ce_loss + aux_loss, ce_loss,
+    aux_loss, logits [B, S, V] in the compute dtype (None with labels under an Engines.lm_loss,
+    which makes no logits), past_key_values: (k, v) [B, G, L, Dh] per layer when use_cache).
+    engines: what each part runs on (model/engines.py; plain PyTorch by default)."""
 
     def __init__(self, config: MiniMindConfig, engines: Engines = PLAIN):
         super().__init__()
@@ -254,9 +280,10 @@ class MiniMindForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False, attention_mask=None,
-                segment_ids=None, **_):
-        h, presents, aux_loss = self.model(input_ids, past_key_values, use_cache, attention_mask, segment_ids)
+    def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False,
+                attention_mask=None, segment_ids=None, **_):
+        h, presents, aux_loss = self.model(input_ids, past_key_values, use_cache,
+                                           attention_mask, segment_ids)
         loss = ce_loss = None
         if labels is None:
             logits = self.lm_head(h)
@@ -267,35 +294,40 @@ class MiniMindForCausalLM(nn.Module):
                                       past_key_values=presents)
 
     def lm_loss(self, h_BSD, labels_BS):
-        """(logits [B, S, V], mean cross-entropy over labels != -100 in fp32); (None, the loss) under an
-        Engines.lm_loss."""
+        """(logits [B, S, V], mean cross-entropy over labels != -100 in fp32); (None, the loss)
+        under an Engines.lm_loss."""
         if self.chunked_lm_loss is not None:
-            return None, self.chunked_lm_loss(h_BSD.reshape(-1, h_BSD.shape[-1]), self.lm_head.weight,
-                                              labels_BS.reshape(-1))
+            return None, self.chunked_lm_loss(h_BSD.reshape(-1, h_BSD.shape[-1]),
+                                              self.lm_head.weight, labels_BS.reshape(-1))
         logits = self.lm_head(h_BSD)
-        return logits, F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels_BS.reshape(-1),
-                                       ignore_index=-100)
+        return logits, F.cross_entropy(logits.float().view(-1, logits.shape[-1]),
+                                       labels_BS.reshape(-1), ignore_index=-100)
 
     def extra_repr(self):
-        return f"lm_loss={self.chunked_lm_loss.__name__}" if self.chunked_lm_loss is not None else ""
+        return (f"lm_loss={self.chunked_lm_loss.__name__}" if self.chunked_lm_loss is not None
+                else "")
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0,
-                 eos_token_id=None, use_cache=True, generator=None, attention_mask=None, streamer=None):
-        """Autoregressive sampling: input_ids [B, S] int64 -> [B, S + n] int64 (n <= max_new_tokens). Prompts
-        of different lengths go left-padded with attention_mask [B, S] (`left_pad`): each row continues as
-        it would alone. temperature 0 = greedy; top_k 0 / top_p 1.0 = off. Stops once every row produced
-        one of `eos_token_id` (int or list). use_cache=False recomputes the prefix (the tests' reference).
-        streamer: put(ids) / end() (transformers' TextStreamer), given the prompt, then each new token."""
+                 eos_token_id=None, use_cache=True, generator=None,
+                 attention_mask=None, streamer=None):
+        """Autoregressive sampling: input_ids [B, S] int64 -> [B, S + n] int64 (n <=
+        max_new_tokens). Prompts of different lengths go left-padded with attention_mask [B, S]
+        (`left_pad`): each row continues as it would alone. temperature 0 = greedy; top_k 0 / top_p
+        1.0 = off. Stops once every row produced one of `eos_token_id` (int or list).
+        use_cache=False recomputes the prefix (the tests' reference). streamer: put(ids) / end()
+        (transformers' TextStreamer), given the prompt, then each new token."""
         eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
-        past, ids, finished = None, input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        past, ids, finished = None, input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool,
+                                                           device=input_ids.device)
         step_input, mask = input_ids, attention_mask
         if streamer is not None:
             streamer.put(input_ids.cpu())
         for _ in range(max_new_tokens):
             if ids.shape[1] >= self.config.max_position_embeddings:
                 break
-            out = self(step_input if use_cache else ids, past_key_values=past, use_cache=use_cache, attention_mask=mask)
+            out = self(step_input if use_cache else ids, past_key_values=past, use_cache=use_cache,
+                       attention_mask=mask)
             logits = out.logits[:, -1, :].float()
             next_id = sample_next(logits, temperature, top_k, top_p, generator)
             if eos:
@@ -315,9 +347,9 @@ class MiniMindForCausalLM(nn.Module):
 
 
 def left_pad(prompts, pad_id=0, device=None):
-    """A batch of token-id lists of different lengths -> (input_ids [B, S] int64, attention_mask [B, S]
-    int64), right-aligned (left padding with pad_id), as `generate` wants them. Raises ValueError on an
-    empty list or an empty prompt."""
+    """A batch of token-id lists of different lengths -> (input_ids [B, S] int64, attention_mask
+    [B, S] int64), right-aligned (left padding with pad_id), as `generate` wants them. Raises
+    ValueError on an empty list or an empty prompt."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("left_pad needs at least one prompt and no empty prompt")
     S = max(len(p) for p in prompts)
@@ -330,8 +362,9 @@ def left_pad(prompts, pad_id=0, device=None):
 
 
 def sample_next(logits_BV, temperature=1.0, top_k=0, top_p=1.0, generator=None):
-    """Pick one token per row from fp32 logits [B, V]: greedy when temperature == 0, else sample after
-    temperature scaling, top-k and nucleus (top-p, Holtzman et al. 2019) filtering. Returns [B] int64."""
+    """Pick one token per row from fp32 logits [B, V]: greedy when temperature == 0, else sample
+    after temperature scaling, top-k and nucleus (top-p, Holtzman et al. 2019) filtering. Returns
+    [B] int64."""
     if temperature <= 0:
         return logits_BV.argmax(dim=-1)
     logits_BV = logits_BV / temperature
@@ -341,7 +374,8 @@ def sample_next(logits_BV, temperature=1.0, top_k=0, top_p=1.0, generator=None):
     if top_p < 1.0:
         sorted_logits, order = logits_BV.sort(dim=-1, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix whose mass reaches top_p
+        # keep the smallest prefix whose mass reaches top_p
+        drop = cum - sorted_logits.softmax(-1) > top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits_BV = torch.full_like(logits_BV, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits_BV.softmax(-1)

@@ -1,7 +1,7 @@
 """The mixture-of-experts feed-forward: route -> capacity policy -> dispatch -> experts -> combine.
 
-Shape legend: B batch, S sequence, T = B*S tokens, D hidden size, E experts, K experts per token (top-k),
-F expert intermediate size, P dispatched rows.
+Shape legend: B batch, S sequence, T = B*S tokens, D hidden size, E experts, K experts per token
+(top-k), F expert intermediate size, P dispatched rows.
 
     1. route     (here; losses in model/router.py) softmax router, top-k, router losses, load counting
     2. capacity  (model/dispatch.py: drop_and_pad) padding tokens and over-capacity pairs go to no expert
@@ -10,11 +10,12 @@ F expert intermediate size, P dispatched rows.
     5. combine   (model/dispatch.py) each token's weighted sum of its rows self.dispatcher.combine
 
 moe_impl "sorted" (the default) is bitwise the per-expert masked loop (MiniMind's layer, kept as the
-reference in scripts/moe_reference.py) with one host sync per layer; "fused" builds the layout on the
-device (no host sync) and applies the routing weights inside the experts.
+reference in scripts/moe_reference.py) with one host sync per layer; "fused" builds the layout on
+the device (no host sync) and applies the routing weights inside the experts.
 What runs steps 3-5 is chosen when the layer is built: the experts' engine (`expert_loop` here; the
-kernels' in kernels/experts.py) and the fused path's permute / combine (model/dispatch.py's plain ones,
-or kernels/permute.py's); model/engines.py names them, kernels/engines.py picks the ones that pay.
+kernels' in kernels/experts.py) and the fused path's permute / combine (model/dispatch.py's plain
+ones, or kernels/permute.py's); model/engines.py names them, kernels/engines.py picks the ones that
+pay.
 Expert parallelism wraps the dispatcher (train/parallel.py).
 """
 import math
@@ -25,15 +26,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.dispatch import RowMapDispatcher, SortedDispatcher, combine_rows, drop_and_pad, permute_rows
+from model.dispatch import (RowMapDispatcher, SortedDispatcher, combine_rows, drop_and_pad,
+                            permute_rows)
 from model.router import expert_bias_update, router_losses, tokens_per_expert
 
 _warned_no_router_grad = False  # the k=1 warning below is given once per process
 
 
 class FeedForward(nn.Module):
-    """SwiGLU FFN: down(silu(gate(x)) * up(x)). x [..., D] -> [..., D]. Names match HF (`gate_proj`...).
-    linear: the class of its three bias-free projections (nn.Linear or a subclass, e.g. kernels' oneDNN one)."""
+    """SwiGLU FFN: down(silu(gate(x)) * up(x)). x [..., D] -> [..., D]. Names match HF
+    (`gate_proj`...). linear: the class of its three bias-free projections (nn.Linear or a subclass,
+    e.g. kernels' oneDNN one)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, linear=nn.Linear):
         super().__init__()
@@ -46,31 +49,35 @@ class FeedForward(nn.Module):
 
 
 def swiglu(x, w_gate_FD, w_up_FD, w_down_DF):
-    """down(silu(gate(x)) * up(x)) for one expert's weights in nn.Linear's layout: x [..., D] -> [..., D]."""
+    """down(silu(gate(x)) * up(x)) for one expert's weights in nn.Linear's layout: x [..., D] ->
+    [..., D]."""
     return F.linear(F.silu(F.linear(x, w_gate_FD)) * F.linear(x, w_up_FD), w_down_DF)
 
 
 def expert_loop(rows_PD, tokens_per_expert, row_weight_P, w_gate_up_E2FD, w_down_EDF):
     """The plain experts engine: one nn.Linear-style chain (`swiglu`) per expert, in a Python loop.
 
-    rows_PD [P, D]; tokens_per_expert int64 [E'] (a CPU tensor, or on the device: then read to the host
-    once); row_weight_P [P] or None; w_gate_up_E2FD [E', 2F, D], w_down_EDF [E', D, F] the experts' stacked
-    weights -> [P, D]: expert e on its tokens_per_expert[e] rows, in order, each row scaled by row_weight_P
-    (when given) before the down projection. Each expert runs on a fresh copy of its rows (a view at an
-    offset may round differently in the GEMM, and the sorted path must match the masked loop's gathers bit
-    for bit) and on weight views at the offsets `Expert` uses. An expert without rows still runs (on zero
-    rows) while autograd records, so the gradient is the same whatever the routing."""
+    rows_PD [P, D]; tokens_per_expert int64 [E'] (a CPU tensor, or on the device: then read to the
+    host once); row_weight_P [P] or None; w_gate_up_E2FD [E', 2F, D], w_down_EDF [E', D, F] the
+    experts' stacked weights -> [P, D]: expert e on its tokens_per_expert[e] rows, in order, each
+    row scaled by row_weight_P (when given) before the down projection. Each expert runs on a fresh
+    copy of its rows (a view at an offset may round differently in the GEMM, and the sorted path
+    must match the masked loop's gathers bit for bit) and on weight views at the offsets `Expert`
+    uses. An expert without rows still runs (on zero rows) while autograd records, so the gradient
+    is the same whatever the routing."""
     w_gate_EFD, w_up_EFD = w_gate_up_E2FD.unflatten(1, (2, -1)).unbind(1)
-    # unbind: the backward stacks the E experts' gradients once (a select per expert would add E full-size
-    # zero tensors)
+    # unbind: the backward stacks the E experts' gradients once (a select per expert would add E
+    # full-size zero tensors)
     weights = zip(w_gate_EFD.unbind(0), w_up_EFD.unbind(0), w_down_EDF.unbind(0))
     outs, start = [], 0
     for n, (w_gate, w_up, w_down) in zip(tokens_per_expert.tolist(), weights):
         if n == 0 and not torch.is_grad_enabled():
             continue
         x_e = rows_PD[start:start + n].clone()
-        h_nF = F.silu(F.linear(x_e, w_gate)) * F.linear(x_e, w_up)  # (swiglu's ops, inline: one frame less)
-        if row_weight_P is not None:  # the routing weight before the down projection (linear: the same sum)
+        # (swiglu's ops, inline: one frame less)
+        h_nF = F.silu(F.linear(x_e, w_gate)) * F.linear(x_e, w_up)
+        # the routing weight before the down projection (linear: the same sum)
+        if row_weight_P is not None:
             h_nF = h_nF * row_weight_P[start:start + n, None].to(h_nF.dtype)
         outs.append(F.linear(h_nF, w_down))
         start += n
@@ -78,10 +85,11 @@ def expert_loop(rows_PD, tokens_per_expert, row_weight_P, w_gate_up_E2FD, w_down
 
 
 class Expert(nn.Module):
-    """Expert e of an `Experts` as a module of its own (what `experts[e]` gives; the masked reference loop
-    iterates and calls these): forward(x [..., D]) -> [..., D] the SwiGLU FFN on views into the stacked
-    weights, so gradients flow into them; parameters() yields the views gate [F, D], up [F, D], down [D, F].
-    It holds no parameter of its own: the weights stay the stack's."""
+    """Expert e of an `Experts` as a module of its own (what `experts[e]` gives; the masked
+    reference loop iterates and calls these): forward(x [..., D]) -> [..., D] the SwiGLU FFN on
+    views into the stacked weights, so gradients flow into them; parameters() yields the views gate
+    [F, D], up [F, D], down [D, F]. It holds no parameter of its own: the weights stay the
+    stack's."""
 
     def __init__(self, experts, index):
         super().__init__()
@@ -103,19 +111,21 @@ class Expert(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts: E SwiGLU FFNs with their weights stacked (as torchtitan and transformers 5 keep
-    them), gate_up_proj [E, 2F, D] (each expert's gate_proj rows, then its up_proj rows; nn.Linear layout)
-    and down_proj [E, D, F], and `engine`, the function that runs them, chosen when the model is built
-    (model/engines.py: Engines.experts; `expert_loop` by default). Every engine reads the stacked tensors as
-    they are: no per-expert copy, concatenation or stack of weights.
+    """The routed experts: E SwiGLU FFNs with their weights stacked (as torchtitan and transformers
+    5 keep them), gate_up_proj [E, 2F, D] (each expert's gate_proj rows, then its up_proj rows;
+    nn.Linear layout) and down_proj [E, D, F], and `engine`, the function that runs them, chosen
+    when the model is built (model/engines.py: Engines.experts; `expert_loop` by default). Every
+    engine reads the stacked tensors as they are: no per-expert copy, concatenation or stack of
+    weights.
 
-    forward(rows_PD [P, D], tokens_per_expert int64 [E'], row_weight_P [P] or None, first_expert=0) -> [P, D]:
-    experts first_expert .. first_expert + E' - 1 (E' = all, or under expert parallelism the rank's) on
-    their rows in order, as `expert_loop` documents. As a sequence, `experts[e]` is an `Expert` module.
-    state_dict: one entry per expert and projection, `{e}.{gate,up,down}_proj.weight` (views into the
-    stack): the keys of E separate FeedForward modules, so every checkpoint and export keeps its layout;
-    load_state_dict takes those keys (or the stacked names). Initialised as E FeedForwards would be (the
-    same draws, in the same order)."""
+    forward(rows_PD [P, D], tokens_per_expert int64 [E'], row_weight_P [P] or None, first_expert=0)
+    -> [P, D]: experts first_expert .. first_expert + E' - 1 (E' = all, or under expert parallelism
+    the rank's) on their rows in order, as `expert_loop` documents. As a sequence, `experts[e]` is
+    an `Expert` module. state_dict: one entry per expert and projection,
+    `{e}.{gate,up,down}_proj.weight` (views into the stack): the keys of E separate FeedForward
+    modules, so every checkpoint and export keeps its layout; load_state_dict takes those keys (or
+    the stacked names). Initialised as E FeedForwards would be (the same draws, in the same
+    order)."""
 
     def __init__(self, num_experts, hidden_size, intermediate_size, engine=expert_loop):
         super().__init__()
@@ -123,7 +133,8 @@ class Experts(nn.Module):
         self.engine = engine
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * F_, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, F_))
-        self.reset_each(lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)))  # nn.Linear's own init
+        # nn.Linear's own init
+        self.reset_each(lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)))
         self.register_state_dict_post_hook(_per_expert_state_dict)
         self.register_load_state_dict_pre_hook(_stacked_state_dict)
 
@@ -140,14 +151,16 @@ class Experts(nn.Module):
 
     @torch.no_grad()
     def reset_each(self, init):
-        """init(weight) on each expert's gate, up and down weight view in turn (FeedForward's order)."""
+        """init(weight) on each expert's gate, up and down weight view in turn (FeedForward's
+        order)."""
         for expert in self:
             for w in expert.weights():
                 init(w)
 
     def forward(self, rows_PD, tokens_per_expert, row_weight_P=None, first_expert=0):
         w_gate_up_E2FD, w_down_EDF = self.gate_up_proj, self.down_proj
-        if tokens_per_expert.shape[0] != len(self) or first_expert:  # (a slice's backward copies the whole stack)
+        # (a slice's backward copies the whole stack)
+        if tokens_per_expert.shape[0] != len(self) or first_expert:
             w_gate_up_E2FD = w_gate_up_E2FD[first_expert:first_expert + tokens_per_expert.shape[0]]
             w_down_EDF = w_down_EDF[first_expert:first_expert + tokens_per_expert.shape[0]]
         return self.engine(rows_PD, tokens_per_expert, row_weight_P, w_gate_up_E2FD, w_down_EDF)
@@ -158,7 +171,8 @@ class Experts(nn.Module):
 
 
 def engine_name(engine):
-    """An engine's name for print(model): a function's, or for an autograd Function's `apply` its class's."""
+    """An engine's name for print(model): a function's, or for an autograd Function's `apply` its
+    class's."""
     owner = getattr(engine, "__self__", None)
     return owner.__name__ if isinstance(owner, type) else engine.__name__
 
@@ -175,21 +189,24 @@ def _per_expert_state_dict(module, state_dict, prefix, local_metadata):
             state_dict[f"{prefix}{e}.{name}.weight"] = w
 
 
-def _stacked_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                        error_msgs):
-    """Experts' load_state_dict pre-hook: per-expert entries, when all are there, -> the stacked tensors."""
+def _stacked_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                        unexpected_keys, error_msgs):
+    """Experts' load_state_dict pre-hook: per-expert entries, when all are there, -> the stacked
+    tensors."""
     keys = [[f"{prefix}{e}.{name}.weight" for name in PROJECTIONS] for e in range(len(module))]
     if all(k in state_dict for ks in keys for k in ks):
         per_expert = [[state_dict.pop(k) for k in ks] for ks in keys]
-        state_dict[prefix + "gate_up_proj"] = torch.stack([torch.cat([gate, up]) for gate, up, _ in per_expert])
+        state_dict[prefix + "gate_up_proj"] = torch.stack([torch.cat([gate, up])
+                                                           for gate, up, _ in per_expert])
         state_dict[prefix + "down_proj"] = torch.stack([down for _, _, down in per_expert])
 
 
 @dataclass
 class MoEStats:
     """The last forward (`layer.stats`): tokens_per_expert int64 [E] routed pairs per expert after
-    padding and capacity drops (on the device; under EP this rank's tokens); padded_tokens_per_expert rows
-    per expert incl. padding rows, None without padding; balance_loss, z_loss (None in eval / when off)."""
+    padding and capacity drops (on the device; under EP this rank's tokens);
+    padded_tokens_per_expert rows per expert incl. padding rows, None without padding; balance_loss,
+    z_loss (None in eval / when off)."""
     tokens_per_expert: torch.Tensor | None = None
     padded_tokens_per_expert: torch.Tensor | None = None
     balance_loss: torch.Tensor | None = None
@@ -199,31 +216,36 @@ class MoEStats:
 class MOEFeedForward(nn.Module):
     """Top-k softmax-routed mixture of SwiGLU experts (MiniMind / Qwen3-MoE).
 
-    forward(x [B, S, D], token_mask [B, S] bool or None) -> y [B, S, D] of x's dtype. token_mask False
-    marks padding: it goes to no expert (output 0) and counts in no router statistic. After a
-    training-mode call `aux_loss` is this layer's balance loss plus z-loss (zero in eval) and `stats` an
-    MoEStats. Parameters: `gate.weight` [E, D], the stacked `experts.gate_up_proj` [E, 2F, D] and
-    `experts.down_proj` [E, D, F] (state_dict: `experts.{e}.{gate,up,down}_proj.weight`; see Experts), with
-    n_shared_experts > 0 `shared_experts.{gate,up,down}_proj.weight` (one dense SwiGLU of width
+    forward(x [B, S, D], token_mask [B, S] bool or None) -> y [B, S, D] of x's dtype. token_mask
+    False marks padding: it goes to no expert (output 0) and counts in no router statistic. After a
+    training-mode call `aux_loss` is this layer's balance loss plus z-loss (zero in eval) and
+    `stats` an MoEStats. Parameters: `gate.weight` [E, D], the stacked `experts.gate_up_proj`
+    [E, 2F, D] and `experts.down_proj` [E, D, F] (state_dict:
+    `experts.{e}.{gate,up,down}_proj.weight`; see Experts), with n_shared_experts > 0
+    `shared_experts.{gate,up,down}_proj.weight` (one dense SwiGLU of width
     shared_expert_intermediate_size added for every token, ungated: DeepSeekMoE), and the fp32
-    buffer `expert_bias` [E] only with router_bias_update_rate > 0. In training every expert runs, maybe
-    on no rows, so idle experts get a zero gradient (DDP with find_unused_parameters=False needs it).
+    buffer `expert_bias` [E] only with router_bias_update_rate > 0. In training every expert runs,
+    maybe on no rows, so idle experts get a zero gradient (DDP with find_unused_parameters=False
+    needs it).
     The router's choices per expert (real tokens, before capacity) add up until `pop_load()`.
     """
 
-    def __init__(self, config, experts=expert_loop, permute=permute_rows, combine=combine_rows, linear=nn.Linear):
+    def __init__(self, config, experts=expert_loop, permute=permute_rows, combine=combine_rows,
+                 linear=nn.Linear):
         super().__init__()
         self.config = config
         E = config.num_experts
         self.gate = nn.Linear(config.hidden_size, E, bias=False)
         self.experts = Experts(E, config.hidden_size, config.moe_intermediate_size, experts)
-        self.shared_experts = FeedForward(config.hidden_size, config.shared_expert_intermediate_size, linear) \
-            if config.n_shared_experts else None
+        self.shared_experts = (FeedForward(config.hidden_size,
+                                           config.shared_expert_intermediate_size, linear)
+                               if config.n_shared_experts else None)
         if config.router_bias_update_rate > 0:
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
         else:
             self.expert_bias = None
-        self.dispatcher = RowMapDispatcher(E, permute, combine) if config.moe_impl == "fused" else SortedDispatcher(E)
+        self.dispatcher = (RowMapDispatcher(E, permute, combine) if config.moe_impl == "fused"
+                           else SortedDispatcher(E))
         self.aux_loss = torch.zeros(())
         self.stats = MoEStats()
         self._load_E = None  # router choices per expert since the last pop_load()
@@ -231,16 +253,19 @@ class MOEFeedForward(nn.Module):
     def forward(self, x, token_mask=None):
         B, S, D = x.shape
         x_TD = x.reshape(-1, D)
-        token_mask_T = None if token_mask is None else token_mask.reshape(-1).to(device=x.device, dtype=torch.bool)
+        token_mask_T = (None if token_mask is None
+                        else token_mask.reshape(-1).to(device=x.device, dtype=torch.bool))
         topk_idx_TK, topk_weight_TK, balance_loss, z_loss = self.route(x_TD, token_mask_T, B)
         topk_idx_TK, layout = drop_and_pad(self.config, topk_idx_TK, topk_weight_TK, token_mask_T)
         dispatched = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout)
-        rows_out_PD = self.experts(dispatched.rows_PD, dispatched.tokens_per_expert, dispatched.row_weight_P,
-                                   dispatched.first_expert)
+        rows_out_PD = self.experts(dispatched.rows_PD, dispatched.tokens_per_expert,
+                                   dispatched.row_weight_P, dispatched.first_expert)
         y_TD = self.dispatcher.combine(rows_out_PD, dispatched)
-        self.stats = MoEStats(dispatched.routed_E, dispatched.tokens_per_expert if dispatched.padded else None,
+        self.stats = MoEStats(dispatched.routed_E,
+                              dispatched.tokens_per_expert if dispatched.padded else None,
                               balance_loss, z_loss)
-        if self.shared_experts is not None:  # every token, padding too (its output is never trained on)
+        # every token, padding too (its output is never trained on)
+        if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD).to(y_TD.dtype)
         return y_TD.view(B, S, D)
 
@@ -248,25 +273,28 @@ class MOEFeedForward(nn.Module):
         return f"moe_impl={self.config.moe_impl}, dispatcher={self.dispatcher!r}"
 
     def router_logits(self, x_TD):
-        """Gate logits [T, E]: in autocast's dtype (the reference), or fp32 with router_dtype="float32"
-        (Megatron-LM's moe_router_dtype: bf16 logits can flip near-tied top-k choices)."""
+        """Gate logits [T, E]: in autocast's dtype (the reference), or fp32 with
+        router_dtype="float32" (Megatron-LM's moe_router_dtype: bf16 logits can flip near-tied top-k
+        choices)."""
         if self.config.router_dtype == "float32":
             with torch.autocast(x_TD.device.type, enabled=False):
                 return F.linear(x_TD.float(), self.gate.weight.float())
         return self.gate(x_TD)
 
     def route(self, x_TD, token_mask_T=None, num_sequences=1):
-        """Softmax over the gate logits, top-k, optional renormalisation; in training also the router losses
-        (into self.aux_loss) and the load. With aux-loss-free balancing the top-k choice uses scores +
-        expert_bias and the weights are the unbiased scores of the chosen experts. Returns topk_idx_TK
-        int64 [T, K] (unordered), topk_weight_TK [T, K] (the scores' dtype), balance_loss, z_loss."""
+        """Softmax over the gate logits, top-k, optional renormalisation; in training also the
+        router losses (into self.aux_loss) and the load. With aux-loss-free balancing the top-k
+        choice uses scores + expert_bias and the weights are the unbiased scores of the chosen
+        experts. Returns topk_idx_TK int64 [T, K] (unordered), topk_weight_TK [T, K] (the scores'
+        dtype), balance_loss, z_loss."""
         logits_TE = self.router_logits(x_TD)
         scores_TE = F.softmax(logits_TE, dim=-1)
         K = self.config.num_experts_per_tok
         if self.expert_bias is None:
             topk_weight_TK, topk_idx_TK = torch.topk(scores_TE, k=K, dim=-1, sorted=False)
         else:
-            _, topk_idx_TK = torch.topk(scores_TE.float() + self.expert_bias, k=K, dim=-1, sorted=False)
+            _, topk_idx_TK = torch.topk(scores_TE.float() + self.expert_bias, k=K,
+                                        dim=-1, sorted=False)
             topk_weight_TK = scores_TE.gather(-1, topk_idx_TK)
         if self.config.norm_topk_prob:
             topk_weight_TK = topk_weight_TK / (topk_weight_TK.sum(dim=-1, keepdim=True) + 1e-20)
@@ -275,39 +303,48 @@ class MOEFeedForward(nn.Module):
         balance_loss = z_loss = None
         if self.training and x_TD.shape[0] > 0:
             self._warn_if_router_gets_no_lm_gradient()
-            balance_loss, z_loss = router_losses(self.config, logits_TE, scores_TE, topk_idx_TK, token_mask_T,
-                                                 num_sequences)
+            balance_loss, z_loss = router_losses(self.config, logits_TE, scores_TE, topk_idx_TK,
+                                                 token_mask_T, num_sequences)
             with torch.no_grad():
                 load_E = tokens_per_expert(topk_idx_TK, self.config.num_experts, token_mask_T)
                 self._load_E = load_E if self._load_E is None else self._load_E + load_E
-        aux_loss = balance_loss if balance_loss is not None else scores_TE.new_zeros((), dtype=torch.float32)
+        aux_loss = (balance_loss if balance_loss is not None
+                    else scores_TE.new_zeros((), dtype=torch.float32))
         self.aux_loss = aux_loss if z_loss is None else aux_loss + z_loss
         return topk_idx_TK, topk_weight_TK, balance_loss, z_loss
 
     def pop_load(self):
-        """Router choices per expert (int64 [E]) summed since the last call, then reset; None if none."""
+        """Router choices per expert (int64 [E]) summed since the last call, then reset; None if
+        none."""
         load, self._load_E = self._load_E, None
         return load
 
     @torch.no_grad()
     def update_expert_bias(self, load_E):
-        """Aux-loss-free balancing after an optimizer step (load_E: the step's pairs per expert, all ranks)."""
+        """Aux-loss-free balancing after an optimizer step (load_E: the step's pairs per expert, all
+        ranks)."""
         if self.expert_bias is not None:
-            expert_bias_update(self.expert_bias, load_E.to(self.expert_bias.device), self.config.router_bias_update_rate)
+            expert_bias_update(self.expert_bias, load_E.to(self.expert_bias.device),
+                               self.config.router_bias_update_rate)
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
         if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
-            self.expert_bias = self.expert_bias.float()  # the bias stays fp32 under .half() / .bfloat16()
+            # the bias stays fp32 under .half() / .bfloat16()
+            self.expert_bias = self.expert_bias.float()
         return out
 
-    def __getstate__(self):  # deepcopy / pickle: leave out the last forward's results (not graph leaves)
-        return {**super().__getstate__(), "aux_loss": torch.zeros(()), "stats": MoEStats(), "_load_E": None}
+    # deepcopy / pickle: leave out the last forward's results (not graph leaves)
+    def __getstate__(self):
+        return {**super().__getstate__(), "aux_loss": torch.zeros(()), "stats": MoEStats(),
+                "_load_E": None}
 
     def _warn_if_router_gets_no_lm_gradient(self):
         global _warned_no_router_grad
-        if self.config.num_experts_per_tok == 1 and self.config.norm_topk_prob and not _warned_no_router_grad:
+        if (self.config.num_experts_per_tok == 1 and self.config.norm_topk_prob
+                and not _warned_no_router_grad):
             _warned_no_router_grad = True
-            warnings.warn("MoE with num_experts_per_tok=1 and norm_topk_prob=True: every combine weight is "
-                          "exactly 1, so the router gets no gradient from the language-model loss (only from "
-                          "the aux / z losses). Set norm_topk_prob=False or use k >= 2.", stacklevel=4)
+            warnings.warn("MoE with num_experts_per_tok=1 and norm_topk_prob=True: every combine "
+                          "weight is exactly 1, so the router gets no gradient from the "
+                          "language-model loss (only from the aux / z losses). "
+                          "Set norm_topk_prob=False or use k >= 2.", stacklevel=4)

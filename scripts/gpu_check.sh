@@ -60,7 +60,7 @@ section "machine"
 } 2>&1 | tee -a "$LOG"
 
 # the default corpus for the race, built on the CPU cores while the tests run
-$PY -c "from data.prepare import prepare_data; prepare_data()" > "$DETAILS/corpus.log" 2>&1 &
+$PY -c "from data.prepare import prepare_data; from model.config import MiniMindConfig; prepare_data(vocab_size=MiniMindConfig.vocab_size)" > "$DETAILS/corpus.log" 2>&1 &
 CORPUS=$!
 if [ -f "$SHARED_DIR/acceptance/test_moe_sorted.py" ]; then
     start_test acceptance env PYTHONPATH=. $PY "$SHARED_DIR/acceptance/test_moe_sorted.py"

@@ -123,6 +123,18 @@ def test_kernels_are_a_library():
     assert not leaning, f"kernels/ files importing model/: {leaning} (only kernels/engines.py, the glue)"
 
 
+def test_main_job_model_named_once():
+    """The main job's model has one definition (model/config.py: the defaults and TRAINING_DEFAULTS, built by
+    `trained_config`) and its vocabulary size one number: no other product file writes 6400."""
+    bad = [os.path.relpath(f, ROOT) for f in _files("model/*.py", "train/*.py", "data/*.py", "kernels/*.py",
+                                                  "scripts/*.py", "scripts/bench/*.py", "scripts/hf/*.py")
+           if not f.endswith(os.path.join("model", "config.py")) and not os.path.basename(f).startswith("test_")
+           and re.search(r"\b6400\b", open(f, encoding="utf-8").read())]
+    assert not bad, f"the vocabulary size written outside model/config.py: {bad}"
+    flags_text = open(os.path.join(ROOT, "train", "flags.py"), encoding="utf-8").read()
+    assert "TRAINING_DEFAULTS = " not in flags_text, "the trainer's departures belong in model/config.py"
+
+
 def test_no_class_swaps():
     """The module you read is the module that runs: no `__class__` assignment in model/, train/, kernels/."""
     bad = [os.path.relpath(f, ROOT) for f in _files("model/*.py", "train/*.py", "kernels/*.py")
@@ -190,6 +202,38 @@ def test_no_machine_timings_in_docstrings():
     assert not bad, f"machine-specific timings in docstrings (they belong in a README's benchmark figures): {bad}"
 
 
+MAX_LINE = 100  # characters, in model/ and kernels/
+COLUMN_GAP = re.compile(r"\S {2,}\S")  # two or more spaces between words: an aligned column
+
+
+def _docstring_lines(tree):
+    """The line numbers of every module, class and function docstring in `tree`."""
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0] if node.body else None
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
+                lines.update(range(first.lineno, first.end_lineno + 1))
+    return lines
+
+
+def test_lines_fit_100_columns():
+    """Every line of model/*.py and kernels/*.py is at most 100 characters, except a row of an
+    aligned table in a docstring: a line inside a module, class or function docstring with a gap of
+    two or more spaces between two words (a column gap; prose has single spaces), e.g. the engine
+    table of kernels/engines.py and the step table of model/moe.py, which read better wide. Code,
+    comments and docstring prose have no exemption. Names file:line of each longer line."""
+    long = []
+    for f in _files("model/*.py", "kernels/*.py"):
+        text = open(f, encoding="utf-8").read()
+        in_docstring = _docstring_lines(ast.parse(text, filename=f))
+        for number, line in enumerate(text.splitlines(), 1):
+            if len(line) > MAX_LINE and not (number in in_docstring and COLUMN_GAP.search(line)):
+                long.append(f"{os.path.relpath(f, ROOT)}:{number} ({len(line)} characters)")
+    assert not long, f"lines longer than {MAX_LINE} characters (not docstring table rows): {long}"
+
+
 README_FOLDERS = ("model", "train", "data", "kernels", "scripts")
 
 
@@ -214,9 +258,10 @@ def test_readmes_name_every_source_file():
 
 
 TESTS = [test_imports_run_down_the_layers, test_model_is_plain_pytorch, test_moe_call_path_is_short,
-         test_kernels_are_a_library, test_no_class_swaps,
+         test_kernels_are_a_library, test_main_job_model_named_once, test_no_class_swaps,
          test_names_say_what_they_hold, test_one_loop_file, test_functions_fit_on_a_screen, test_one_atomic_write_helper,
-         test_no_machine_timings_in_docstrings, test_readmes_name_every_source_file]
+         test_no_machine_timings_in_docstrings, test_readmes_name_every_source_file,
+         test_lines_fit_100_columns]
 
 if __name__ == "__main__":
     run(TESTS)

@@ -84,6 +84,33 @@ def test_checkpoint_roundtrip():
         raise AssertionError("a mis-shaped attention_mask was accepted")
 
 
+def test_checkpoint_keeps_the_per_expert_layout():
+    """A checkpoint holds what checkpoints held before the experts were stacked: weights under per-expert keys
+    and AdamW state listed per expert parameter (E x gate, up, down in a layer's place, [F, D] / [D, F]), so
+    old checkpoints resume and new ones load anywhere; the stacked optimizer state round-trips bitwise."""
+    from train.checkpoint import optimizer_state_per_expert, optimizer_state_stacked
+    model = tiny(cpu_engines=True, moe_impl="fused").train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 97, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    saved = optimizer_state_per_expert(optimizer, model)
+    E, F, D, L = 4, 32, 64, 2
+    per_expert_params = len(list(model.parameters())) + L * (3 * E - 2)  # each layer's 2 stacks as 3E tensors
+    assert sum(len(g["params"]) for g in saved["param_groups"]) == per_expert_params
+    shapes = sorted({tuple(st["exp_avg"].shape) for st in saved["state"].values() if st["exp_avg"].dim() == 2})
+    assert (F, D) in shapes and (D, F) in shapes and not any(st["exp_avg"].dim() == 3 for st in saved["state"].values())
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fresh.load_state_dict(optimizer_state_stacked(saved, fresh, model))
+    want, got = optimizer.state_dict(), fresh.state_dict()
+    assert want["param_groups"] == got["param_groups"]
+    for i, state in want["state"].items():
+        assert all(torch.equal(v, got["state"][i][k]) for k, v in state.items()), i
+    keys = set(model.state_dict())
+    assert {f"model.layers.0.mlp.experts.{E - 1}.{p}_proj.weight" for p in ("gate", "up", "down")} <= keys
+    assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in keys)
+
+
 def forward_allocations(layer, x):
     """(op name, output shape, bytes) of every tensor with new memory (not a view of an input) that the ops of
     `layer(x)` return (TorchDispatchMode)."""
@@ -145,6 +172,12 @@ def test_config_defaults_and_roundtrip():
     for name in ("linear_backend", "attn_impl", "lm_loss_impl"):  # engines are chosen when built, not configured
         assert name not in MiniMindConfig.__dataclass_fields__, name
     assert MiniMindConfig(moe_intermediate_size=None).moe_intermediate_size == c.intermediate_size
+    from model.config import trained_config  # the main job's model: the trainer's two departures, named once
+    job = trained_config()
+    assert (job.moe_impl, job.routed_scaling_factor) == ("fused", 2.0), job
+    assert {k: v for k, v in job.to_dict().items() if k not in ("moe_impl", "routed_scaling_factor")} == \
+        {k: v for k, v in c.to_dict().items() if k not in ("moe_impl", "routed_scaling_factor")}
+    assert trained_config(num_experts_per_tok=3).routed_scaling_factor == 3.0
     assert not any(isinstance(layer.mlp, MOEFeedForward) for layer in tiny(use_moe=False).model.layers)
     c2 = MiniMindConfig.from_dict(MiniMindConfig(use_moe=True, num_experts=8, num_experts_per_tok=2).to_dict())
     assert c2.num_experts == 8 and c2.num_experts_per_tok == 2 and c2.use_moe
@@ -381,7 +414,7 @@ def test_empty_inputs_refused_or_kept_in_the_graph():
 
 
 TESTS = [test_config_errors_name_the_field, test_config_defaults_and_roundtrip, test_checkpoint_roundtrip,
-         test_no_expert_weight_copy_per_forward,
+         test_no_expert_weight_copy_per_forward, test_checkpoint_keeps_the_per_expert_layout,
          test_forward_loss_and_aux, test_chunked_lm_loss_is_the_torch_loss, test_tied_and_untied_embeddings, test_causal, test_kv_cache_matches_full_forward,
          test_generate_cache_equals_no_cache, test_generate_stops_at_eos_and_max_len, test_overfit_one_batch,
          test_attention_mask_hides_left_and_right_padding, test_batched_generation_of_different_lengths,

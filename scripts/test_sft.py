@@ -85,7 +85,8 @@ def test_answers_starting_with_whitespace_keep_their_mask():
     leading whitespace on the default tokenizer: checked below.)"""
     import glob
     from data.prepare import prepare_data
-    default = prepare_data(log=lambda *_: None)["tokenizer"]
+    from model.config import MiniMindConfig
+    default = prepare_data(vocab_size=MiniMindConfig.vocab_size, log=lambda *_: None)["tokenizer"]
     code = [open(f).read() for f in sorted(glob.glob(os.path.join(os.path.dirname(json.__file__), "*.py")))]
     code_tok = train_tokenizer(code * 3, vocab_size=1024)
     code_tok.chat_template = default.chat_template

@@ -2,7 +2,8 @@
 
 A flag that sets a `MiniMindConfig` field is named like the field and takes its default from it, so the
 config is built by name (`build_config`) and a new field takes two edits: the field in model/config.py
-and its flag here. The one place training departs from the layer's defaults is `TRAINING_DEFAULTS`.
+and its flag here. The one place training departs from the layer's defaults is model/config.py:
+`TRAINING_DEFAULTS` (`trained_config`: the main job's model).
 
 `parse_args` checks everything that needs neither data nor the model: each flag's range (its field's
 FIELD_RANGES entry, or `RANGES`; shown in --help), the device, and on --resume the flags saved in the
@@ -16,12 +17,10 @@ import os
 import re
 import sys
 
-from model.config import AT_LEAST_0, AT_LEAST_1, FIELD_RANGES, POSITIVE, ConfigError, MiniMindConfig, Range
+from model.config import (AT_LEAST_0, AT_LEAST_1, FIELD_RANGES, HF_CONFIG_KEYS, POSITIVE, TRAINING_DEFAULTS,
+                          ConfigError, MiniMindConfig, Range, trained_config)
 
 CONFIG_FIELDS = set(MiniMindConfig.__dataclass_fields__)
-# Training runs the fused MoE path (no host sync, the fastest); the layer's own default is "sorted",
-# bitwise the masked reference, which the acceptance test pins.
-TRAINING_DEFAULTS = {"moe_impl": "fused", "routed_scaling_factor": None}  # None: num_experts_per_tok
 # Flags a resume never takes from the checkpoint: they describe this invocation, not the run.
 PER_INVOCATION = ("resume", "stop_after", "ep_size", "overwrite")
 # What an upcycled model keeps of the dense one (--upcycle_from); its MoE fields come from the flags
@@ -327,12 +326,11 @@ def build_config(args, base=None, vocab_size=None):
         fields = {**base, **training}
     else:
         fields = {k: v for k, v in vars(args).items() if k in CONFIG_FIELDS}
-        fields.update(use_moe=bool(fields["use_moe"]), moe_pad_to_capacity=bool(fields["moe_pad_to_capacity"]),
-                      vocab_size=vocab_size or getattr(args, "vocab_size", None) or 6400)
-    if fields.get("routed_scaling_factor", 1.0) is None:  # the trainer's default (TRAINING_DEFAULTS)
-        fields["routed_scaling_factor"] = float(fields["num_experts_per_tok"])
-    try:
-        config = MiniMindConfig.from_dict(fields) if base is not None else MiniMindConfig(**fields)
+        fields.update(use_moe=bool(fields["use_moe"]), moe_pad_to_capacity=bool(fields["moe_pad_to_capacity"]))
+        if vocab_size or getattr(args, "vocab_size", None):  # (else the config's default)
+            fields["vocab_size"] = vocab_size or args.vocab_size
+    try:  # (a checkpoint's config dict holds model_type and maybe keys of transformers' config: dropped)
+        config = trained_config(**{k: v for k, v in fields.items() if k not in HF_CONFIG_KEYS})
     except ConfigError as e:
         raise ValueError(e.worded(as_flags)) from None
     if args.seq_len > config.max_position_embeddings:

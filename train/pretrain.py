@@ -14,6 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from model.config import MiniMindConfig  # noqa: E402
 from train import flags  # noqa: E402
 from train.stage import Stage, StageData, main  # noqa: E402
 
@@ -25,7 +26,8 @@ def add_data_flags(g):
                    "out. None: the embedded Python-stdlib docstring corpus")
     g.add_argument("--text_field", default="text", help="the text field of jsonl / parquet / datasets records")
     g.add_argument("--tokenizer", default=None, help="existing tokenizer dir; None: train a BPE on the data (cached)")
-    g.add_argument("--vocab_size", type=int, default=6400, help="BPE vocabulary size when training a tokenizer")
+    g.add_argument("--vocab_size", type=int, default=MiniMindConfig.vocab_size,
+                   help="BPE vocabulary size when training a tokenizer")
     g.add_argument("--tokenizer_sample_mb", type=int, default=16,
                    help="a new BPE is trained on the first this-many MB of training documents")
     g.add_argument("--data_workers", type=int, default=None,

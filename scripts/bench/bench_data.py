@@ -136,8 +136,9 @@ def import_seconds(tree):
     return time.time() - t0
 
 
-PREP_ONLY = ("import sys, time; sys.path.insert(0, sys.argv[1]); from data.prepare import prepare_data; t = time.time(); "
-             "prepare_data(sys.argv[2], cache_dir=sys.argv[3], log=lambda *a: None); "
+PREP_ONLY = ("import sys, time; sys.path.insert(0, sys.argv[1]); from data.prepare import prepare_data; "
+             "from model.config import MiniMindConfig; t = time.time(); "
+             "prepare_data(sys.argv[2], vocab_size=MiniMindConfig.vocab_size, cache_dir=sys.argv[3], log=lambda *a: None); "
              "print(f'data: prepare_data took {time.time() - t:.3f} s', flush=True)")
 
 

@@ -76,7 +76,7 @@ def chosen_engines(config, chosen):
 
 
 def config(args, use_moe=None, num_experts=4, top_k=2, expert_width=384):
-    return MiniMindConfig(vocab_size=6400, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+    return MiniMindConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
                           num_attention_heads=4, num_key_value_heads=2,
                           use_moe=bool(args.use_moe if use_moe is None else use_moe), num_experts=num_experts,
                           num_experts_per_tok=top_k, moe_intermediate_size=expert_width, intermediate_size=768,
@@ -94,7 +94,7 @@ def make_step(args, bf16, chosen, fused_adamw):
     model = build(cfg, chosen_engines(cfg, chosen))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused_adamw)
     gen = torch.Generator().manual_seed(1)
-    batch = torch.randint(0, 6400, (args.batch_size, args.seq_len + 1), generator=gen)
+    batch = torch.randint(0, MiniMindConfig.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
@@ -187,7 +187,7 @@ def split(args):
     print(f"ms per step (forward + backward of all {args.num_layers} layers), batch {B} x {T}, D={D}, "
           f"{'bf16 autocast' if bf16 else 'fp32'}, {torch.get_num_threads()} threads, {args.rounds} rounds "
           f"alternating x {args.steps} steps; attention and LM head are the same modules in every row")
-    h, labels = torch.randn(B, T, D), torch.randint(0, 6400, (B, T))
+    h, labels = torch.randn(B, T, D), torch.randint(0, MiniMindConfig.vocab_size, (B, T))
     parts = {}  # (row, part) -> run()
     for name, (E, K, F_) in SPLIT_ROWS.items():
         cfg = config(args, E > 0, E or 4, K or 2, F_)

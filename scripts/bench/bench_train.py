@@ -38,6 +38,8 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  
 import torch  # noqa: E402
 
 from kernels.engines import engines_for  # noqa: E402
+from train.threads import keep_freed_memory  # noqa: E402
+from model.config import trained_config  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from moe_reference import masked_layer_forward  # noqa: E402
 from bench_moe import device_peak_tflops  # noqa: E402  (this folder: the bf16 peaks of known GPUs)
@@ -48,12 +50,12 @@ ROWS = ("masked", "sorted", "fused", "dense", "hf")
 def model_config(args, row):
     """The MiniMindConfig of a row: the MoE model, or (dense) the same trunk with an FFN of width k*F."""
     moe = row != "dense"
-    return MiniMindConfig(vocab_size=6400, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+    return trained_config(hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
                           num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
                           use_moe=moe, num_experts=args.num_experts, num_experts_per_tok=args.top_k,
                           moe_intermediate_size=args.moe_intermediate_size,
                           intermediate_size=args.top_k * args.moe_intermediate_size,
-                          routed_scaling_factor=float(args.top_k) if moe else 1.0,
+                          routed_scaling_factor=None if moe else 1.0,
                           moe_impl="fused" if row in ("fused", "hf") else "sorted")
 
 
@@ -118,6 +120,7 @@ def main(argv=None):
     if unknown or not rows:
         p.error(f"--rows {args.rows}: unknown {', '.join(unknown)} (choose from {','.join(ROWS)})")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    kept = device == "cpu" and keep_freed_memory()  # as the trainer runs (train/threads.py)
     ptdtype = getattr(torch, args.dtype)
 
     def make(row):
@@ -129,7 +132,7 @@ def main(argv=None):
                 layer.mlp.forward = functools.partial(masked_layer_forward, layer.mlp)
         flops = flops_per_token(model, config, args.seq_len)
         if row == "hf":
-            ids = torch.randint(0, 6400, (2, 16), device=device)
+            ids = torch.randint(0, MiniMindConfig.vocab_size, (2, 16), device=device)
             with torch.no_grad():
                 ours, model = model(ids).logits.float(), hf_twin(model).to(device).train()
                 err = (model(ids).logits.float() - ours).abs().max().item()
@@ -139,7 +142,7 @@ def main(argv=None):
 
     runs = {row: make(row) for row in rows}
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 6400, (args.batch_size, args.seq_len + 1), generator=g).to(device)
+    batches = [torch.randint(0, MiniMindConfig.vocab_size, (args.batch_size, args.seq_len + 1), generator=g).to(device)
                for _ in range(args.steps)]
 
     def block(model, opt):
@@ -163,7 +166,8 @@ def main(argv=None):
     tokens = args.rounds * args.steps * args.batch_size * args.seq_len
     peak = device_peak_tflops(device)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, {args.dtype}, "
-          f"threads {torch.get_num_threads()}{', compiled' if args.compile else ''}; model D={args.hidden_size} "
+          f"threads {torch.get_num_threads()}{', compiled' if args.compile else ''}"
+          f"{', freed memory kept (mallopt)' if kept else ''}; model D={args.hidden_size} "
           f"L={args.num_layers} heads {args.num_heads}/{args.num_kv_heads} E={args.num_experts} k={args.top_k} "
           f"F={args.moe_intermediate_size}, batch {args.batch_size}x{args.seq_len}, {args.rounds} rounds x {args.steps} steps")
     base = rows[0]
