@@ -159,11 +159,11 @@ class CPUExperts(torch.autograd.Function):
 
 def _cpu_layout(counts, dtype):
     """The CPULayout of host row counts per expert (a list of ints)."""
-    # ~8 batched GEMMs per projection beat one small GEMM per expert despite the padding (bf16); a
-    # group takes neighbouring experts while the smallest count is >= 2/3 of the padded largest, so
-    # a skewed routing cannot multiply the padded rows. (Neighbours, not experts sorted by count:
-    # each group's weights are a view.)
-    max_group, E = (max(1, len(counts) // 8) if dtype == torch.bfloat16 else 1), len(counts)
+    # Batched GEMMs of up to E // 4 experts beat one small GEMM per expert despite the padding (bf16;
+    # fp32 runs oneDNN's linear per expert); a group takes neighbouring experts while the smallest
+    # count is >= 2/3 of the padded largest, so a skewed routing cannot multiply the padded rows.
+    # (Neighbours, not experts sorted by count: each group's weights are a view.)
+    max_group, E = (max(1, len(counts) // 4) if dtype == torch.bfloat16 else 1), len(counts)
     # first_row: each expert's first padded row
     groups, first_row, padded_rows, first = [], [], 0, 0
     while first < E:

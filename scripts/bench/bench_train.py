@@ -20,8 +20,10 @@ Rows (--rows picks them; the first is the one the others are divided by):
 Every row trains with the trainer's routing (routed scaling k) and MiniMind's balance loss; all start from
 the same weights and take the same batches (random token ids: throughput does not depend on the text).
 Steps run in rounds, one block of `--steps` steps per row per round, so machine drift hits all alike;
-tokens/s = total tokens / total time of the timed rounds. `--compile` wraps every model in torch.compile
-(the warm-up round compiles). On CUDA, MFU = tokens/s x FLOPs per token / the device's dense bf16 peak, with
+tokens/s = total tokens / total time of the timed rounds. First every row trains `--warmup` steps: on CPU
+oneDNN builds a kernel per GEMM shape, and the CPU experts engine's bucketed row counts (a bounded set)
+keep meeting new shapes for the first tens of steps, while the router's load moves; a training run's
+throughput is the warm one. `--compile` wraps every model in torch.compile (the warm-up compiles). On CUDA, MFU = tokens/s x FLOPs per token / the device's dense bf16 peak, with
 FLOPs per token = 6 x (active matmul parameters: attention, router, the k routed experts of each layer,
 the LM head) + 12 x layers x heads x head_dim x seq_len (attention scores and values; nanoGPT's count).
 `--json PATH` writes the figures.
@@ -92,7 +94,7 @@ def flops_per_token(model, config, seq_len):
 
 
 def main(argv=None):
-    from train.flags import AT_LEAST_1, Parser, check_ranges, show_ranges
+    from train.flags import AT_LEAST_0, AT_LEAST_1, Parser, check_ranges, show_ranges
     p = Parser(description=__doc__)
     p.add_argument("--rows", default="masked,sorted,fused", help=f"comma-separated, from {','.join(ROWS)}")
     p.add_argument("--hidden_size", type=int, default=256)
@@ -106,12 +108,14 @@ def main(argv=None):
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--steps", type=int, default=5, help="timed steps per row per round")
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=40, help="untimed steps per row first")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--compile", action="store_true", help="torch.compile every model")
     p.add_argument("--json", default="", help="also write the figures to this file")
     ranges = dict.fromkeys(("hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts", "top_k",
                             "moe_intermediate_size", "batch_size", "seq_len", "steps", "rounds"), AT_LEAST_1)
+    ranges["warmup"] = AT_LEAST_0
     show_ranges(p, ranges)
     args = p.parse_args(argv)
     check_ranges(p, args, ranges)
@@ -156,7 +160,8 @@ def main(argv=None):
             torch.cuda.synchronize()
 
     for model, opt, _ in runs.values():  # warm-up (allocator, kernels, Triton and torch.compile compilation)
-        block(model, opt)
+        for _ in range(-(-args.warmup // len(batches))):
+            block(model, opt)
     spent = dict.fromkeys(runs, 0.0)
     for _ in range(args.rounds):
         for row, (model, opt, _) in runs.items():
