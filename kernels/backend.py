@@ -1,10 +1,10 @@
-"""Which implementation a kernel call runs: Triton, a torch built-in, or the plain-PyTorch
-reference.
+"""Where the kernels run: whether Triton is installed and runs on a tensor's device, and small
+helpers the kernels share.
 
 Triton runs on CUDA tensors, and on CPU ones when TRITON_INTERPRET=1 is set before triton is first
-imported (a numpy interpreter: slow, but CI tests the kernels without a GPU). Public kernels take
-`backend` in {"auto", "triton", "reference"} (grouped GEMM also "torch"); "auto" picks Triton where
-it runs, else the reference.
+imported (a numpy interpreter: slow, but CI tests the kernels without a GPU). Engines are chosen
+when the model is built (kernels/engines.py); `grouped_gemm.py: grouped_mm` / `grouped_swiglu` also
+take a `backend`, for tests and benchmarks.
 """
 import os
 import warnings
@@ -60,22 +60,3 @@ def warn_once(key: str, message: str):
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, stacklevel=3)
-
-
-def choose(backend: str, tensor, what: str) -> str:
-    """Resolve `backend` for a kernel on `tensor` to "triton" or "reference". Raises ValueError for
-    an unknown backend, RuntimeError when "triton" is forced where it cannot run."""
-    if backend not in ("auto", "triton", "reference"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'reference' for {what}, "
-                         f"got {backend!r}")
-    if backend == "triton" and not triton_runs_on(tensor):
-        raise RuntimeError(f"{what}: Triton cannot run on this {tensor.device.type} tensor "
-                           f"(installed: {triton_importable()}; "
-                           "on CPU set TRITON_INTERPRET=1 before importing)")
-    if backend == "auto":
-        if triton_runs_on(tensor):
-            return "triton"
-        if tensor.is_cuda:
-            warn_once(what, f"{what}: Triton is not available, using the plain-PyTorch reference")
-        return "reference"
-    return backend

@@ -12,8 +12,9 @@ name):
     Engines.lm_loss       linear_cross_entropy (chunked, no logits) CPU
     Engines.experts       CPUExperts (experts.py: cpu_experts)      moe_impl "fused", CPU with oneDNN, eager
                           grouped_experts_for (experts.py)          moe_impl "fused" elsewhere, or compiled
-    Engines.permute       permute_kernel, combine_kernel            always (moe_impl "fused")
-      and .combine        (permute.py)
+    Engines.permute       permute_triton, combine_triton: the       CUDA with Triton (moe_impl "fused"; on
+      and .combine        fused path's Permute / Combine on         CPU model/dispatch.py's plain ones,
+                          permute.py's Triton row movers            also the reference)
 
 moe_impl "sorted" keeps the plain expert_loop of nn.Linear-style chains: its contract is bitwise
 equality with the masked loop. Tolerances of each engine against the plain part:
@@ -26,7 +27,9 @@ from kernels.attention import explicit_attention
 from kernels.cpu_linear import OneDNNLinear, onednn_runs
 from kernels.experts import cpu_experts, grouped_experts_for
 from kernels.linear_cross_entropy import linear_cross_entropy
-from kernels.permute import combine_kernel, permute_kernel
+from kernels.backend import triton_importable
+from kernels.permute import gather_rows_triton, sum_rows_triton
+from model.dispatch import RowMovers, combine_rows, permute_rows
 from model.engines import PLAIN, Engines
 from model.moe import Experts, MOEFeedForward, engine_name
 
@@ -59,7 +62,22 @@ def engines_for(config, device, dtype, compiled=False) -> Engines:
                            else nn.Linear),
                    attend=explicit_attention if cpu and dtype == torch.bfloat16 else PLAIN.attend,
                    lm_loss=linear_cross_entropy if cpu else None,
-                   experts=experts, permute=permute_kernel, combine=combine_kernel)
+                   experts=experts,
+                   **(dict(permute=permute_triton, combine=combine_triton)
+                      if torch.device(device).type == "cuda" and triton_importable() else {}))
+
+
+TRITON_MOVERS = RowMovers(gather_rows_triton, sum_rows_triton)
+
+
+def permute_triton(x_TD, rm):
+    """model/dispatch.py: permute_rows on the Triton row movers (kernels/permute.py)."""
+    return permute_rows(x_TD, rm, TRITON_MOVERS)
+
+
+def combine_triton(rows_PD, rm):
+    """model/dispatch.py: combine_rows on the Triton row movers (kernels/permute.py)."""
+    return combine_rows(rows_PD, rm, TRITON_MOVERS)
 
 
 def describe(model):
@@ -70,8 +88,8 @@ def describe(model):
         if isinstance(m, Experts) and m.engine is not PLAIN.experts:
             names.append(engine_name(m.engine))
         if (isinstance(m, MOEFeedForward)
-                and getattr(m.dispatcher, "permute", None) is permute_kernel):
-            names.append("permute_kernel/combine_kernel")
+                and getattr(m.dispatcher, "permute", None) is permute_triton):
+            names.append("permute_triton/combine_triton")
         if getattr(m, "attend", None) is explicit_attention:
             names.append("explicit_attention")
         if getattr(m, "chunked_lm_loss", None) is not None:

@@ -159,9 +159,10 @@ class CPUExperts(torch.autograd.Function):
 
 def _cpu_layout(counts, dtype):
     """The CPULayout of host row counts per expert (a list of ints)."""
-    # Batched GEMMs of up to E // 4 experts beat one small GEMM per expert despite the padding (bf16;
-    # fp32 runs oneDNN's linear per expert); a group takes neighbouring experts while the smallest
-    # count is >= 2/3 of the padded largest, so a skewed routing cannot multiply the padded rows.
+    # Batched GEMMs of up to E // 4 experts beat one small GEMM per expert despite the padding
+    # (bf16; fp32 runs oneDNN's linear per expert); a group takes neighbouring experts while the
+    # smallest count is >= 2/3 of the padded largest, so a skewed routing cannot multiply the
+    # padded rows.
     # (Neighbours, not experts sorted by count: each group's weights are a view.)
     max_group, E = (max(1, len(counts) // 4) if dtype == torch.bfloat16 else 1), len(counts)
     # first_row: each expert's first padded row

@@ -26,9 +26,10 @@ Megatron-LM's `moe_permute` / `moe_unpermute` and MegaBlocks' sorted grouped GEM
 """
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from model.router import tokens_per_expert
 
@@ -279,28 +280,106 @@ def compute_dtype(x):
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
-def permute_rows(x_TD, rm):
-    """The plain permute: rows_PD = x[token_of_row] ([P, D], x's dtype) with zero rows where
-    token_of_row < 0."""
-    if x_TD.shape[0] == 0:  # no token: every row is padding
-        return x_TD.new_zeros(rm.token_of_row_P.shape[0], x_TD.shape[1]) + x_TD.sum()
-    rows_PD = x_TD.index_select(0, rm.token_of_row_P.clamp(min=0))
-    return (rows_PD.masked_fill((rm.token_of_row_P < 0).unsqueeze(-1), 0) if rm.has_holes
-            else rows_PD)
+def _in_dtype(tensor, dtype):
+    # the tensor itself when it has `dtype` already: torch 2.11's compile loses the gradient of
+    # an autograd Function whose forward returns a no-op `.to()` (as kernels/backend.py: cast)
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
-def combine_rows(rows_PD, rm):
-    """The plain combine: y[t] = sum over j = 0..K-1 with row[t, j] >= 0 of rows[row[t, j]] ->
-    [T, D] fp32, j ascending."""
-    T, K = rm.row_of_pair_TK.shape
-    v_TKD = (rows_PD.index_select(0, rm.row_of_pair_TK.reshape(-1).clamp(min=0))
-             .view(T, K, rows_PD.shape[1]).float())
-    if rm.has_holes:
-        v_TKD = v_TKD.masked_fill((rm.row_of_pair_TK < 0).unsqueeze(-1), 0)
-    y_TD = v_TKD[:, 0]
-    for j in range(1, K):
-        y_TD = y_TD + v_TKD[:, j]
-    return y_TD
+def gather_rows(x_TD, src_P, out_dtype=None, has_holes=True):
+    """out[p] = x[src[p]], zero where src[p] < 0: x_TD [T, D] float, src_P int64 [P] in [-1, T)
+    (has_holes False: no -1) -> [P, D] in out_dtype (None = x's). The plain row mover (the
+    reference of kernels/permute.py's Triton kernels, bitwise: a gather is exact)."""
+    out_dtype = out_dtype or x_TD.dtype
+    if x_TD.shape[0] == 0:  # no source rows: every output row is padding
+        return x_TD.new_zeros(src_P.shape[0], x_TD.shape[1], dtype=out_dtype)
+    # cast the T source rows, not the P >= T gathered ones; F.embedding is torch's fastest row
+    # gather on CPU. Holes read an appended zero row (zeroing them afterwards, a broadcast
+    # masked_fill, costs ~10x the gather).
+    if not has_holes:
+        return F.embedding(src_P, x_TD.to(out_dtype))
+    zero_row = x_TD.new_zeros(1, x_TD.shape[1], dtype=out_dtype)
+    return F.embedding(torch.where(src_P < 0, x_TD.shape[0], src_P),
+                       torch.cat([x_TD.to(out_dtype), zero_row]))
+
+
+def sum_rows(h_PD, row_TK, out_dtype=None, has_holes=True):
+    """out[t] = sum of h[row[t, j]] over j = 0..K-1 with row >= 0, in fp32 (fp64 for fp64), j
+    ascending, cast to out_dtype (None = h's): h_PD [P, D], row_TK int64 [T, K] in [-1, P) ->
+    [T, D]. On CPU an fp32 / bf16 sum without holes is embedding_bag over the fp32 rows (it adds
+    each bag in index order: the same bits)."""
+    out_dtype = out_dtype or h_PD.dtype
+    if (not has_holes and h_PD.device.type == "cpu" and out_dtype in (torch.float32, torch.bfloat16)
+            and h_PD.dtype in (torch.float32, torch.bfloat16) and h_PD.shape[0] > 0):
+        return _in_dtype(F.embedding_bag(row_TK, h_PD.float(), mode="sum"), out_dtype)
+    T, K = row_TK.shape
+    v_TKD = h_PD.index_select(0, row_TK.reshape(-1).clamp(min=0)).view(T, K, h_PD.shape[1])
+    v_TKD = v_TKD.to(torch.promote_types(h_PD.dtype, torch.float32))
+    if has_holes:
+        v_TKD = v_TKD.masked_fill_((row_TK < 0).unsqueeze(-1), 0)
+    acc = v_TKD[:, 0]
+    for j in range(1, K):  # one [T, D] add at a time: no [T, K, D] reduction temporary
+        acc = acc + v_TKD[:, j]
+    return _in_dtype(acc, out_dtype)
+
+
+class RowMovers(NamedTuple):
+    """The two row movers the permute and the combine run, forward and backward: gather (as
+    `gather_rows`) and sum (as `sum_rows`). PLAIN_MOVERS here; kernels/permute.py's Triton ones."""
+    gather: Callable
+    sum: Callable
+
+
+PLAIN_MOVERS = RowMovers(gather_rows, sum_rows)
+
+
+class Permute(torch.autograd.Function):
+    """rows_PD = x[token_of_row] (zero padding rows) by movers.gather; backward: grad_x[t] = sum_j
+    grad_rows[row_of_pair[t, j]] by movers.sum (a gather, no scatter-add)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, token_of_row_P, row_of_pair_TK, has_holes, movers):
+        ctx.save_for_backward(row_of_pair_TK)
+        ctx.has_holes, ctx.movers = has_holes, movers
+        return movers.gather(x_TD, token_of_row_P, has_holes=has_holes)
+
+    @staticmethod
+    def backward(ctx, grad_PD):
+        grad = ctx.movers.sum(grad_PD, ctx.saved_tensors[0], has_holes=ctx.has_holes)
+        return grad, None, None, None, None
+
+
+class Combine(torch.autograd.Function):
+    """y_TD = sum_j h[row_of_pair[t, j]] (fp32 accumulation, slots ascending) in out_dtype by
+    movers.sum; backward: grad_h[p] = grad_y[token_of_row[p]] (zero for padding rows) by
+    movers.gather. h_PD may stop before P (an engine that returns only its experts' rows: the rows
+    after them are padding)."""
+
+    @staticmethod
+    def forward(ctx, h_PD, token_of_row_P, row_of_pair_TK, has_holes, movers, out_dtype):
+        ctx.save_for_backward(token_of_row_P[:h_PD.shape[0]])
+        ctx.has_holes, ctx.movers, ctx.h_dtype = has_holes, movers, h_PD.dtype
+        return movers.sum(h_PD, row_of_pair_TK, out_dtype, has_holes)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        grad = ctx.movers.gather(grad_TD, ctx.saved_tensors[0], ctx.h_dtype, ctx.has_holes)
+        return grad, None, None, None, None, None
+
+
+def permute_rows(x_TD, rm, movers=PLAIN_MOVERS):
+    """The fused path's permute: rows_PD = x[token_of_row] ([P, D], x's dtype) with zero rows where
+    token_of_row < 0 (rm: a RowMap), differentiable (`Permute`) on `movers`."""
+    with torch.autocast(x_TD.device.type, enabled=False):  # the movers take explicit dtypes
+        return Permute.apply(x_TD, rm.token_of_row_P, rm.row_of_pair_TK, rm.has_holes, movers)
+
+
+def combine_rows(rows_PD, rm, movers=PLAIN_MOVERS):
+    """The fused path's combine: y[t] = sum over j = 0..K-1 with row[t, j] >= 0 of rows[row[t, j]]
+    -> [T, D] fp32, j ascending (rm: a RowMap), differentiable (`Combine`) on `movers`."""
+    with torch.autocast(rows_PD.device.type, enabled=False):
+        return Combine.apply(rows_PD, rm.token_of_row_P, rm.row_of_pair_TK, rm.has_holes, movers,
+                             torch.float32)
 
 
 @dataclass

@@ -35,7 +35,7 @@ def routed(mod, x):
 
 def test_counts_within_capacity_and_sync_free():
     """Sorted: one sync with capacity; the fused layer built with kernels.engines.engines_for's engines
-    (the experts on cpu_experts where oneDNN runs, the rows moved by permute_kernel / combine_kernel): no sync,
+    (the experts on cpu_experts where oneDNN runs, the rows moved by the plain permute / combine): no sync,
     the same per-expert counts (also with padding to capacity)."""
     from kernels.engines import describe, engines_for, rebuilt
     from model.moe import engine_name
@@ -50,7 +50,7 @@ def test_counts_within_capacity_and_sync_free():
             fused = build(capacity_factor=cf, moe_pad_to_capacity=pad, moe_impl="fused")
             engines = engines_for(fused.config, "cpu", torch.float32)
             fused = rebuilt(fused, engines)
-            want = f"engines: permute_kernel/combine_kernel x1, {engine_name(engines.experts)} x1"
+            want = f"engines: {engine_name(engines.experts)} x1"
             assert fused.experts.engine is engines.experts and describe(fused) == want, describe(fused)
             _, n = count_syncs(fused, x)
             assert n == 0, f"fused: {n} syncs with capacity"

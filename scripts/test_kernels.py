@@ -23,15 +23,16 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from testlib import Skip, run  # noqa: E402,F401
-from kernels.backend import choose, cpu_values, interpreting, triton_importable, triton_runs_on  # noqa: E402
+from kernels.backend import cpu_values, interpreting, triton_importable, triton_runs_on  # noqa: E402
 from kernels.experts import GROUPED_EXPERTS, CPUExperts, cpu_experts, grouped_experts_for  # noqa: E402
 from kernels.cpu_linear import OneDNNLinear, linear, onednn_linear_fits, onednn_runs  # noqa: E402
 from kernels import linear_cross_entropy as lce  # noqa: E402
 from kernels.grouped_gemm import (GROUPED_OPS, GroupedSwiGLU, grouped_mm, grouped_swiglu,  # noqa: E402
                                   resolve_backend, torch_grouped_mm_supports)
-from kernels.permute import Combine, Permute, combine_rows, gather_rows  # noqa: E402
+from kernels.permute import gather_rows_triton, sum_rows_triton  # noqa: E402
 from kernels.engines import describe, engines_for, rebuilt  # noqa: E402
-from model.dispatch import build_row_map  # noqa: E402  (the row maps the permute kernels read)
+from model.dispatch import (PLAIN_MOVERS, Combine, Permute, RowMovers, build_row_map,  # noqa: E402
+                            gather_rows, sum_rows)  # (the row maps the permute kernels read; the reference)
 from model.moe import Experts, FeedForward, expert_loop  # noqa: E402
 
 # Triton runs CPU tensors only in its interpreter, and the interpreter would also run CUDA tensors (on
@@ -118,8 +119,9 @@ DTYPE_PAIRS = [(torch.float32, None), (torch.float32, torch.bfloat16), (torch.bf
 
 
 def test_gather_rows_bitwise():
-    """Triton gather_rows == the reference bit for bit: every row-map case, odd widths, fp32 / bf16 in and
-    out (the fp32 -> bf16 cast must round to nearest even as torch does), with and without holes."""
+    """Triton gather_rows_triton == model/dispatch.py's gather_rows (the reference) bit for bit: every row-map
+    case, odd widths, fp32 / bf16 in and out (the fp32 -> bf16 cast must round to nearest even as torch does),
+    with and without holes."""
     need_triton()
     for dev in DEVICES:
         for T, K, E, rm in case_maps(dev):
@@ -127,14 +129,14 @@ def test_gather_rows_bitwise():
                 x = torch.randn(T, D, device=dev)
                 for dtype, out_dtype in DTYPE_PAIRS:
                     xd = x.to(dtype)
-                    want = gather_rows(xd, rm.token_of_row_P, "reference", out_dtype, rm.has_holes)
-                    got = gather_rows(xd, rm.token_of_row_P, "triton", out_dtype, rm.has_holes)
+                    want = gather_rows(xd, rm.token_of_row_P, out_dtype, rm.has_holes)
+                    got = gather_rows_triton(xd, rm.token_of_row_P, out_dtype, rm.has_holes)
                     assert bits_equal(got, want), (T, K, E, D, dtype, out_dtype)
 
 
 def test_combine_rows_bitwise():
-    """Triton combine_rows == the reference bit for bit (fp32 accumulation, slots in order), fp32 / bf16
-    in and out, with and without holes."""
+    """Triton sum_rows_triton == model/dispatch.py's sum_rows bit for bit (fp32 accumulation, slots in
+    order), fp32 / bf16 in and out, with and without holes."""
     need_triton()
     for dev in DEVICES:
         for T, K, E, rm in case_maps(dev):
@@ -142,8 +144,8 @@ def test_combine_rows_bitwise():
                 h = torch.randn(num_rows(rm), D, device=dev)
                 for dtype, out_dtype in DTYPE_PAIRS:
                     hd = h.to(dtype)
-                    want = combine_rows(hd, rm.row_of_pair_TK, "reference", out_dtype, rm.has_holes)
-                    got = combine_rows(hd, rm.row_of_pair_TK, "triton", out_dtype, rm.has_holes)
+                    want = sum_rows(hd, rm.row_of_pair_TK, out_dtype, rm.has_holes)
+                    got = sum_rows_triton(hd, rm.row_of_pair_TK, out_dtype, rm.has_holes)
                     assert bits_equal(got, want), (T, K, E, D, dtype, out_dtype)
 
 
@@ -159,24 +161,25 @@ def test_hole_free_fast_path_is_the_same():
     h = torch.randn(num_rows(rm), 16)
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         xd, hd = x.to(dtype), h.to(dtype)
-        assert bits_equal(gather_rows(xd, rm.token_of_row_P, "reference", has_holes=False),
-                          gather_rows(xd, rm.token_of_row_P, "reference"))
-        assert bits_equal(combine_rows(hd, rm.row_of_pair_TK, "reference", has_holes=False),
-                          combine_rows(hd, rm.row_of_pair_TK, "reference"))
+        assert bits_equal(gather_rows(xd, rm.token_of_row_P, has_holes=False), gather_rows(xd, rm.token_of_row_P))
+        assert bits_equal(sum_rows(hd, rm.row_of_pair_TK, has_holes=False), sum_rows(hd, rm.row_of_pair_TK))
+
+
+MOVERS = {"reference": PLAIN_MOVERS, "triton": RowMovers(gather_rows_triton, sum_rows_triton)}
 
 
 def permute(x, rm, backend):
-    return Permute.apply(x, rm.token_of_row_P, rm.row_of_pair_TK, rm.has_holes, backend)
+    return Permute.apply(x, rm.token_of_row_P, rm.row_of_pair_TK, rm.has_holes, MOVERS[backend])
 
 
 def combine(h, rm, backend, out_dtype=None):
-    return Combine.apply(h, rm.token_of_row_P, rm.row_of_pair_TK, rm.has_holes, backend, out_dtype)
+    return Combine.apply(h, rm.token_of_row_P, rm.row_of_pair_TK, rm.has_holes, MOVERS[backend], out_dtype)
 
 
 def test_permute_combine_autograd():
-    """Gradients of the differentiable Permute / Combine (permute_kernel / combine_kernel's): the reference
-    backend passes gradcheck in float64, and the Triton backend's gradients equal the reference's bitwise
-    (fp32; and bf16 rows combined into fp32, as the layer does under autocast)."""
+    """Gradients of the differentiable Permute / Combine (model/dispatch.py; the fused path's permute /
+    combine): on the plain movers they pass gradcheck in float64, and on the Triton movers their gradients
+    equal the plain ones bitwise (fp32; and bf16 rows combined into fp32, as the layer does under autocast)."""
     for T, K, E, drop, idle, pad_to, align in CASES:
         if T == 0:
             continue
@@ -320,10 +323,10 @@ def test_grouped_mm_cpu_backends_over_cases():
 
 
 def test_embedding_bag_combine_is_the_reference():
-    """The CPU fast path inside the reference combine (torch's embedding_bag over fp32 rows, no holes;
-    fp32 / bf16 in and out) equals the general masked path and a plain fp32 loop bit for bit, and is taken
-    exactly there (not with holes, an empty buffer or other dtypes)."""
-    import kernels.permute as permute_module
+    """The CPU fast path inside the reference sum (model/dispatch.py: sum_rows; torch's embedding_bag over
+    fp32 rows, no holes; fp32 / bf16 in and out) equals the general masked path and a plain fp32 loop bit
+    for bit, and is taken exactly there (not with holes, an empty buffer or other dtypes)."""
+    import model.dispatch as permute_module
     calls = []
     real = permute_module.F.embedding_bag
 
@@ -343,11 +346,11 @@ def test_embedding_bag_combine_is_the_reference():
                                          (torch.float32, torch.bfloat16), (torch.bfloat16, None)):
                     h = torch.randn(num_rows(rm), 37, dtype=dtype)
                     calls.clear()
-                    got = combine_rows(h, rm.row_of_pair_TK, "reference", out_dtype, rm.has_holes)
+                    got = sum_rows(h, rm.row_of_pair_TK, out_dtype, rm.has_holes)
                     fast = not rm.has_holes and num_rows(rm) > 0 and {dtype, out_dtype or dtype} <= {torch.float32,
                                                                                        torch.bfloat16}
                     assert bool(calls) == fast, (T, K, E, may_drop, dtype, out_dtype, calls)
-                    general = combine_rows(h, rm.row_of_pair_TK, "reference", out_dtype, has_holes=True)
+                    general = sum_rows(h, rm.row_of_pair_TK, out_dtype, has_holes=True)
                     assert bits_equal(got, general), (T, K, E, may_drop, dtype, out_dtype)
                     acc = torch.zeros(T, 37, dtype=torch.promote_types(dtype, torch.float32))
                     for j in range(K):  # the documented order: slot 0 first, fp32 (fp64 stays fp64)
@@ -398,7 +401,7 @@ def expert_rows(T, K, E, drop, idle, pad_to, align, D, seed=0):
     rm = build_row_map(routing(T, K, E, drop=drop, idle=idle, seed=seed), E, pad_to, align)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(T, D, generator=g)
-    rows = gather_rows(x, rm.token_of_row_P, "reference")
+    rows = gather_rows(x, rm.token_of_row_P)
     weight = torch.where(rm.pair_of_row_P >= 0, torch.rand(num_rows(rm), generator=g), 0.0)
     return rows, rm.padded_E, weight
 
@@ -604,13 +607,13 @@ def test_grouped_swiglu_matches_per_expert_ffn():
 
 def test_backend_choice_errors():
     x = torch.randn(2, 2)
-    for bad in ("cuda", "", None):
+    if not triton_runs_on(x):  # the Triton row movers say where they cannot run
         try:
-            choose(bad, x, "gather_rows")
-        except ValueError as e:
-            assert "backend" in str(e)
+            gather_rows_triton(x, torch.zeros(1, dtype=torch.int64))
+        except RuntimeError as e:
+            assert "Triton cannot run" in str(e)
         else:
-            raise AssertionError(f"backend {bad!r} accepted")
+            raise AssertionError("gather_rows_triton ran where Triton cannot")
     try:
         grouped_mm(torch.randn(3, 4), torch.randn(2, 5, 4), torch.tensor([1, 3], dtype=torch.int32))
     except ValueError as e:

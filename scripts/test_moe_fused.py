@@ -10,7 +10,8 @@ three (ENGINES), each on a layer of its own with the same weights (kernels.engin
              path), and model/dispatch.py's permute_rows / combine_rows;
   "cpu"      the layer built with kernels.engines.engines_for's engines: kernels/experts.py's cpu_experts (the
              CPU oneDNN expert GEMMs, CPUExperts: what engines_for picks on CPU where oneDNN runs the dtype) and
-             kernels/permute.py's permute_kernel / combine_kernel (autograd Functions);
+             the permute / combine engines_for picks (on CPU model/dispatch.py's plain ones, on CUDA
+             permute_triton / combine_triton: kernels/permute.py's row movers);
   "grouped"  the same engines with the grouped-GEMM experts engine grouped_experts_for picks for the CPU
              (kernels/experts.py: GROUPED_EXPERTS, kernels/grouped_gemm.py: GroupedSwiGLU on torch's
              grouped_mm where it takes the sizes, else on the per-expert reference loop): the GPU's engine.
@@ -37,7 +38,6 @@ from sync_count import SyncCounter, count_syncs
 from kernels.cpu_linear import onednn_runs
 from kernels.engines import describe, engines_for, rebuilt
 from kernels.experts import GROUPED_EXPERTS, CPUExperts, GroupedSwiGLU, cpu_experts, grouped_experts_for
-from kernels.permute import combine_kernel, permute_kernel
 from model.dispatch import RowLayout, RowMapDispatcher, SortedDispatcher
 from model.model_minimind import MiniMindConfig, MOEFeedForward
 from model.moe import engine_name, expert_loop
@@ -47,9 +47,11 @@ ENGINES = ("plain", "cpu", "grouped")
 ENGINE_FUNCTIONS = {"plain": (expert_loop,), "cpu": (cpu_experts,), "grouped": tuple(GROUPED_EXPERTS.values())}
 
 
-def fused_engines(experts_engine, n=1):
-    """describe() of n engine-built fused layers whose experts run `experts_engine`."""
-    return f"engines: permute_kernel/combine_kernel x{n}, {engine_name(experts_engine)} x{n}"
+def fused_engines(experts_engine, n=1, device="cpu"):
+    """describe() of n engine-built fused layers on `device` whose experts run `experts_engine` (the permute /
+    combine are named where they are the Triton ones, on CUDA)."""
+    triton = f"permute_triton/combine_triton x{n}, " if device == "cuda" else ""
+    return f"engines: {triton}{engine_name(experts_engine)} x{n}"
 
 
 def with_engines(fused, device="cpu", dtype=torch.float32, experts=None, compiled=False):
@@ -64,8 +66,8 @@ def with_engines(fused, device="cpu", dtype=torch.float32, experts=None, compile
         layer = rebuilt(fused, engines)
     assert type(layer) is MOEFeedForward and layer.training == fused.training
     assert layer.experts.engine is engines.experts and type(layer.dispatcher) is RowMapDispatcher
-    assert layer.dispatcher.permute is permute_kernel and layer.dispatcher.combine_rows is combine_kernel
-    assert describe(layer) == fused_engines(engines.experts), describe(layer)
+    assert layer.dispatcher.permute is engines.permute and layer.dispatcher.combine_rows is engines.combine
+    assert describe(layer) == fused_engines(engines.experts, device=device), describe(layer)
     return layer
 
 
@@ -285,7 +287,7 @@ def test_zero_syncs():
     assert describe(plain_tree) == "engines: plain PyTorch", describe(plain_tree)
     again = rebuilt(tree[0], engines_for(tree[0].config, "cpu", torch.float32))
     assert again.experts.engine is engines.experts and type(again.dispatcher) is RowMapDispatcher
-    assert again.dispatcher.permute is permute_kernel and again.dispatcher.combine_rows is combine_kernel
+    assert again.dispatcher.permute is engines.permute and again.dispatcher.combine_rows is engines.combine
     assert list(again.state_dict()) == list(tree[0].state_dict()) and all(
         torch.equal(a, b) for a, b in zip(again.state_dict().values(), tree[0].state_dict().values()))
     x = torch.randn(2, 30, D)
@@ -296,8 +298,8 @@ def test_zero_syncs():
     from model.model_minimind import MiniMindForCausalLM
     config = MiniMindConfig(**cfg, moe_impl="fused", num_hidden_layers=3, vocab_size=64)
     model = MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float32))
-    assert all(b.mlp.experts.engine is engines.experts and b.mlp.dispatcher.permute is permute_kernel
-               and b.mlp.dispatcher.combine_rows is combine_kernel for b in model.model.layers)
+    assert all(b.mlp.experts.engine is engines.experts and b.mlp.dispatcher.permute is engines.permute
+               and b.mlp.dispatcher.combine_rows is engines.combine for b in model.model.layers)
     assert fused_engines(engines.experts, 3)[len("engines: "):] in describe(model), describe(model)
     # a sorted layer keeps the plain experts and dispatcher
     sorted_config = MiniMindConfig(**cfg)
@@ -375,7 +377,7 @@ def test_state_dict_and_engines():
         assert_close(layer(x), want, 1e-5, "inference_mode")
     twin = copy.deepcopy(layer)
     # (== rather than is: an autograd Function's apply, as cpu_experts is, deep-copies to a new bound method)
-    assert twin.experts.engine == layer.experts.engine and twin.dispatcher.permute is permute_kernel
+    assert twin.experts.engine == layer.experts.engine and twin.dispatcher.permute is layer.dispatcher.permute
     assert_close(twin(x), want, 1e-5, "deepcopy")
     assert_close(fused(x), want, 1e-5, "plain fused layer")
 
