@@ -210,6 +210,10 @@ def _grouped_engine(ops):
 
 
 GROUPED_EXPERTS = {name: _grouped_engine(ops) for name, ops in GROUPED_OPS.items()}
+# each also a module attribute under its name: pickle finds a function by name (a model holding one
+# pickles)
+(grouped_experts_torch, grouped_experts_torch_compiled, grouped_experts_triton,
+ grouped_experts_reference) = GROUPED_EXPERTS.values()
 
 
 def grouped_experts_for(device, dtype, hidden_size, intermediate_size, compiled=False):

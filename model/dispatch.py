@@ -376,10 +376,11 @@ def permute_rows(x_TD, rm, movers=PLAIN_MOVERS):
 
 def combine_rows(rows_PD, rm, movers=PLAIN_MOVERS):
     """The fused path's combine: y[t] = sum over j = 0..K-1 with row[t, j] >= 0 of rows[row[t, j]]
-    -> [T, D] fp32, j ascending (rm: a RowMap), differentiable (`Combine`) on `movers`."""
+    -> [T, D] fp32 (fp64 for fp64 rows), j ascending (rm: a RowMap), differentiable (`Combine`) on
+    `movers`."""
     with torch.autocast(rows_PD.device.type, enabled=False):
         return Combine.apply(rows_PD, rm.token_of_row_P, rm.row_of_pair_TK, rm.has_holes, movers,
-                             torch.float32)
+                             torch.promote_types(rows_PD.dtype, torch.float32))
 
 
 @dataclass

@@ -19,6 +19,7 @@ pay.
 Expert parallelism wraps the dispatcher (train/parallel.py).
 """
 import math
+import operator
 import warnings
 from dataclasses import dataclass
 
@@ -89,7 +90,7 @@ class Expert(nn.Module):
     reference loop iterates and calls these): forward(x [..., D]) -> [..., D] the SwiGLU FFN on
     views into the stacked weights, so gradients flow into them; parameters() yields the views gate
     [F, D], up [F, D], down [D, F]. It holds no parameter of its own: the weights stay the
-    stack's."""
+    stack's (train, clip or freeze the stack, `Experts.parameters()`: the views are no leaves)."""
 
     def __init__(self, experts, index):
         super().__init__()
@@ -142,6 +143,7 @@ class Experts(nn.Module):
         return self.gate_up_proj.shape[0]
 
     def __getitem__(self, index):
+        index = operator.index(index)  # (an int: a slice of experts is no module)
         if not -len(self) <= index < len(self):
             raise IndexError(f"expert {index} of {len(self)}")
         return Expert(self, index % len(self))
@@ -191,14 +193,41 @@ def _per_expert_state_dict(module, state_dict, prefix, local_metadata):
 
 def _stacked_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys,
                         unexpected_keys, error_msgs):
-    """Experts' load_state_dict pre-hook: per-expert entries, when all are there, -> the stacked
-    tensors."""
-    keys = [[f"{prefix}{e}.{name}.weight" for name in PROJECTIONS] for e in range(len(module))]
-    if all(k in state_dict for ks in keys for k in ks):
+    """Experts' load_state_dict pre-hook: per-expert entries -> the stacked tensors. A misshapen
+    entry is a size-mismatch error naming its key; with some experts' entries absent the others
+    load into the current stack and the absent keys are reported missing (strict: an error)."""
+    (E, F2, D), F_ = module.gate_up_proj.shape, module.gate_up_proj.shape[1] // 2
+    shapes = dict(zip(PROJECTIONS, ((F_, D), (F_, D), (D, F_))))
+    keys = [[f"{prefix}{e}.{name}.weight" for name in PROJECTIONS] for e in range(E)]
+    present = [k for ks in keys for k in ks if k in state_dict]
+    if not present:
+        return
+    misshapen = [k for k in present if tuple(state_dict[k].shape) != shapes[k.split(".")[-2]]]
+    for k in misshapen:
+        error_msgs.append(f"size mismatch for {k}: copying a param with shape "
+                          f"{tuple(state_dict[k].shape)} from checkpoint, the shape in current "
+                          f"model is {shapes[k.split('.')[-2]]}.")
+    if misshapen:  # (only these errors: nothing loads, nothing else is reported)
+        for k in present:
+            state_dict.pop(k)
+        state_dict[prefix + "gate_up_proj"] = module.gate_up_proj.detach()
+        state_dict[prefix + "down_proj"] = module.down_proj.detach()
+        return
+    if len(present) == 3 * E:
         per_expert = [[state_dict.pop(k) for k in ks] for ks in keys]
         state_dict[prefix + "gate_up_proj"] = torch.stack([torch.cat([gate, up])
                                                            for gate, up, _ in per_expert])
         state_dict[prefix + "down_proj"] = torch.stack([down for _, _, down in per_expert])
+        return
+    gate_up, down = module.gate_up_proj.detach().clone(), module.down_proj.detach().clone()
+    for e, (gate_key, up_key, down_key) in enumerate(keys):
+        targets = ((gate_key, gate_up[e, :F_]), (up_key, gate_up[e, F_:]), (down_key, down[e]))
+        for key, target in targets:
+            if key in state_dict:
+                target.copy_(state_dict.pop(key))
+            else:
+                missing_keys.append(key)
+    state_dict[prefix + "gate_up_proj"], state_dict[prefix + "down_proj"] = gate_up, down
 
 
 @dataclass

@@ -111,6 +111,44 @@ def test_checkpoint_keeps_the_per_expert_layout():
     assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in keys)
 
 
+def test_experts_load_and_pickle_edge_cases():
+    """Per-expert loading: a misshapen entry is a size-mismatch error naming its key (a wrong gate / up
+    split too), absent experts are reported missing by their own keys while the rest load (strict=False);
+    a model on the grouped experts engine pickles; a stack frozen in half round-trips its optimizer state."""
+    import io
+
+    from kernels.engines import engines_for
+    from train.checkpoint import optimizer_state_per_expert, optimizer_state_stacked
+    layer = MOEFeedForward(MiniMindConfig(hidden_size=32, num_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=16))
+    state = dict(layer.state_dict())
+    split = {**state, "experts.0.gate_proj.weight": torch.zeros(24, 32), "experts.0.up_proj.weight": torch.zeros(8, 32)}
+    try:
+        MOEFeedForward(layer.config).load_state_dict(split)
+    except RuntimeError as e:
+        assert "size mismatch for experts.0.gate_proj.weight" in str(e) and "gate_up_proj" not in str(e), e
+    else:
+        raise AssertionError("a 24 + 8 gate / up split loaded")
+    partial = {k: v for k, v in state.items() if k != "experts.3.down_proj.weight"}
+    other = MOEFeedForward(layer.config)
+    result = other.load_state_dict(partial, strict=False)
+    assert result.missing_keys == ["experts.3.down_proj.weight"] and not result.unexpected_keys, result
+    assert torch.equal(other.experts.gate_up_proj, layer.experts.gate_up_proj)
+    config = MiniMindConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1, num_experts=4, moe_intermediate_size=16, moe_impl="fused")
+    torch.save(MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float32, compiled=True)), io.BytesIO())
+    model = tiny(moe_impl="fused")
+    for p in [model.model.layers[0].mlp.experts.down_proj]:
+        p.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model(torch.randint(0, 97, (2, 8)), labels=torch.randint(0, 97, (2, 8))).loss.backward()
+    optimizer.step()
+    fresh = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    fresh.load_state_dict(optimizer_state_stacked(optimizer_state_per_expert(optimizer, model), fresh, model))
+    for i, st in optimizer.state_dict()["state"].items():
+        assert all(torch.equal(v, fresh.state_dict()["state"][i][k]) for k, v in st.items()), i
+
+
 def forward_allocations(layer, x):
     """(op name, output shape, bytes) of every tensor with new memory (not a view of an input) that the ops of
     `layer(x)` return (TorchDispatchMode)."""
@@ -415,6 +453,7 @@ def test_empty_inputs_refused_or_kept_in_the_graph():
 
 TESTS = [test_config_errors_name_the_field, test_config_defaults_and_roundtrip, test_checkpoint_roundtrip,
          test_no_expert_weight_copy_per_forward, test_checkpoint_keeps_the_per_expert_layout,
+         test_experts_load_and_pickle_edge_cases,
          test_forward_loss_and_aux, test_chunked_lm_loss_is_the_torch_loss, test_tied_and_untied_embeddings, test_causal, test_kv_cache_matches_full_forward,
          test_generate_cache_equals_no_cache, test_generate_stops_at_eos_and_max_len, test_overfit_one_batch,
          test_attention_mask_hides_left_and_right_padding, test_batched_generation_of_different_lengths,

@@ -48,21 +48,29 @@ def save_checkpoint(path, model, optimizer=None, extra=None):
 
 
 def _per_expert_slots(model, params):
-    """What the per-expert layout lists in place of `params` (an optimizer's parameters in order): [(i, where)],
-    params[i][where] each; an Experts' stacked gate_up_proj stands for E x (gate, up, down) slices, its
-    down_proj for nothing (the order of E FeedForward modules' parameters)."""
+    """What the per-expert layout lists in place of `params` (an optimizer's parameters in order):
+    [(i, where)], params[i][where] each; an Experts' stacked gate_up_proj stands for E x (gate, up,
+    down) slices, its down_proj for nothing (the order of E FeedForward modules' parameters); a
+    stacked tensor whose partner is not in `params` (frozen) stands for its own E slices alone."""
     from model.moe import Experts
-    stacks = {id(m.gate_up_proj): m for m in unwrap(model).modules() if isinstance(m, Experts)}
-    downs, position = {id(m.down_proj) for m in stacks.values()}, {id(p): i for i, p in enumerate(params)}
+    stacks = [m for m in unwrap(model).modules() if isinstance(m, Experts)]
+    position = {id(p): i for i, p in enumerate(params)}
+    gate_ups = {id(m.gate_up_proj): m for m in stacks}
+    lone_downs = {id(m.down_proj): m for m in stacks if id(m.gate_up_proj) not in position}
     slots = []
     for i, p in enumerate(params):
-        if id(p) in stacks:
-            experts = stacks[id(p)]
-            down, F_ = position[id(experts.down_proj)], experts.down_proj.shape[2]
-            for e in range(len(experts)):
-                slots += [(i, (e, slice(None, F_))), (i, (e, slice(F_, None))), (down, (e,))]
-        elif id(p) not in downs:
-            slots.append((i, ()))
+        experts = gate_ups.get(id(p)) or lone_downs.get(id(p))
+        if experts is None:
+            if not any(id(p) == id(m.down_proj) for m in stacks):
+                slots.append((i, ()))
+            continue
+        down, F_ = position.get(id(experts.down_proj)), experts.down_proj.shape[2]
+        for e in range(len(experts)):
+            if id(p) == id(experts.down_proj):
+                slots.append((i, (e,)))
+                continue
+            slots += [(i, (e, slice(None, F_))), (i, (e, slice(F_, None)))]
+            slots += [(down, (e,))] if down is not None else []
     return slots
 
 

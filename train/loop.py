@@ -683,6 +683,10 @@ def finish(run, state):
     args = run.args
     if state.start_step >= state.plan.end:
         run.log(f"nothing to do: checkpoint is at step {state.start_step} >= the run's {state.plan.end} steps")
+    elif state.step == state.start_step and args.time_budget_s and state.train_s >= args.time_budget_s:
+        # (the budget ran out before the plan's last step: a slower machine, or a loaded one)
+        run.log(f"nothing to do: checkpoint at step {state.start_step} has trained {state.train_s:.1f} s of "
+                f"--time_budget_s {args.time_budget_s:g}")
     elif args.time_budget_s:
         run.log(f"trained {state.train_s:.1f} s of --time_budget_s {args.time_budget_s:g} in {state.step} steps")
     if state.last_val is None or state.last_val[0] != state.step:
