@@ -23,7 +23,7 @@ class Engines:
     called as F.scaled_dot_product_attention; lm_loss: (h_ND, lm_head weight_VD, labels_N int64) ->
     mean cross-entropy over labels != -100 in fp32, without logits, or None (logits, then
     F.cross_entropy); experts: the function that runs the routed experts on their stacked weights
-    (model/moe.py: expert_loop's interface); permute / combine: the fused path's row movers
+    (model/moe.py: expert_loop's interface); permute / combine: the fused path's permute and combine
     (model/dispatch.py: permute_rows / combine_rows' interfaces)."""
     linear: type = nn.Linear
     attend: Callable = F.scaled_dot_product_attention
