@@ -314,10 +314,14 @@ def grouped_mm(a_MK, b_EKN, offsets_E, backend="auto"):
         raise ValueError(f"grouped_mm: offsets must be int32 or int64, got {offsets_E.dtype}")
     backend = resolve_backend(backend, a_MK, b_EKN)
     if backend in ("torch", "triton"):
-        ops = GROUPED_OPS["torch_compiled" if backend == "torch" and torch.compiler.is_compiling()
-                          else backend]
-        return _GroupedMM.apply(a_MK, b_EKN, offsets_E.to(torch.int32), ops)
+        return _GroupedMM.apply(a_MK, b_EKN, offsets_E.to(torch.int32), _ops(backend))
     return grouped_mm_reference(a_MK, b_EKN, offsets_E)
+
+
+def _ops(backend):
+    """GROUPED_OPS of a resolved backend (torch's through the custom ops while compiling)."""
+    return GROUPED_OPS["torch_compiled" if backend == "torch" and torch.compiler.is_compiling()
+                       else backend]
 
 
 def scaled_swiglu_forward(gate_up_PF2, scale_P):
@@ -394,7 +398,5 @@ def grouped_swiglu(x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_scale_P, bac
     """GroupedSwiGLU on `backend` (as grouped_mm resolves it): y_PD [P, D] for x_PD [P, D],
     w_gate_up_E2FD [E, 2F, D], w_down_EDF [E, D, F], offsets_E int32 [E], row_scale_P [P]."""
     backend = resolve_backend(backend, x_PD, w_gate_up_E2FD.transpose(1, 2))
-    if backend == "torch" and torch.compiler.is_compiling():
-        backend = "torch_compiled"
     return GroupedSwiGLU.apply(x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E.to(torch.int32),
-                               row_scale_P, GROUPED_OPS[backend])
+                               row_scale_P, _ops(backend))

@@ -224,15 +224,14 @@ TRAINING_DEFAULTS = {"moe_impl": "fused", "routed_scaling_factor": None}
 
 
 def trained_config(**fields) -> MiniMindConfig:
-    """The config the trainer builds from `fields` over the defaults and TRAINING_DEFAULTS (with
-    none: the main job's model); routed_scaling_factor None becomes num_experts_per_tok. Raises
-    ConfigError / TypeError."""
+    """The config the trainer builds from `fields` (a checkpoint's config dict too: from_dict) over
+    the defaults and TRAINING_DEFAULTS (with none: the main job's model); routed_scaling_factor None
+    becomes num_experts_per_tok. Raises ConfigError / TypeError."""
     fields = {**TRAINING_DEFAULTS, **fields}
     if fields["routed_scaling_factor"] is None:
-        fields["routed_scaling_factor"] = float(
-            fields.get("num_experts_per_tok",
-                       MiniMindConfig.__dataclass_fields__["num_experts_per_tok"].default))
-    return MiniMindConfig(**fields)
+        fields["routed_scaling_factor"] = float(fields.get("num_experts_per_tok",
+                                                           MiniMindConfig.num_experts_per_tok))
+    return MiniMindConfig.from_dict(fields)
 
 
 class ConfigError(ValueError):

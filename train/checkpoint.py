@@ -81,9 +81,8 @@ def optimizer_state_per_expert(optimizer, model):
     slots = _per_expert_slots(model, params)
     state = {n: {k: v[where] if torch.is_tensor(v) and v.dim() else v for k, v in saved["state"][i].items()}
              for n, (i, where) in enumerate(slots) if i in saved["state"]}
-    first_of_group = [sum(len(g["params"]) for g in saved["param_groups"][:j]) for j in range(len(saved["param_groups"]))]
-    group_of = lambda i: max(j for j, first in enumerate(first_of_group) if first <= i)  # noqa: E731
-    groups = [{**g, "params": [n for n, (i, _) in enumerate(slots) if group_of(i) == j]}
+    group_of = [j for j, g in enumerate(saved["param_groups"]) for _ in g["params"]]  # group of each parameter
+    groups = [{**g, "params": [n for n, (i, _) in enumerate(slots) if group_of[i] == j]}
               for j, g in enumerate(saved["param_groups"])]
     return {"state": state, "param_groups": groups}
 

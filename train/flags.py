@@ -17,7 +17,7 @@ import os
 import re
 import sys
 
-from model.config import (AT_LEAST_0, AT_LEAST_1, FIELD_RANGES, HF_CONFIG_KEYS, POSITIVE, TRAINING_DEFAULTS,
+from model.config import (AT_LEAST_0, AT_LEAST_1, FIELD_RANGES, POSITIVE, TRAINING_DEFAULTS,
                           ConfigError, MiniMindConfig, Range, trained_config)
 
 CONFIG_FIELDS = set(MiniMindConfig.__dataclass_fields__)
@@ -329,8 +329,8 @@ def build_config(args, base=None, vocab_size=None):
         fields.update(use_moe=bool(fields["use_moe"]), moe_pad_to_capacity=bool(fields["moe_pad_to_capacity"]))
         if vocab_size or getattr(args, "vocab_size", None):  # (else the config's default)
             fields["vocab_size"] = vocab_size or args.vocab_size
-    try:  # (a checkpoint's config dict holds model_type and maybe keys of transformers' config: dropped)
-        config = trained_config(**{k: v for k, v in fields.items() if k not in HF_CONFIG_KEYS})
+    try:
+        config = trained_config(**fields)
     except ConfigError as e:
         raise ValueError(e.worded(as_flags)) from None
     if args.seq_len > config.max_position_embeddings:
