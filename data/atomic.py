@@ -5,6 +5,7 @@ are unique per process; an exception removes the temp and leaves the destination
     with atomic_file("run/metrics.jsonl", "w") as f:  # temp file in the same folder, fsync, os.replace
     with atomic_dir("exports/model") as tmp:          # temp folder next to it, renamed over it at the end
 
+`atomic_link` points a symlink at a new target in one rename (train/checkpoint.py's sharded checkpoints).
 `file_lock` serialises the processes that would build the same thing (the second waits, then finds it built).
 """
 import contextlib
@@ -36,6 +37,25 @@ def atomic_write_text(path, text):
     """Write `text` (UTF-8) to `path` atomically."""
     with atomic_file(path, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def atomic_link(link, target):
+    """Make `link` a symlink to `target` (a name in the same folder) in one rename, fsynced: readers see the old
+    target or the new one. A real folder at `link` (a copy that followed the link) is moved to
+    `target`.copied first."""
+    folder = os.path.dirname(os.path.abspath(link))
+    tmp = os.path.join(folder, f".{os.path.basename(link)}.tmp-link{os.getpid()}")
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    os.symlink(target, tmp)
+    if os.path.isdir(link) and not os.path.islink(link):
+        os.rename(link, os.path.join(folder, f"{target}.copied"))
+    os.replace(tmp, link)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -126,12 +126,15 @@ class Experts(nn.Module):
     `{e}.{gate,up,down}_proj.weight` (views into the stack): the keys of E separate FeedForward
     modules, so every checkpoint and export keeps its layout; load_state_dict takes those keys (or
     the stacked names). Initialised as E FeedForwards would be (the same draws, in the same
-    order)."""
+    order). Under expert parallelism a rank keeps only its experts (`keep`): the stack then holds
+    experts first_expert .. first_expert + len(self) - 1 and the state_dict names those."""
 
     def __init__(self, num_experts, hidden_size, intermediate_size, engine=expert_loop):
         super().__init__()
         E, D, F_ = num_experts, hidden_size, intermediate_size
         self.engine = engine
+        self.num_experts = E  # the layer's; the stack holds them all, or a rank's share (`keep`)
+        self.first_expert = 0  # the layer's id of the stack's first expert
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * F_, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, F_))
         # nn.Linear's own init
@@ -159,17 +162,32 @@ class Experts(nn.Module):
             for w in expert.weights():
                 init(w)
 
+    @torch.no_grad()
+    def keep(self, first_expert, count):
+        """Hold only experts first_expert .. first_expert + count - 1 (a rank's share under expert
+        parallelism): the stacked parameters become copies of their rows, the rest is freed."""
+        for name in ("gate_up_proj", "down_proj"):
+            old = getattr(self, name)
+            start = first_expert - self.first_expert
+            setattr(self, name, nn.Parameter(old[start:start + count].clone(),
+                                             requires_grad=old.requires_grad))
+        self.first_expert = first_expert
+
     def forward(self, rows_PD, tokens_per_expert, row_weight_P=None, first_expert=0):
         w_gate_up_E2FD, w_down_EDF = self.gate_up_proj, self.down_proj
+        start, count = first_expert - self.first_expert, tokens_per_expert.shape[0]
         # (a slice's backward copies the whole stack)
-        if tokens_per_expert.shape[0] != len(self) or first_expert:
-            w_gate_up_E2FD = w_gate_up_E2FD[first_expert:first_expert + tokens_per_expert.shape[0]]
-            w_down_EDF = w_down_EDF[first_expert:first_expert + tokens_per_expert.shape[0]]
+        if count != len(self) or start:
+            w_gate_up_E2FD, w_down_EDF = (w_gate_up_E2FD[start:start + count],
+                                          w_down_EDF[start:start + count])
         return self.engine(rows_PD, tokens_per_expert, row_weight_P, w_gate_up_E2FD, w_down_EDF)
 
     def extra_repr(self):
-        (E, F2, D) = self.gate_up_proj.shape
-        return f"{E} x SwiGLU({D} -> {F2 // 2} -> {D}), engine={engine_name(self.engine)}"
+        (E, F2, D), first = self.gate_up_proj.shape, self.first_expert
+        held = (f"experts {first}-{first + E - 1} of {self.num_experts}: "
+                if E < self.num_experts else "")
+        return (f"{held}{E} x SwiGLU({D} -> {F2 // 2} -> {D}), "
+                f"engine={engine_name(self.engine)}")
 
 
 def engine_name(engine):
@@ -185,10 +203,10 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 def _per_expert_state_dict(module, state_dict, prefix, local_metadata):
     """Experts' state_dict hook: the stacked tensors -> one view per expert and projection."""
     gate_up, down = state_dict.pop(prefix + "gate_up_proj"), state_dict.pop(prefix + "down_proj")
-    F_ = down.shape[2]
+    F_, first = down.shape[2], module.first_expert
     for e in range(gate_up.shape[0]):
         for name, w in zip(PROJECTIONS, (gate_up[e, :F_], gate_up[e, F_:], down[e])):
-            state_dict[f"{prefix}{e}.{name}.weight"] = w
+            state_dict[f"{prefix}{first + e}.{name}.weight"] = w
 
 
 def _stacked_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -198,7 +216,8 @@ def _stacked_state_dict(module, state_dict, prefix, local_metadata, strict, miss
     load into the current stack and the absent keys are reported missing (strict: an error)."""
     (E, F2, D), F_ = module.gate_up_proj.shape, module.gate_up_proj.shape[1] // 2
     shapes = dict(zip(PROJECTIONS, ((F_, D), (F_, D), (D, F_))))
-    keys = [[f"{prefix}{e}.{name}.weight" for name in PROJECTIONS] for e in range(E)]
+    keys = [[f"{prefix}{module.first_expert + e}.{name}.weight" for name in PROJECTIONS]
+            for e in range(E)]
     present = [k for ks in keys for k in ks if k in state_dict]
     if not present:
         return

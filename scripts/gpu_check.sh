@@ -9,7 +9,9 @@
 #      (bench_train.py): D=1024 L=8 E=8 k=2 F=1024 and E=64 k=8 F=256 at 16 x 1024, the main job's model at 16 x 128
 #      (also under torch.compile, dense vs fused: whether compiling should be the GPU default);
 #   4. an iso-time race on the main job's shape and corpus, dense vs MoE (bench_quality.py; RACE_ROWS);
-#   5. one table of every figure beside its target (scripts/bench/gpu_table.py).
+#   5. one table of every figure beside its target (scripts/bench/gpu_table.py);
+#   6. with more than one GPU: the sharded-training tests over NCCL, one GPU per rank (test_sharded.py), and
+#      what each rank holds at ep_size 1 / G with and without --fsdp (bench_parallel.py).
 # Results in $OUT (default ./gpu_check_results): gpu_check.txt (the whole log), table.md, profile.txt, and
 # details.tar.gz (the JSON files and per-run logs). Exit status 1 if a test script failed (the rest still runs).
 #
@@ -99,6 +101,17 @@ bench "training step, the main job's model" $PY scripts/bench/bench_train.py --d
 wait $CORPUS || { section "corpus build failed"; tail -5 "$DETAILS/corpus.log" | tee -a "$LOG"; }
 bench "iso-time race, ${BUDGET} s per row" $PY scripts/bench/bench_quality.py --rows "$RACE_ROWS" --budget_s "$BUDGET" \
     "${RACE[@]}" --out_dir "$DETAILS/quality" --extra "--device $DEVICE"
+
+GPUS=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "$DEVICE" = cuda ] && [ "$GPUS" -gt 1 ]; then
+    section "test: test_sharded.py over NCCL, $GPUS GPUs"
+    TEST_DEVICE=cuda $PY scripts/test_sharded.py 2>&1 | tee "$DETAILS/test_sharded_nccl.log" | tee -a "$LOG"
+    rc=${PIPESTATUS[0]}; echo "$rc test_sharded_nccl" >> "$DETAILS/tests.txt"; [ "$rc" -eq 0 ] || status=1
+    bench "what each rank holds, $GPUS GPUs (NCCL)" $PY scripts/bench/bench_parallel.py --device cuda \
+        --layouts "1:1,$GPUS:1,$GPUS:$GPUS,$GPUS:1:fsdp,$GPUS:$GPUS:fsdp" --json "$DETAILS/parallel.json"
+else
+    section "multi-GPU checks skipped: $GPUS GPU(s)"
+fi
 
 section "table"
 $PY scripts/bench/gpu_table.py "$DETAILS" 2>&1 | tee "$OUT/table.md" | tee -a "$LOG"

@@ -105,16 +105,16 @@ def test_fused_ep_runs_where_a_rank_gets_no_token():
 
 
 def dense_state_worker(rank, world, argv):
-    """Train, then return this rank's own non-expert parameters (before any gathering)."""
+    """Train, then return this rank's own non-expert parameters (at its last checkpoint)."""
     import train.loop as loop
     from train.pretrain import parse_args, train
     captured = {}
-    original = loop.gather_experts
+    original = loop.save
 
-    def capture_then_gather(model, optimizer, group):  # called right before every checkpoint (loop.save)
-        captured["dense"] = {n: p.detach().clone() for n, p in model.named_parameters() if ".experts." not in n}
-        return original(model, optimizer, group)
-    loop.gather_experts = capture_then_gather
+    def capture_then_save(run, state, plots=True):
+        captured["dense"] = {n: p.detach().clone() for n, p in run.model.named_parameters() if ".experts." not in n}
+        return original(run, state, plots)
+    loop.save = capture_then_save
     train(parse_args(argv), log=lambda *_: None)
     return captured["dense"]
 

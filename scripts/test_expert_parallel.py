@@ -130,15 +130,15 @@ def grouped_by_rank_reference(mod, x, world):
 
 def named_grads(mod):
     """Each parameter's gradient (None without one) by name, the stacked experts' split per expert under the
-    state_dict's names, experts.{e}.{gate,up,down}_proj.weight."""
+    state_dict's names, experts.{e}.{gate,up,down}_proj.weight (under EP the rank's experts only)."""
     grads = {n: None if p.grad is None else p.grad.clone() for n, p in mod.named_parameters()
              if not n.startswith("experts.")}
     gate_up, down = mod.experts.gate_up_proj.grad, mod.experts.down_proj.grad
-    F_ = mod.experts.down_proj.shape[2]
+    F_, first = mod.experts.down_proj.shape[2], mod.experts.first_expert
     for e in range(len(mod.experts)):
         for name, grad, rows in (("gate_proj", gate_up, slice(None, F_)), ("up_proj", gate_up, slice(F_, None)),
                                  ("down_proj", down, slice(None))):
-            grads[f"experts.{e}.{name}.weight"] = None if grad is None else grad[e, rows].clone()
+            grads[f"experts.{first + e}.{name}.weight"] = None if grad is None else grad[e, rows].clone()
     return grads
 
 
@@ -212,9 +212,10 @@ def _compare(world, cases, per_rank):
         # The router's grad is a sum over tokens: per-rank partial GEMMs reassociate it (fp32 rounding).
         if name == "idle_expert":
             assert all(int(res[(name, e, k)]["tpe"][-1]) == 0 for res in per_rank), "the idle expert got tokens"
-            assert all(res[(name, e, k)]["grads"][f"experts.{e - 1}.up_proj.weight"] is None or
-                       torch.count_nonzero(res[(name, e, k)]["grads"][f"experts.{e - 1}.up_proj.weight"]) == 0
-                       for res in per_rank), "the idle expert got a non-zero grad"
+            idle = [res[(name, e, k)]["grads"][f"experts.{e - 1}.up_proj.weight"] for res in per_rank
+                    if e - 1 in res[(name, e, k)]["owned"]]  # (on its owner: the others do not hold it)
+            assert len(idle) == 1 and (idle[0] is None or torch.count_nonzero(idle[0]) == 0), \
+                "the idle expert got a non-zero grad"
         if name == "all_to_one":
             assert all(int(res[(name, e, k)]["tpe"][0]) == res[(name, e, k)]["y"].shape[1] for res in per_rank)
         if name == "idle_rank":  # experts >= 2 get no pair (so whole ranks receive nothing): zero grads

@@ -349,7 +349,7 @@ def test_two_ranks_say_how_they_split_and_stop_quietly_when_rank0_fails():
     assert r0.returncode == r1.returncode == 0, r0.stderr[-2000:] + r1.stderr[-2000:]
     said = [line for line in r0.stdout.splitlines() if line.startswith("distributed:")]
     assert said == ["distributed: world size 2 (gloo), data parallel size 2, expert parallel size 2 (2 of the 4 "
-                    "experts per rank, each on 1 rank(s))"], \
+                    "experts per rank, each on 1 rank(s)); dense parameters replicated by DDP"], \
         r0.stdout[-2000:]
     assert "distributed:" not in r1.stdout
 

@@ -4,15 +4,29 @@ into the same model. Each checkpoint carries a SHA-256 of everything else in it 
 config, flags, step, plan, data position, RNG), verified on every load, so a flipped bit anywhere is reported,
 never loaded (torch.load only notices a damaged container); HF exports carry the SHA-256 of their tensors in
 model.safetensors' metadata (`safetensors_metadata`, checked by `load_safetensors`).
+
+Runs whose ranks hold different parts (expert parallelism, FSDP) write a sharded checkpoint instead: the
+folder `ckpt` (a link, swapped atomically, to ckpt.step<N>/), every tensor by its single-process name
+(`tensor_state`) written by torch.distributed.checkpoint (DCP: each rank its own, one copy of what ranks
+share; loading reads what each rank needs, so any world size and ep_size resumes it), plus state.pt (rank
+0: config, flags, step, data position, RNG, the SHA-256 of every DCP file, and its own). A run folder holds
+one of the two, `checkpoint_in` finds it; every reader takes either.
 """
 import hashlib
 import os
+import shutil
+import tempfile
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from data.atomic import atomic_file
+from data.atomic import atomic_file, atomic_link
 
 CKPT_NAME = "ckpt.pt"
+SHARDED_NAME, SHARDED_STATE = "ckpt", "state.pt"  # the sharded checkpoint (a link to its folder), its state file
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")  # of AdamW's groups, restored with its state
 CHECKSUM_KEY, LEGACY_CHECKSUM_KEY = "sha256", "checksum"
 HF_CHECKSUM_KEY = "minimind_tensors_sha256"  # safetensors metadata entry written by export_hf.py
 
@@ -165,10 +179,26 @@ def verify(ckpt, path):
                          f"written); use another checkpoint")
 
 
-def load_checkpoint(path):
-    """Load a checkpoint dict (tensors on CPU). Raises FileNotFoundError / ValueError with the path."""
-    if os.path.isdir(path):
-        path = os.path.join(path, CKPT_NAME)
+def checkpoint_in(path):
+    """The checkpoint `path` names: a ckpt.pt, a sharded checkpoint's folder, or a run folder's (ckpt.pt or
+    ckpt, the newer where a crash left both); a run folder without one gives its ckpt.pt path (not there)."""
+    if not os.path.isdir(path) or is_sharded(path):
+        return path
+    found = [os.path.join(path, n) for n in (CKPT_NAME, SHARDED_NAME) if os.path.exists(os.path.join(path, n))]
+    return max(found, key=os.path.getmtime) if found else os.path.join(path, CKPT_NAME)
+
+
+def is_sharded(path):
+    return os.path.isdir(path) and os.path.exists(os.path.join(path, SHARDED_STATE))
+
+
+def load_checkpoint(path, weights=True):
+    """Load a checkpoint dict (tensors on CPU): of a sharded one the state, with `weights` the whole
+    single-process "model" state_dict read from its shards. Raises FileNotFoundError / ValueError with the
+    path."""
+    path = checkpoint_in(path)
+    if is_sharded(path):
+        return load_sharded(path, weights)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: checkpoint not found")
     try:
@@ -189,8 +219,12 @@ def load_checkpoint(path):
 def read_saved_flags(path):
     """(the flags saved in a training checkpoint, its world size), without reading its tensors (mmap).
     Raises FileNotFoundError / ValueError naming the file, also for weights without training state."""
+    path = checkpoint_in(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: checkpoint not found")
+    if is_sharded(path):
+        ckpt = read_sharded_state(path)
+        return dict(ckpt["args"]), ckpt.get("world_size", 1)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # truncated or foreign file
@@ -311,3 +345,191 @@ def load_hf_checked(hf_dir):
     ckpt = {"config": config.to_dict(), "model": {k: v.float() for k, v in state.items()}}
     check_weights_fit_config(ckpt, where)
     return model_from_checkpoint(ckpt)
+
+
+# ----------------------------------------------------------------------------- sharded checkpoints (DCP)
+
+def _param_keys(model):
+    """{parameter: [(state_dict key, index into the parameter)]}: an Experts' stacked tensors stand for
+    one key per expert and projection (its global expert ids), every other parameter for its own name."""
+    from model.moe import PROJECTIONS, Experts
+    keys = {p: [(name, ())] for name, p in model.named_parameters()}
+    for prefix, experts in model.named_modules():
+        if isinstance(experts, Experts):
+            F_, first = experts.down_proj.shape[2], experts.first_expert
+            key = lambda e, proj: f"{prefix}.{first + e}.{proj}.weight"  # noqa: E731
+            keys[experts.gate_up_proj] = [entry for e in range(len(experts)) for entry in (
+                (key(e, PROJECTIONS[0]), (e, slice(None, F_))), (key(e, PROJECTIONS[1]), (e, slice(F_, None))))]
+            keys[experts.down_proj] = [(key(e, PROJECTIONS[2]), (e,)) for e in range(len(experts))]
+    return keys
+
+
+def tensor_state(model, optimizer=None):
+    """Every tensor of a run by its single-process name: {"model": model.state_dict() (per-expert keys;
+    under EP this rank's experts, under FSDP DTensor shards), "optimizer": {key: {"step", "exp_avg",
+    "exp_avg_sq"}}}, views into the live tensors: what a sharded checkpoint holds, and what loading one fills
+    in place."""
+    model = unwrap(model)
+    state = {"model": model.state_dict()}
+    if optimizer is not None:
+        keys = _param_keys(model)
+        state["optimizer"] = {key: {k: v[where] if torch.is_tensor(v) and v.dim() else v
+                                    for k, v in optimizer.state[p].items()}
+                              for g in optimizer.param_groups for p in g["params"] for key, where in keys[p]}
+    return state
+
+
+def init_optimizer_state(optimizer):
+    """Create the optimizer's state (zeros) by one step on zero grads at learning rate 0, which leaves every
+    parameter as it was, so that a checkpoint's state can be loaded into it in place."""
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def copy_tensor_state(source, target):
+    """Copy a whole-tensor `tensor_state` (one process's) into another's tensors in place (nested dicts by the
+    same keys), a DTensor target from its share of the source (no communication)."""
+    for key, t in target.items():
+        if isinstance(t, dict):
+            copy_tensor_state(source[key], t)
+        elif isinstance(t, DTensor):
+            t.copy_(distribute_tensor(source[key].to(t.device), t.device_mesh, t.placements, src_data_rank=None))
+        elif torch.is_tensor(t):
+            t.copy_(source[key])
+
+
+def _file_sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _gather_from_ranks(value, rank, world, group):
+    """Every rank's `value`, in rank order (one all_gather_object over `group`); [value] in one process."""
+    if world == 1:
+        return [value]
+    values = [None] * world
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def save_sharded(out_dir, model, optimizer, extra, ctx):
+    """Write the sharded checkpoint of a run (every rank calls it): DCP into a temp folder, each rank
+    hashing its share of the files, rank 0 adding state.pt (`extra`, the config, the optimizer's
+    hyperparameters, the hashes) and publishing it (`_publish`). A crash before the publish leaves the
+    previous checkpoint in place (the temp folder is swept by the next save or run)."""
+    folder = [tempfile.mkdtemp(dir=out_dir, prefix=f".{SHARDED_NAME}.tmp") if ctx.is_main else None]
+    dist.broadcast_object_list(folder, src=0, group=ctx.cpu_group)
+    folder = folder[0]
+    dcp.save(tensor_state(model, optimizer), checkpoint_id=folder)
+    names = sorted(os.listdir(folder))  # (DCP returns after its metadata is written: every rank sees all files)
+    mine = {n: _file_sha256(os.path.join(folder, n)) for n in names[ctx.rank::ctx.world_size]}
+    files = {n: h for part in _gather_from_ranks(mine, ctx.rank, ctx.world_size, ctx.cpu_group) for n, h in part.items()}
+    if not ctx.is_main:
+        return
+    groups = [{k: g[k] for k in HYPERPARAMETERS} for g in optimizer.param_groups]
+    state = {**extra, "config": unwrap(model).config.to_dict(), "optimizer_groups": groups, "files": files}
+    state[CHECKSUM_KEY] = checksum(state)
+    atomic_torch_save(state, os.path.join(folder, SHARDED_STATE))
+    _publish(folder, out_dir, extra.get("step", 0))
+
+
+def _publish(folder, out_dir, step):
+    """Rename `folder` to ckpt.step<step>/, point the link `ckpt` at it in one atomic rename, then delete
+    the previous checkpoint (its folder, or a ckpt.pt: a run folder holds one) and unpublished folders."""
+    final = os.path.join(out_dir, f"{SHARDED_NAME}.step{step}")
+    n = 1
+    while os.path.exists(final + (f".{n}" if n > 1 else "")):
+        n += 1
+    final += f".{n}" if n > 1 else ""
+    os.rename(folder, final)
+    atomic_link(os.path.join(out_dir, SHARDED_NAME), os.path.basename(final))
+    for name in os.listdir(out_dir):
+        path = os.path.join(out_dir, name)
+        if name.startswith(f"{SHARDED_NAME}.step") and path != final:
+            shutil.rmtree(path, ignore_errors=True)
+    if os.path.exists(os.path.join(out_dir, CKPT_NAME)):
+        os.remove(os.path.join(out_dir, CKPT_NAME))
+
+
+def remove_sharded(out_dir):
+    """Delete a run folder's sharded checkpoint (after a ckpt.pt replaced it)."""
+    link = os.path.join(out_dir, SHARDED_NAME)
+    if os.path.islink(link):
+        target = os.path.realpath(link)
+        os.remove(link)
+        shutil.rmtree(target, ignore_errors=True)
+
+
+def read_sharded_state(folder):
+    """A sharded checkpoint's state.pt (no tensors read), verified. Raises ValueError naming the file."""
+    path = os.path.join(folder, SHARDED_STATE)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated or foreign file
+        raise ValueError(f"{path}: not a readable checkpoint ({type(e).__name__}: {_one_line(e, 160)})") from None
+    if not isinstance(state, dict) or not {"config", "files"} <= set(state):
+        raise ValueError(f"{path}: not a sharded checkpoint's state (no config or file list)")
+    verify(state, path)
+    return state
+
+
+def verify_shards(folder, files, rank=0, world=1, group=None):
+    """Raise ValueError (one line, on every rank, naming the file) when a file of the sharded checkpoint is
+    missing or differs from its SHA-256 in state.pt; each rank checks its share of the files."""
+    problems = []
+    for name in sorted(files)[rank::world]:
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            problems.append(f"{path}: missing (the sharded checkpoint is incomplete); use another checkpoint")
+        elif _file_sha256(path) != files[name]:
+            problems.append(f"{path}: checksum mismatch: the file is damaged (its contents changed after it "
+                            f"was written); use another checkpoint")
+    problems = [p for part in _gather_from_ranks(problems, rank, world, group) for p in part]
+    if problems:
+        raise ValueError(problems[0])
+
+
+def _saved_tensors(folder):
+    """{flattened DCP key: (shape, dtype)} of a sharded checkpoint, from its metadata."""
+    metadata = dcp.FileSystemReader(folder).read_metadata()
+    return {k: (tuple(m.size), m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
+            if hasattr(m, "size")}
+
+
+def load_sharded(folder, weights=True):
+    """A sharded checkpoint read by one process: state.pt's dict plus "folder", and with `weights` "model",
+    the whole single-process state_dict (CPU); its shapes checked against the config either way
+    (`check_weights_fit_config`). Raises ValueError naming the file."""
+    state = read_sharded_state(folder)
+    saved = {k[len("model."):]: v for k, v in _saved_tensors(folder).items() if k.startswith("model.")}
+    state["model"] = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (shape, dtype) in saved.items()}
+    check_weights_fit_config(state, folder)
+    if weights:
+        verify_shards(folder, state["files"])
+        state["model"] = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in saved.items()}
+        dcp.load({"model": state["model"]}, checkpoint_id=folder, no_dist=True)
+    else:
+        del state["model"]
+    state["folder"] = folder
+    return state
+
+
+def load_sharded_into(folder, state, model, optimizer, ctx):
+    """Fill the live `model` and `optimizer` (any world size, ep_size, FSDP or not) from a sharded
+    checkpoint in place, each rank reading what it holds (DCP); `state` is its state.pt. Every rank calls
+    it."""
+    verify_shards(folder, state["files"], ctx.rank, ctx.world_size, ctx.cpu_group)
+    init_optimizer_state(optimizer)
+    dcp.load(tensor_state(model, optimizer), checkpoint_id=folder, no_dist=not ctx.distributed)
+    for group, saved in zip(optimizer.param_groups, state["optimizer_groups"]):
+        group.update({k: saved[k] for k in HYPERPARAMETERS})

@@ -22,7 +22,7 @@ from model.config import (AT_LEAST_0, AT_LEAST_1, FIELD_RANGES, POSITIVE, TRAINI
 
 CONFIG_FIELDS = set(MiniMindConfig.__dataclass_fields__)
 # Flags a resume never takes from the checkpoint: they describe this invocation, not the run.
-PER_INVOCATION = ("resume", "stop_after", "ep_size", "overwrite")
+PER_INVOCATION = ("resume", "stop_after", "ep_size", "fsdp", "overwrite")
 # What an upcycled model keeps of the dense one (--upcycle_from); its MoE fields come from the flags
 TRUNK_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "max_position_embeddings", "rope_theta", "rms_norm_eps", "dropout",
@@ -185,6 +185,8 @@ def add_train_flags(parser, default_out_dir):
                        "trunk and tokenizer from there, each FFN cut into the experts the MoE flags describe")
     group.add_argument("--ep_size", type=int, default=1, help="expert-parallel group size (divides the world size and "
                        "num_experts); launch with torchrun --nproc_per_node N")
+    group.add_argument("--fsdp", action="store_true", help="shard the dense parameters, grads and optimizer state "
+                       "over the ranks with FSDP2 (DDP replicates them); checkpoints are then sharded")
     group.add_argument("--stop_after", type=int, default=0, help="stop after this many steps of this invocation, "
                        "with a checkpoint (0 = run to max_steps)")
     group.add_argument("--compile", "--no_compile", action=Switch, help="torch.compile the model")
@@ -226,6 +228,8 @@ def parse_args(stage, argv=None):
         args.max_steps = UNLIMITED_STEPS  # the budget plans the run (a resume keeps the checkpoint's value)
     trains_tokenizer = getattr(args, "tokenizer", None) is None and not (args.resume or args.init_from or args.upcycle_from)
     check_ranges(parser, args, {k: r for k, r in ALL_RANGES.items() if k != "vocab_size" or trains_tokenizer})
+    if args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        parser.error("--fsdp shards over the ranks of a torchrun launch; this is one process (drop --fsdp)")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
         parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
     cores = os.cpu_count() or 1
@@ -250,10 +254,8 @@ def parse_args(stage, argv=None):
 
 
 def _merge_resume(parser, stage, args, argv):
-    from train.checkpoint import CKPT_NAME, read_saved_flags  # (torch: only a resume needs it while parsing)
-    path = args.resume
-    if path == "auto" or os.path.isdir(path):
-        path = os.path.join(args.out_dir if path == "auto" else path, CKPT_NAME)
+    from train.checkpoint import checkpoint_in, read_saved_flags  # (torch: only a resume needs it while parsing)
+    path = checkpoint_in(args.out_dir if args.resume == "auto" else args.resume)
     try:
         saved, saved_world = read_saved_flags(path)
     except (FileNotFoundError, ValueError) as e:
@@ -267,7 +269,7 @@ def _merge_resume(parser, stage, args, argv):
     if given(argv, "threads") and saved.get("threads", "auto") not in ("auto", args.threads):
         print(f"note: --threads {args.threads} instead of the run's {saved['threads']}: from here the steps round "
               f"differently from an uninterrupted run's", file=sys.stderr)
-    if args.out_dir == saved.get("out_dir") and os.path.isfile(path):
+    if args.out_dir == saved.get("out_dir") and os.path.exists(path):
         args.out_dir = os.path.dirname(os.path.abspath(path))  # keep writing next to the checkpoint
     for k in ("seq_len", "seed") + stage.data_order_flags:  # the saved data position points into their windows
         if getattr(args, k) != saved.get(k, getattr(args, k)):

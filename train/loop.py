@@ -2,8 +2,8 @@
 nanochat's base_train.py):
 
     1. setup     device, run folder, checkpoint (read once), data, config (built once), model (built with
-                 the engines that pay here: kernels/engines.py), optimizer, restore, then EP -> DDP -> compile
-                 (torchtitan's order)
+                 the engines that pay here: kernels/engines.py), EP (a rank keeps its experts) -> DDP or FSDP,
+                 optimizer, restore, compile (torchtitan's order)
     2. loop      train_step: micro-steps -> gradient reduction -> clip -> optimizer -> router update
                  after_step: log, evaluate, save a checkpoint, stop
     3. finish    final evaluation, summary, a short sample
@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data.atomic import atomic_write_text
@@ -32,11 +33,13 @@ from data.tokenizer import stop_token_ids, token_byte_lengths
 from kernels.engines import describe as describe_engines, engines_for, native_bf16
 from model.model_minimind import MiniMindForCausalLM
 from train import flags
-from train.checkpoint import CKPT_NAME, load_checkpoint, optimizer_state_stacked, save_checkpoint
+from train.checkpoint import (CKPT_NAME, HYPERPARAMETERS, checkpoint_in, copy_tensor_state, init_optimizer_state, load_checkpoint,
+                              load_sharded_into, optimizer_state_stacked, remove_sharded, save_checkpoint, save_sharded,
+                              tensor_state)
 from train.init_weights import upcycle, upcycled_base, weights_source
-from train.parallel import (PeerFailed, check_same_on_all_ranks, clip_grad_norm_ep, ep_dispatchers, expert_param_names,
-                            gather_experts, init_distributed, install as install_ep, main_rank_first, moe_layers,
-                            reduce_expert_grads, shutdown, uninstall as uninstall_ep)
+from train.parallel import (PeerFailed, check_same_on_all_ranks, clip_grad_norm_sharded, ep_dispatchers, expert_params,
+                            init_distributed, install as install_ep, main_rank_first, moe_layers, no_grad_sync,
+                            reduce_expert_grads, shard_dense, shutdown)
 from train.report import (LoadTelemetry, MetricsLog, Progress, describe_model, load_summary, open_wandb, plot_expert_load,
                           plot_loss_curve)
 from train.run_dir import abandon_run_dir, claim_run_dir, copy_tokenizer
@@ -308,7 +311,8 @@ def setup(stage, args, ctx, device_type, log):
         args.device if device_type == "cuda" else "cpu")
     if device_type == "cuda":
         torch.cuda.set_device(device)
-    ckpt = load_checkpoint(args.resume) if args.resume else None  # the one read of the checkpoint
+    # the one read of the checkpoint (of a sharded one the state here, the tensors by restore)
+    ckpt = load_checkpoint(args.resume, weights=False) if args.resume else None
     init_model, tokenizer_dir = weights_source(args)
     base = ckpt["config"] if ckpt else (init_model.config.to_dict() if init_model is not None else None)
     if args.upcycle_from and not ckpt:
@@ -334,8 +338,9 @@ def setup(stage, args, ctx, device_type, log):
             experts = (f"{config.num_experts // ctx.ep_size} of the {config.num_experts} experts per rank, each on "
                        f"{ctx.world_size // ctx.ep_size} rank(s)" if config.use_moe and ctx.ep_size > 1 else "every rank "
                        "holds every expert")
+            dense = "sharded over all ranks by FSDP2" if args.fsdp else "replicated by DDP"
             log(f"distributed: world size {ctx.world_size} ({dist.get_backend()}), data parallel size {ctx.world_size}, "
-                f"expert parallel size {ctx.ep_size} ({experts})")
+                f"expert parallel size {ctx.ep_size} ({experts}); dense parameters {dense}")
         model = MiniMindForCausalLM(config, engines_for(config, device, dtype, compiled=args.compile))
         if init_model is not None and args.upcycle_from:
             upcycle(model, init_model, args.seed)
@@ -343,17 +348,20 @@ def setup(stage, args, ctx, device_type, log):
         elif init_model is not None:
             model.load_state_dict(init_model.state_dict(), strict=True)
             log(f"initialised weights from {args.init_from}")
+        log(describe_model(model, config, device, dtype))
+        if ctx.ep_size > 1:  # (before the device: it never holds the other ranks' experts)
+            install_ep(model, ctx.ep_group, config.num_experts)
         model = model.to(device)
+        train_model = wrap(model, args, ctx, device_type)
         optimizer = make_optimizer(model, args)
         # fp16 autocast needs loss scaling on CUDA; a disabled scaler is a no-op for fp32 / bf16
         scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16 and device_type == "cuda")
         state = TrainState(batches=data.train_batches, scaler=scaler, plan=Plan(end=args.max_steps))
         if ckpt:
-            restore(args, ckpt, model, optimizer, state, data, log)
+            restore(args, ckpt, model, optimizer, state, data, log, ctx)
             plan_on_resume(args, ckpt.get("args") or {}, state, log)
-        log(describe_model(model, config, device, dtype))
         log(describe_engines(model))
-        train_model = wrap(model, args, ctx, device_type)
+        train_model = torch.compile(train_model) if args.compile else train_model
         metrics = MetricsLog(args.out_dir, state.step if ckpt else None, ctx.is_main,
                              open_wandb(args, config, args.out_dir) if ctx.is_main else None)
         run = Run(args=args, stage=stage, ctx=ctx, device=device, dtype=dtype, threads=threads, config=config, data=data,
@@ -389,39 +397,61 @@ def resolve_dtype(args, ctx, device_type, log):
 
 def make_optimizer(model, args):
     """AdamW, weight decay on matrices only (nanoGPT / MiniMind); torch's fused implementation where every
-    parameter is an fp32 CPU or CUDA tensor (one pass per parameter; the same update up to rounding)."""
+    parameter is an fp32 CPU or CUDA tensor, not an FSDP shard (one pass per parameter; the same update up to
+    rounding)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = all(p.device.type in ("cpu", "cuda") and p.dtype == torch.float32 for p in params)
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype == torch.float32 and not isinstance(p, DTensor)
+                for p in params)
     return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
                               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                              lr=args.learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
 
 
-def restore(args, ckpt, model, optimizer, state, data, log):
-    """Weights, optimizer and TrainState from the checkpoint, after checking it trained on this data."""
+def restore(args, ckpt, model, optimizer, state, data, log, ctx):
+    """Weights, optimizer and TrainState from the checkpoint, after checking it trained on this data: a
+    sharded checkpoint read in place by every rank (DCP); a ckpt.pt loaded as it is, or where the ranks hold
+    parts (EP, FSDP) through a whole CPU copy of the model and optimizer, from which each takes its part."""
     for key, value in data.identity.items():
         if ckpt.get(key) not in (None, value):
             show = lambda v: f"{v:,}" if isinstance(v, int) else repr(v)  # noqa: E731
             raise ValueError(f"{args.resume}: the checkpoint was trained with {key}={show(ckpt[key])} but the data now "
                              f"gives {show(value)}; resume needs the same data and tokenizer")
-    model.load_state_dict(ckpt["model"], strict=True)
-    optimizer.load_state_dict(optimizer_state_stacked(ckpt["optimizer"], optimizer, model))
+    if "folder" in ckpt:
+        load_sharded_into(ckpt["folder"], ckpt, model, optimizer, ctx)
+    elif not sharded(args, ctx):
+        model.load_state_dict(ckpt["model"], strict=True)
+        optimizer.load_state_dict(optimizer_state_stacked(ckpt["optimizer"], optimizer, model))
+    else:
+        whole = MiniMindForCausalLM(model.config)
+        whole.load_state_dict(ckpt["model"], strict=True)
+        whole_optimizer = make_optimizer(whole, args)
+        whole_optimizer.load_state_dict(optimizer_state_stacked(ckpt["optimizer"], whole_optimizer, whole))
+        init_optimizer_state(optimizer)
+        copy_tensor_state(tensor_state(whole, whole_optimizer), tensor_state(model, optimizer))
+        for group, saved in zip(optimizer.param_groups, whole_optimizer.param_groups):
+            group.update({k: saved[k] for k in HYPERPARAMETERS})
     state.load_state_dict(ckpt)
     log(f"resumed from {args.resume} at step {state.step}")
 
 
+def sharded(args, ctx):
+    """Whether the ranks hold different parts of the model (EP's experts, FSDP's shards): then checkpoints
+    are sharded and the grads' norm is summed over ranks."""
+    return ctx.ep_size > 1 or args.fsdp
+
+
 def wrap(model, args, ctx, device_type):
-    """Expert parallelism (the all-to-all dispatcher on every MoE layer), then DDP over the dense
-    parameters, then torch.compile. Returns what the training step calls."""
-    train_model = model
-    if ctx.ep_size > 1:
-        install_ep(model, ctx.ep_group, model.config.num_experts)
-    if ctx.distributed:
-        if ctx.ep_size > 1:  # experts are sharded: reduce_expert_grads reduces their grads, not DDP
-            DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
-        train_model = DDP(model, device_ids=[ctx.local_rank] if device_type == "cuda" else None,
-                          find_unused_parameters=False)
-    return torch.compile(train_model) if args.compile else train_model
+    """DDP over the dense parameters (EP's experts are left to reduce_expert_grads), or with --fsdp FSDP2
+    (`shard_dense`). Returns what the training step calls (torch.compile comes after the restore)."""
+    if not ctx.distributed:
+        return model
+    if args.fsdp:
+        shard_dense(model, ctx.dp_mesh)
+        return model
+    experts = set(expert_params(model))
+    DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, p in model.named_parameters() if p in experts]
+                                                     if ctx.ep_size > 1 else [])
+    return DDP(model, device_ids=[ctx.local_rank] if device_type == "cuda" else None, find_unused_parameters=False)
 
 
 # -------------------------------------------------------------------------------------------- 2. loop
@@ -441,15 +471,15 @@ def train_step(run, state):
     ce = aux = 0.0
     for i, batch in enumerate(batches):
         no_sync = ctx.distributed and i < len(batches) - 1  # DDP all-reduces on the last micro-step only
-        with run.train_model.no_sync() if no_sync else contextlib.nullcontext():
+        with no_grad_sync(run.train_model) if no_sync else contextlib.nullcontext():
             micro_ce, micro_aux = forward_backward(run, state.scaler, n_global, *(t[rows] for t in batch))
         ce, aux = ce + micro_ce, aux + micro_aux
     state.scaler.unscale_(run.optimizer)
-    if ctx.ep_size > 1:
+    if sharded(args, ctx):  # (the experts are neither DDP's nor FSDP's)
         reduce_expert_grads(run.model, ctx.expert_dp_group, ctx.world_size)
     grad_norm = None
     if args.grad_clip > 0:
-        grad_norm = (clip_grad_norm_ep(run.model, args.grad_clip, ctx.ep_group) if ctx.ep_size > 1 else
+        grad_norm = (clip_grad_norm_sharded(run.model, args.grad_clip, ctx.ep_group) if sharded(args, ctx) else
                      torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.grad_clip))
     state.scaler.step(run.optimizer)
     state.scaler.update()
@@ -651,22 +681,28 @@ def evaluate_and_record(run, state, progress, first=False):
 
 
 def save(run, state, plots=True):
-    """Checkpoint (the single-process layout: under EP every rank first gets the owners' experts), config and
-    (with `plots`) the plots; never non-finite weights or optimizer state. Only rank 0 writes."""
-    if run.ctx.ep_size > 1:
-        gather_experts(run.model, run.optimizer, run.ctx.ep_group)
+    """Checkpoint (ckpt.pt by rank 0, or sharded by every rank where they hold different parts), config and
+    (with `plots`) the plots; never non-finite weights or optimizer state (all ranks agree)."""
     tensors = [*run.model.parameters(), *run.model.buffers(),
                *(v for s in run.optimizer.state.values() for v in s.values() if torch.is_tensor(v))]
-    if not bool(torch.stack([torch.isfinite(t).all() for t in tensors if t.is_floating_point()]).all()):
+    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors if t.is_floating_point()]).all().to(torch.int32)
+    if run.ctx.distributed:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if not bool(finite):
         raise FloatingPointError(
             f"the weights or optimizer state are not finite after step {state.step}; stopped without saving (the "
             f"last checkpoint in {run.args.out_dir} is untouched); lower --learning_rate, then --resume")
+    out = run.args.out_dir
+    extra = {**state.state_dict(), "args": flags.flags_to_save(run.args, run.config, DTYPE_NAMES[run.dtype], run.threads),
+             **run.data.identity, "world_size": run.ctx.world_size, "ep_size": run.ctx.ep_size}
+    if sharded(run.args, run.ctx):
+        save_sharded(out, run.model, run.optimizer, extra, run.ctx)
+    elif run.ctx.is_main:
+        save_checkpoint(os.path.join(out, CKPT_NAME), run.model, run.optimizer, extra)
+        remove_sharded(out)
     if not run.ctx.is_main:
         return
-    out = run.args.out_dir
-    save_checkpoint(os.path.join(out, CKPT_NAME), run.model, run.optimizer, {
-        **state.state_dict(), "args": flags.flags_to_save(run.args, run.config, DTYPE_NAMES[run.dtype], run.threads), **run.data.identity, "world_size": run.ctx.world_size,
-        "ep_size": run.ctx.ep_size})
     atomic_write_text(os.path.join(out, "config.json"), run.config.to_json_string())
     if not plots:
         return
@@ -695,7 +731,7 @@ def finish(run, state):
     val, first, unigram = state.last_val[1], run.metrics.first("val_loss"), run.data.unigram_entropy
     bpb = bits_per_byte(run, val)
     summary = {"final_val_loss": val, "final_val_bpb": bpb, "first_val_loss": first, "unigram_entropy": unigram,
-               "checkpoint": os.path.join(args.out_dir, CKPT_NAME), "loss_curve": os.path.join(args.out_dir, "loss.png"),
+               "checkpoint": checkpoint_in(args.out_dir), "loss_curve": os.path.join(args.out_dir, "loss.png"),
                "records": run.metrics.records, "train_time_s": state.train_s, "stopped_by": state.stopped_by,
                "ep_bytes": [(d.bytes_sent, d.bytes_k_copies) for d in ep_dispatchers(run.model)]}
     run.log(f"final val loss {val:.4f}" + (f" ({bpb:.3f} bits/byte)" if bpb is not None else "")
@@ -709,9 +745,10 @@ def finish(run, state):
         run.log(f"expert load over the run (max/mean per layer, 1.0 = balanced): "
                 f"{' '.join(f'{v:.2f}' for v in ratio.tolist())}; experts never used: {sum(idle.tolist())}; "
                 f"heatmap: {os.path.join(args.out_dir, 'expert_load.png')}")
-    if run.ctx.ep_size > 1:  # the last checkpoint gathered every expert here: sample without the transport
-        uninstall_ep(run.model)
-    if args.sample_tokens > 0 and run.ctx.is_main and state.stopped_by is None:
+    if args.sample_tokens > 0 and state.stopped_by is None and sharded(args, run.ctx):
+        run.log(f"sample: none here (the ranks hold parts of the model); try python scripts/generate.py "
+                f"--ckpt {args.out_dir}")
+    elif args.sample_tokens > 0 and run.ctx.is_main and state.stopped_by is None:
         summary["sample"] = sample(run)
         run.log(f"sample: {summary['sample']!r}")
     return summary

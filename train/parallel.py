@@ -1,18 +1,21 @@
-"""Data and expert parallelism: process groups from torchrun's environment, and the all-to-all dispatcher
-that shards the experts (model/ holds no distributed code; this wraps its dispatchers).
+"""Data and expert parallelism: process groups from torchrun's environment (DeviceMesh), the all-to-all
+dispatcher that shards the experts, and FSDP2 for the rest (model/ holds no distributed code; this wraps
+its dispatchers and keeps a rank's experts).
 
-With W ranks and ep_size M (M | W), the EP groups are the blocks of M consecutive ranks, each holding all
-experts sharded (rank r of a group owns experts [r*E/M, (r+1)*E/M)); the expert-data-parallel groups join
-the ranks holding the same experts. DDP reduces the dense grads over all W, reduce_expert_grads the
-experts' over their group. Per MoE layer: dispatch = rows by destination rank -> all-to-all (rows,
-routing weights, local expert ids) -> the layer's own dispatcher on the received rows; the layer's
-the layer's experts run the rank's; combine = local combine -> all-to-all back -> each token's partial
-sums added in ascending rank. A token goes once to each rank that holds one of its experts (as
-Megatron-LM's alltoall dispatcher and DeepEP). Counts travel in one small all-to-all, read to the host
-once per layer; every rank runs the same collectives whatever it receives, so backward always pairs up.
-Rows arrive grouped by source rank in token order: with the whole batch in one EP group every expert sees
-the single-process rows in order (bitwise the same outputs and gradients; the combine's for k <= 2).
+With W ranks and ep_size M (M | W), the EP groups are the blocks of M consecutive ranks; rank r of a group
+holds experts [r*E/M, (r+1)*E/M) of every layer and nothing of the others (weights, grads, optimizer
+state); the expert-data-parallel groups join the ranks holding the same experts. The dense parameters are
+replicated and averaged by DDP, or with --fsdp sharded over all W ranks by FSDP2; reduce_expert_grads
+averages the experts' over their group. Per MoE layer: dispatch = rows by destination rank -> all-to-all
+(rows, routing weights, local expert ids) -> the layer's own dispatcher on the received rows -> the rank's
+experts; combine = local combine -> all-to-all back -> each token's partial sums added in ascending rank.
+A token goes once to each rank that holds one of its experts (as Megatron-LM's alltoall dispatcher and
+DeepEP). Counts travel in one small all-to-all, read to the host once per layer; every rank runs the
+same collectives whatever it receives, so backward always pairs up. Rows arrive grouped by source rank
+in token order: with the whole batch in one EP group every expert sees the single-process rows in order
+(bitwise the same outputs and gradients; the combine's for k <= 2).
 """
+import contextlib
 import dataclasses
 import gc
 import json
@@ -22,6 +25,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 with warnings.catch_warnings():  # the autograd all-to-all is the documented one on gloo; its successor is not
     warnings.simplefilter("ignore", FutureWarning)
@@ -40,6 +46,7 @@ class DistContext:
     ep_group: object = None
     expert_dp_group: object = None
     cpu_group: object = None  # every rank, gloo: host-side values (the loop's clock and stop signals) beside NCCL
+    dp_mesh: object = None    # 1-D DeviceMesh of every rank: FSDP2 shards the dense parameters over it
 
     @property
     def is_main(self):
@@ -52,6 +59,8 @@ class DistContext:
 
 def init_distributed(ep_size, device_type):
     """Initialise torch.distributed when launched by torchrun (WORLD_SIZE > 1); NCCL on CUDA, gloo on CPU.
+    The groups come from DeviceMesh: a 2-D mesh (expert_dp, ep) of shape (W / ep_size, ep_size), rows the EP
+    groups (consecutive ranks), columns the ranks holding the same experts; and a 1-D mesh of all ranks.
 
     Raises ValueError when ep_size < 1 or does not divide the world size.
     """
@@ -65,18 +74,11 @@ def init_distributed(ep_size, device_type):
         return DistContext()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    rank = dist.get_rank()
-    ctx = DistContext(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")), ep_size=ep_size,
-                      cpu_group=dist.new_group(backend="gloo"))
-    for g in range(world // ep_size):  # every rank creates every group, in the same order
-        group = dist.new_group(list(range(g * ep_size, (g + 1) * ep_size)))
-        if rank // ep_size == g:
-            ctx.ep_group = group
-    for r in range(ep_size):
-        group = dist.new_group(list(range(r, world, ep_size)))
-        if rank % ep_size == r:
-            ctx.expert_dp_group = group
-    return ctx
+    mesh = init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("expert_dp", "ep"))
+    return DistContext(rank=dist.get_rank(), world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                       ep_size=ep_size, ep_group=mesh.get_group("ep"), expert_dp_group=mesh.get_group("expert_dp"),
+                       cpu_group=dist.new_group(backend="gloo"),
+                       dp_mesh=init_device_mesh(device_type, (world,), mesh_dim_names=("dp",)))
 
 
 def check_same_on_all_ranks(ctx, what, value):
@@ -237,19 +239,15 @@ def moe_layers(model):
 
 
 def install(model, ep_group, num_experts):
-    """Make every MoE layer of `model` dispatch through an AllToAllDispatcher over `ep_group` (wrapping its
-    own dispatcher). Returns the dispatchers. Raises ValueError when ep_size does not divide num_experts."""
+    """Expert parallelism on every MoE layer of `model`: an AllToAllDispatcher over `ep_group` (wrapping the
+    layer's own), and the layer's Experts keep only this rank's E / ep_size experts (`Experts.keep`: the
+    others' weights are freed; their grads and optimizer state never exist here). Returns the dispatchers.
+    Raises ValueError when ep_size does not divide num_experts."""
     for moe in moe_layers(model):
         if not isinstance(moe.dispatcher, AllToAllDispatcher):
             moe.dispatcher = AllToAllDispatcher(ep_group, num_experts, moe.dispatcher)
+            moe.experts.keep(moe.dispatcher.first_expert, moe.dispatcher.experts_per_rank)
     return ep_dispatchers(model)
-
-
-def uninstall(model):
-    """Give every MoE layer back its single-process dispatcher."""
-    for moe in moe_layers(model):
-        if isinstance(moe.dispatcher, AllToAllDispatcher):
-            moe.dispatcher = moe.dispatcher.single_process
 
 
 def ep_dispatchers(model):
@@ -257,65 +255,68 @@ def ep_dispatchers(model):
     return [m.dispatcher for m in moe_layers(model) if isinstance(m.dispatcher, AllToAllDispatcher)]
 
 
-def expert_param_names(model):
-    """Names of every expert parameter (handled by EP, not DDP)."""
-    return [n for n, _ in model.named_parameters() if ".experts." in n]
+def expert_params(model):
+    """The routed experts' stacked parameters (under EP this rank's experts only: reduced by
+    `reduce_expert_grads`, never by DDP / FSDP)."""
+    return [p for moe in moe_layers(model) for p in moe.experts.parameters()]
 
 
-def owned_expert_slices(model):
-    """(stacked expert parameter, the slice of its experts this rank owns) for every MoE layer: all experts
-    where EP is not installed."""
-    out = []
-    for moe in moe_layers(model):
-        ep = moe.dispatcher if isinstance(moe.dispatcher, AllToAllDispatcher) else None
-        owned = slice(ep.first_expert, ep.first_expert + ep.experts_per_rank) if ep is not None else slice(None)
-        out += [(p, owned) for p in moe.experts.parameters()]
-    return out
+def shard_dense(model, dp_mesh):
+    """FSDP2 (`fully_shard`) over `dp_mesh`: each transformer block, then the rest (embeddings, final norm,
+    the tied head) at the root; the routed experts are left out (EP shards them). Each rank then holds
+    1/W of the dense parameters, their grads and optimizer state; forward / backward gather a block's
+    weights just in time and reduce-scatter its grads (the mean over ranks, as DDP)."""
+    experts = set(expert_params(model))
+    for block in model.model.layers:
+        fully_shard(block, mesh=dp_mesh, ignored_params=experts)
+    # (the root too frees its gathered weights after forward: FSDP2 keeps them by default, and after an
+    # evaluation nothing would free them)
+    fully_shard(model, mesh=dp_mesh, ignored_params=experts, reshard_after_forward=True)
+
+
+@contextlib.contextmanager
+def no_grad_sync(train_model):
+    """Within: backward keeps the grads on this rank (a micro-step before the last of gradient accumulation):
+    DDP's no_sync, FSDP2's set_requires_gradient_sync(False)."""
+    module = getattr(train_model, "_orig_mod", train_model)
+    if not isinstance(module, FSDPModule):
+        with module.no_sync():
+            yield
+        return
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
 
 
 def reduce_expert_grads(model, expert_dp_group, world_size):
-    """Sum the owned experts' grads over the ranks holding the same experts and divide by the world
-    size: the DDP-consistent mean over all ranks (each local grad already sums its EP group's tokens)."""
-    for p, owned in owned_expert_slices(model):
+    """Sum the experts' grads over the ranks holding the same experts and divide by the world size: the
+    DDP-consistent mean over all ranks (each local grad already sums its EP group's tokens)."""
+    for p in expert_params(model):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        grad = p.grad[owned]
         if dist.get_world_size(expert_dp_group) > 1:
-            dist.all_reduce(grad, group=expert_dp_group)
-        grad.div_(world_size)
+            dist.all_reduce(p.grad, group=expert_dp_group)
+        p.grad.div_(world_size)
 
 
-def clip_grad_norm_ep(model, max_norm, ep_group):
-    """Global grad-norm clipping when experts are sharded: dense grads are identical on every rank,
-    each expert's grad lives on its owner, so norm^2 = dense^2 + (sum over the EP group of owned^2)."""
-    expert_names = set(expert_param_names(model))
-    dense = [p.grad for n, p in model.named_parameters() if n not in expert_names and p.grad is not None]
-    owned = [p.grad[rows] for p, rows in owned_expert_slices(model) if p.grad is not None]
-    dev = next(model.parameters()).device
-    dense_sq = sum((g.float().pow(2).sum() for g in dense), torch.zeros((), device=dev))
-    expert_sq = sum((g.float().pow(2).sum() for g in owned), torch.zeros((), device=dev))
-    dist.all_reduce(expert_sq, group=ep_group)
-    total = (dense_sq + expert_sq).sqrt()
-    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in dense + owned:
-        g.mul_(scale)
+def clip_grad_norm_sharded(model, max_norm, ep_group):
+    """Clip every grad to a global norm when the ranks hold different parts (EP experts, FSDP shards):
+    norm^2 = dense^2 (FSDP: the DTensor norm over the shards; DDP: the same on every rank) + the sum over
+    the EP group of the owned experts'^2. Returns the norm before clipping."""
+    experts = set(expert_params(model))
+    params = [p for p in model.parameters() if p.grad is not None]
+    dense, owned = [p for p in params if p not in experts], [p for p in params if p in experts]
+    dense_norm = torch.nn.utils.get_total_norm([p.grad for p in dense]) if dense else torch.zeros(())
+    if isinstance(dense_norm, DTensor):
+        dense_norm = dense_norm.full_tensor()
+    total_sq = dense_norm.float().pow(2)
+    if owned:
+        expert_sq = torch.nn.utils.get_total_norm([p.grad for p in owned]).float().pow(2)
+        dist.all_reduce(expert_sq, group=ep_group)
+        total_sq = total_sq + expert_sq
+    total = torch.as_tensor(total_sq).sqrt()
+    for part in (dense, owned):  # (apart: torch's foreach ops take FSDP's DTensors or plain tensors, not both)
+        torch.nn.utils.clip_grads_with_norm_(part, max_norm, total)
     return total
-
-
-@torch.no_grad()
-def gather_experts(model, optimizer, ep_group):
-    """Make every rank's expert weights (and AdamW moments) the owners' current ones, so any rank holds
-    the full single-process state_dict: checkpoints stay independent of the EP size. (Every rank steps the
-    whole stacked tensors, zero gradients outside its own experts, so the step counts agree.)"""
-    ranks = dist.get_process_group_ranks(ep_group)
-    for moe in moe_layers(model):
-        ep = moe.dispatcher
-        if not isinstance(ep, AllToAllDispatcher):
-            continue
-        for p in moe.experts.parameters():
-            state = optimizer.state[p] if optimizer is not None else {}
-            tensors = [p.data] + [state[k] for k in ("exp_avg", "exp_avg_sq") if k in state]
-            for r, src in enumerate(ranks):
-                rows = slice(r * ep.experts_per_rank, (r + 1) * ep.experts_per_rank)
-                for t in tensors:
-                    dist.broadcast(t[rows], src=src, group=ep_group)

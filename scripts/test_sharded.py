@@ -1,0 +1,281 @@
+"""Sharded training state: under --ep_size a rank holds only its experts, --fsdp shards the rest (FSDP2), and
+the sharded checkpoints (DCP) resume under any world size / ep_size, survive a killed rank, refuse a damaged
+shard, feed the tools, and train across two torchrun "nodes" on 127.0.0.1.
+
+    python scripts/test_sharded.py
+    TEST_DEVICE=cuda python scripts/test_sharded.py   # the same over NCCL, one GPU per rank (scripts/gpu_check.sh)
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import torch
+
+import testlib
+from testlib import ROOT, Skip, run, spawn_ranks  # noqa: F401
+from test_ddp_ep_training import TINY, data_file, launch, losses, single
+
+_TMP = testlib.scratch_dir("test_sharded_")
+# 8 experts so that ep_size 4 leaves 2 per rank; no aux loss: each rank's aux loss sees only its own routing,
+# which would differ from one process's by design (test_ddp_ep_training.py bounds that case)
+DEVICE = os.environ.get("TEST_DEVICE", "cpu")
+COMMON = TINY + ["--num_experts", "8", "--data_path", data_file(), "--router_aux_loss_coef", "0",
+                 "--dtype", "float32", "--save_interval", "1000", "--device", DEVICE]
+GLOBAL_BATCH = 8
+
+
+def needs_ranks(world):
+    """Skip where `world` ranks would not each get a GPU of their own (TEST_DEVICE=cuda)."""
+    if DEVICE == "cuda" and world > torch.cuda.device_count():
+        raise Skip(f"{world} ranks need {world} GPUs, {torch.cuda.device_count()} here")
+
+
+def layout(world, ep=1, fsdp=False):
+    return (["--batch_size", str(GLOBAL_BATCH // world), "--ep_size", str(ep)] + (["--fsdp"] if fsdp else []))
+
+
+def train_in(out, world, *flags):
+    """train/pretrain.py on `world` ranks (one process: in this one); asserts every rank succeeded."""
+    needs_ranks(world)
+    if world == 1:
+        single(list(flags) + ["--out_dir", out])
+    else:
+        results = launch(world, list(flags) + ["--out_dir", out])
+        assert all(r["ok"] for r in results), results
+
+
+def whole_model(out):
+    """The run's latest weights as one process reads them (ckpt.pt, or every shard)."""
+    from train.checkpoint import load_checkpoint
+    return load_checkpoint(out)["model"]
+
+
+def max_diff(a, b):
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def held_worker(rank, world, argv):
+    """Train with `argv`, and at the last save count the elements this rank holds: expert weights, their
+    grads' and optimizer state's (AdamW: 2 moments), and the same for the dense parameters (local shards)."""
+    import train.loop as loop
+    from torch.distributed.tensor import DTensor
+    from train.parallel import expert_params
+    from train.pretrain import parse_args, train
+    counts = {}
+    original = loop.save
+
+    def count_then_save(run, state, plots=True):
+        experts = set(expert_params(run.model))
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        for part, params in (("experts", [p for p in run.model.parameters() if p in experts]),
+                             ("dense", [p for p in run.model.parameters() if p not in experts])):
+            moments = [v for p in params for k, v in run.optimizer.state[p].items() if k.startswith("exp_avg")]
+            counts[part] = (sum(local(p).numel() for p in params), sum(local(m).numel() for m in moments))
+        return original(run, state, plots)
+    loop.save = count_then_save
+    train(parse_args(argv), log=lambda *_: None)
+    return counts
+
+
+def test_rank_holds_only_its_experts():
+    """Elements of weights and AdamW moments per rank after training: experts 1/ep_size of one process's,
+    with --fsdp the dense part 1/world (up to FSDP's padding of dim 0 to a multiple of the world size)."""
+    needs_ranks(4)
+    argv = COMMON + ["--max_steps", "2", "--out_dir"]
+    one = spawn_ranks(held_worker, 1, argv + [os.path.join(_TMP, "held1")] + layout(1), init_group=False)[0]
+    for world, ep, fsdp in ((2, 2, False), (4, 4, False), (4, 2, True), (2, 1, True)):
+        name = f"held{world}_{ep}_{int(fsdp)}"
+        per_rank = spawn_ranks(held_worker, world, argv + [os.path.join(_TMP, name)] + layout(world, ep, fsdp),
+                               init_group=False)
+        for r, counts in enumerate(per_rank):
+            for part, share in (("experts", ep), ("dense", world if fsdp else 1)):
+                for held, whole in zip(counts[part], one[part]):
+                    assert held <= whole / share * 1.05, f"{name} rank {r}: {part} {held} of {whole} (1/{share})"
+            assert counts["experts"][1] == 2 * counts["experts"][0], f"{name}: AdamW state for other experts"
+
+
+def test_resume_across_layouts():
+    """8 steps straight in one process vs 2 steps each on 1 process -> 2 ranks (ep 2) -> 4 ranks (ep 4, then
+    ep 2 + --fsdp) -> 1 process: every step's loss and the final weights agree within fp32 reassociation
+    (1e-5 relative loss, 1e-5 absolute weights: per-rank partial GEMMs for the dense grads, DDP's and
+    FSDP's reduce order); the layout changes never lose or repeat a step or a batch."""
+    straight = os.path.join(_TMP, "straight")
+    train_in(straight, 1, *COMMON, "--max_steps", "8", *layout(1))
+    for chain, layouts in (("ep", [(1, 1, False), (2, 2, False), (4, 4, False), (1, 1, False)]),
+                           ("fsdp", [(1, 1, False), (2, 1, True), (4, 2, True), (1, 1, False)])):
+        out = os.path.join(_TMP, f"chain_{chain}")
+        for i, (world, ep, fsdp) in enumerate(layouts):
+            flags = (COMMON + ["--max_steps", "8"] if i == 0 else ["--resume", "--no_progress"])
+            train_in(out, world, *flags, "--stop_after", "2", *layout(world, ep, fsdp))
+            sharded_now = os.path.islink(os.path.join(out, "ckpt"))
+            assert sharded_now == (ep > 1 or fsdp), f"{chain} step {2 * (i + 1)}: sharded={sharded_now}"
+            assert os.path.exists(os.path.join(out, "ckpt.pt")) != sharded_now, "a run folder holds one checkpoint"
+        a, b = losses(out), losses(straight)
+        assert sorted(a) == sorted(b) == list(range(1, 9)), (chain, sorted(a))
+        worst = max(abs(a[s] - b[s]) / b[s] for s in a)
+        print(f"        {chain} chain: max relative loss difference {worst:.1e}, "
+              f"weights {max_diff(whole_model(out), whole_model(straight)):.1e}")
+        assert worst < 1e-5, (chain, worst)
+        assert max_diff(whole_model(out), whole_model(straight)) < 1e-5
+
+
+def test_resume_same_layout_is_bitwise():
+    """4 steps straight vs 2 + resume 2 on the same layout (2 ranks, ep 2; and with --fsdp): the losses and
+    the final weights are bitwise equal."""
+    for name, flags in (("ep", layout(2, 2)), ("fsdp", layout(2, 2, True))):
+        straight, resumed = os.path.join(_TMP, f"same_{name}_a"), os.path.join(_TMP, f"same_{name}_b")
+        train_in(straight, 2, *COMMON, "--max_steps", "4", *flags)
+        train_in(resumed, 2, *COMMON, "--max_steps", "4", "--stop_after", "2", *flags)
+        train_in(resumed, 2, "--resume", "--no_progress", *flags)
+        assert losses(straight) == losses(resumed), name
+        a, b = whole_model(straight), whole_model(resumed)
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_fsdp_matches_one_process():
+    """10 steps with --fsdp on 2 ranks (ep 1 and ep 2) vs one process: losses within 1e-5 relative (FSDP's
+    reduce-scatter sums the ranks' grads in another order than one process's GEMM: fp32 reassociation)."""
+    one = os.path.join(_TMP, "fsdp_ref")
+    train_in(one, 1, *COMMON, "--max_steps", "10", *layout(1))
+    for ep in (1, 2):
+        out = os.path.join(_TMP, f"fsdp_ep{ep}")
+        train_in(out, 2, *COMMON, "--max_steps", "10", *layout(2, ep, True))
+        a, b = losses(out), losses(one)
+        worst = max(abs(a[s] - b[s]) / b[s] for s in b)
+        print(f"        --fsdp ep {ep}: max relative loss difference over 10 steps {worst:.1e}")
+        assert worst < 1e-5, (ep, worst)
+
+
+def _sharded_run(name, steps=2):
+    out = os.path.join(_TMP, name)
+    if not os.path.exists(out):
+        train_in(out, 2, *COMMON, "--max_steps", "4", "--stop_after", str(steps), *layout(2, 2))
+    return out
+
+
+def _snapshot(out):
+    target = os.path.realpath(os.path.join(out, "ckpt"))
+    return target, {n: open(os.path.join(target, n), "rb").read() for n in sorted(os.listdir(target))}
+
+
+def test_damaged_shard_is_one_error_line():
+    """A flipped byte, a truncated shard, a missing shard and a damaged state.pt: resuming (2 ranks, and one
+    process) and reading the weights (export) each end in one `error:` line naming the file; nothing in the
+    run folder changes."""
+    src = _sharded_run("damage_src")
+    for damage in ("flip", "truncate", "missing", "state"):
+        out = os.path.join(_TMP, f"damaged_{damage}")
+        shutil.copytree(src, out, symlinks=True)
+        target = os.path.realpath(os.path.join(out, "ckpt"))
+        victim = os.path.join(target, "state.pt" if damage == "state" else "__1_0.distcp")
+        data = open(victim, "rb").read()
+        if damage == "missing":
+            os.remove(victim)
+        else:
+            with open(victim, "wb") as f:
+                f.write(data[:len(data) // 2] if damage == "truncate" else
+                        data[:100] + bytes([data[100] ^ 1]) + data[101:])
+        before = _snapshot(out)
+        results = launch(2, ["--resume", "--out_dir", out, "--no_progress"] + layout(2, 2))
+        for r in results:  # (a damaged state.pt is found while the flags are read: argparse's usage line first)
+            lines = [line for line in r.get("error", "").splitlines() if not line.startswith("usage:")]
+            assert not r["ok"] and r["exit"] == 2 and len(lines) == 1, (damage, r)
+            assert lines[0].startswith("error: ") and os.path.basename(victim) in lines[0], (damage, lines)
+        res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export_hf.py"), "--ckpt", out, "--out",
+                              os.path.join(out, "hf")], capture_output=True, text=True)
+        err = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(err) == 1 and os.path.basename(victim) in err[0], (damage, res.stderr)
+        assert _snapshot(out) == before, f"{damage}: the run folder changed"
+
+
+def kill_in_save_worker(rank, world, argv, victim, where):
+    """Train with `argv`; at the second checkpoint rank `victim` dies by SIGKILL `where`: "writing" (its
+    shards written, before they are hashed and the others finish) or "publishing" (rank 0 with state.pt
+    written, before the link moves)."""
+    import torch.distributed.checkpoint as dcp
+    import train.checkpoint as ckpt
+    from train.pretrain import parse_args, train
+    saves = [0]
+    module, name = (dcp, "save") if where == "writing" else (ckpt, "_publish")
+    original = getattr(module, name)
+
+    def save_then_maybe_die(*args, **kwargs):
+        out = original(*args, **kwargs) if where == "writing" else None
+        saves[0] += 1
+        if rank == victim and saves[0] == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out if where == "writing" else original(*args, **kwargs)
+    setattr(module, name, save_then_maybe_die)
+    train(parse_args(argv), log=lambda *_: None)
+
+
+def test_kill_during_save_keeps_the_previous_checkpoint():
+    """kill -9 of one rank in the middle of a sharded save (rank 1 while DCP writes; rank 0 just before the
+    publish): the run dies, the step-2 checkpoint stays the run's and resumes to the end."""
+    for victim, where in ((1, "writing"), (0, "publishing")):
+        out = os.path.join(_TMP, f"killed_{where}")
+        argv = COMMON + ["--max_steps", "6", "--save_interval", "2", "--out_dir", out, "--no_progress"] + layout(2, 2)
+        needs_ranks(2)
+        try:
+            spawn_ranks(kill_in_save_worker, 2, argv, victim, where, init_group=False)
+            raise AssertionError(f"{where}: the run survived its killed rank")
+        except Exception as e:  # (torch.multiprocessing reports the killed or failed rank)
+            assert "AssertionError" not in type(e).__name__, e
+        from train.checkpoint import load_checkpoint
+        assert load_checkpoint(out, weights=False)["step"] == 2, where
+        train_in(out, 2, "--resume", "--no_progress", *layout(2, 2))
+        assert max(losses(out)) == 6 and load_checkpoint(out)["step"] == 6, where
+
+
+def test_tools_read_a_sharded_run():
+    """generate.py, export_hf.py and --init_from take a sharded run folder: its weights are the ranks'
+    (generate's output equals generate on the same weights written as a one-process checkpoint)."""
+    out = _sharded_run("tools_src")
+    py = [sys.executable]
+    gen = subprocess.run(py + [os.path.join(ROOT, "scripts", "generate.py"), "--ckpt", out, "--prompt", "The",
+                               "--max_new_tokens", "8", "--temperature", "0"], capture_output=True, text=True)
+    assert gen.returncode == 0 and gen.stdout.strip(), gen.stderr
+    export = subprocess.run(py + [os.path.join(ROOT, "scripts", "export_hf.py"), "--ckpt", out, "--out",
+                                  os.path.join(_TMP, "tools_hf")], capture_output=True, text=True)
+    assert export.returncode == 0, export.stderr
+    init = os.path.join(_TMP, "tools_init")
+    train_in(init, 1, *COMMON, "--max_steps", "1", "--init_from", out, *layout(1))
+    assert losses(init)[1] < losses(out)[1], "--init_from did not start from the trained weights"
+
+
+def _torchrun_two_nodes(argv, port):
+    """train/pretrain.py as 2 torchrun launches of 2 processes each (--nnodes 2 --node_rank 0 / 1) meeting on
+    127.0.0.1; returns their completed processes."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    launches = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
+                                  str(node), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+                                  str(port), os.path.join(ROOT, "train", "pretrain.py"), *argv],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for node in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in launches]
+    return [(p.returncode, out) for p, out in zip(launches, outs)]
+
+
+def test_two_nodes():
+    """Two torchrun "nodes" x 2 processes on localhost: DDP + EP over all 4 ranks (the all-to-all crosses the
+    nodes), then --fsdp + EP 2 resuming it, each to the same losses as one process (1e-5 relative)."""
+    if DEVICE == "cuda":
+        raise Skip("two launches on one machine would share GPUs 0 and 1")
+    out, ref = os.path.join(_TMP, "two_nodes"), os.path.join(_TMP, "two_nodes_ref")
+    train_in(ref, 1, *COMMON, "--max_steps", "4", *layout(1))
+    for i, flags in enumerate((COMMON + ["--max_steps", "4", "--stop_after", "2", *layout(4, 4)],
+                               ["--resume", *layout(4, 2, True)])):
+        for code, log in _torchrun_two_nodes(flags + ["--out_dir", out, "--no_progress"], testlib.free_port()):
+            assert code == 0, log[-3000:]
+    a, b = losses(out), losses(ref)
+    assert sorted(a) == [1, 2, 3, 4] and max(abs(a[s] - b[s]) / b[s] for s in b) < 1e-5, (a, b)
+
+
+TESTS = [test_rank_holds_only_its_experts, test_resume_across_layouts, test_resume_same_layout_is_bitwise,
+         test_fsdp_matches_one_process, test_damaged_shard_is_one_error_line,
+         test_kill_during_save_keeps_the_previous_checkpoint, test_tools_read_a_sharded_run, test_two_nodes]
+
+if __name__ == "__main__":
+    run(TESTS)
