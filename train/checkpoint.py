@@ -192,6 +192,12 @@ def is_sharded(path):
     return os.path.isdir(path) and os.path.exists(os.path.join(path, SHARDED_STATE))
 
 
+def run_dir_of(path):
+    """The run folder of a checkpoint path: the folder itself, or the one holding the ckpt.pt / sharded
+    checkpoint."""
+    return path if os.path.isdir(path) and not is_sharded(path) else os.path.dirname(os.path.abspath(path))
+
+
 def load_checkpoint(path, weights=True):
     """Load a checkpoint dict (tensors on CPU): of a sharded one the state, with `weights` the whole
     single-process "model" state_dict read from its shards. Raises FileNotFoundError / ValueError with the
@@ -274,8 +280,7 @@ def run_tokenizer(ckpt_path, tokenizer_dir=None):
     holds no tokenizer.json, data/tokenizer.py's DataError when that cannot be loaded."""
     from data.tokenizer import load_tokenizer
     if tokenizer_dir is None:
-        run_dir = ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(os.path.abspath(ckpt_path))
-        tokenizer_dir = os.path.join(run_dir, "tokenizer")
+        tokenizer_dir = os.path.join(run_dir_of(ckpt_path), "tokenizer")
     if not os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")):
         raise FileNotFoundError(f"{tokenizer_dir}: tokenizer not found; pass --tokenizer")
     return load_tokenizer(tokenizer_dir), tokenizer_dir

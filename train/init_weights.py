@@ -9,7 +9,7 @@ import torch
 
 from model.config import MiniMindConfig
 from model.hf_adapter import is_hf_folder
-from train.checkpoint import load_checkpoint, load_hf_checked, model_from_checkpoint
+from train.checkpoint import load_checkpoint, load_hf_checked, model_from_checkpoint, run_dir_of
 from train.flags import TRUNK_FIELDS
 
 
@@ -52,7 +52,7 @@ def weights_source(args):
             init_model, source_dir = load_hf_checked(path), path
         else:
             init_model = model_from_checkpoint(load_checkpoint(path))
-            source_dir = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+            source_dir = run_dir_of(path)
     own = next((cand for cand in (os.path.join(source_dir, "tokenizer"), source_dir)
                 if os.path.exists(os.path.join(cand, "tokenizer.json"))), None) if source_dir else None
     if args.tokenizer is not None or source_dir is None:

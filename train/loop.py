@@ -257,7 +257,7 @@ class Run:
     config: object
     data: StageData
     model: torch.nn.Module   # the plain module (checkpoints, eval, telemetry)
-    train_model: torch.nn.Module  # what the step calls: model, or DDP / compile around it
+    train_model: torch.nn.Module  # what the step calls: model (FSDP's too), or DDP / compile around it
     optimizer: torch.optim.Optimizer
     metrics: MetricsLog
     log: Callable
@@ -448,9 +448,9 @@ def wrap(model, args, ctx, device_type):
     if args.fsdp:
         shard_dense(model, ctx.dp_mesh)
         return model
-    experts = set(expert_params(model))
-    DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, p in model.named_parameters() if p in experts]
-                                                     if ctx.ep_size > 1 else [])
+    if ctx.ep_size > 1:
+        experts = set(expert_params(model))
+        DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, p in model.named_parameters() if p in experts])
     return DDP(model, device_ids=[ctx.local_rank] if device_type == "cuda" else None, find_unused_parameters=False)
 
 
