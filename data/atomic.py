@@ -5,7 +5,8 @@ are unique per process; an exception removes the temp and leaves the destination
     with atomic_file("run/metrics.jsonl", "w") as f:  # temp file in the same folder, fsync, os.replace
     with atomic_dir("exports/model") as tmp:          # temp folder next to it, renamed over it at the end
 
-`atomic_link` points a symlink at a new target in one rename (train/checkpoint.py's sharded checkpoints).
+`atomic_link` points a symlink at a new target in one rename (train/checkpoint.py's sharded checkpoints);
+`usual_modes` gives a folder written through a temp folder the modes plain creation would.
 `file_lock` serialises the processes that would build the same thing (the second waits, then finds it built).
 """
 import contextlib
@@ -67,7 +68,7 @@ def atomic_dir(path):
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.tmp")
     try:
         yield tmp
-        _usual_modes(tmp)
+        usual_modes(tmp)
         old = None
         if os.path.exists(path):
             old = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.old")
@@ -80,7 +81,7 @@ def atomic_dir(path):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _usual_modes(folder):
+def usual_modes(folder):
     """Give `folder` and its contents the modes plain creation under the umask gives (0755 / 0644 under 022):
     mkdtemp makes 0700, copytree copies the source's mode, safetensors' save_file leaves 0600."""
     os.umask(umask := os.umask(0))

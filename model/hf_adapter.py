@@ -139,8 +139,8 @@ def is_hf_folder(path):
     import json
     import os
     cfg = os.path.join(path, "config.json")
-    if (not (os.path.isdir(path) and os.path.exists(cfg))
-            or os.path.exists(os.path.join(path, "ckpt.pt"))):
+    run_folder = any(os.path.lexists(os.path.join(path, n)) for n in ("ckpt.pt", "ckpt"))
+    if not (os.path.isdir(path) and os.path.exists(cfg)) or run_folder:
         return False
     try:
         with open(cfg, encoding="utf-8") as f:

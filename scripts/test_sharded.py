@@ -52,6 +52,13 @@ def whole_model(out):
     return load_checkpoint(out)["model"]
 
 
+def assert_one_checkpoint(out):
+    """The run folder holds one checkpoint: ckpt.pt, or the link ckpt and the folder it names."""
+    held = sorted(n for n in os.listdir(out) if n.startswith("ckpt") or n.startswith(".ckpt"))
+    link = os.path.join(out, "ckpt")
+    assert held in (["ckpt.pt"], ["ckpt", os.readlink(link) if os.path.islink(link) else None]), (out, held)
+
+
 def max_diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
@@ -111,7 +118,7 @@ def test_resume_across_layouts():
             train_in(out, world, *flags, "--stop_after", "2", *layout(world, ep, fsdp))
             sharded_now = os.path.islink(os.path.join(out, "ckpt"))
             assert sharded_now == (ep > 1 or fsdp), f"{chain} step {2 * (i + 1)}: sharded={sharded_now}"
-            assert os.path.exists(os.path.join(out, "ckpt.pt")) != sharded_now, "a run folder holds one checkpoint"
+            assert_one_checkpoint(out)
         a, b = losses(out), losses(straight)
         assert sorted(a) == sorted(b) == list(range(1, 9)), (chain, sorted(a))
         worst = max(abs(a[s] - b[s]) / b[s] for s in a)
@@ -161,15 +168,15 @@ def _snapshot(out):
 
 
 def test_damaged_shard_is_one_error_line():
-    """A flipped byte, a truncated shard, a missing shard and a damaged state.pt: resuming (2 ranks, and one
-    process) and reading the weights (export) each end in one `error:` line naming the file; nothing in the
-    run folder changes."""
+    """A flipped byte, a truncated shard, a missing shard, a damaged state.pt or DCP .metadata: resuming (2
+    ranks) and reading the weights (export) each end in one `error:` line naming the file; nothing in the run
+    folder changes."""
     src = _sharded_run("damage_src")
-    for damage in ("flip", "truncate", "missing", "state"):
+    for damage in ("flip", "truncate", "missing", "state", "metadata"):
         out = os.path.join(_TMP, f"damaged_{damage}")
         shutil.copytree(src, out, symlinks=True)
         target = os.path.realpath(os.path.join(out, "ckpt"))
-        victim = os.path.join(target, "state.pt" if damage == "state" else "__1_0.distcp")
+        victim = os.path.join(target, {"state": "state.pt", "metadata": ".metadata"}.get(damage, "__1_0.distcp"))
         data = open(victim, "rb").read()
         if damage == "missing":
             os.remove(victim)
@@ -188,6 +195,19 @@ def test_damaged_shard_is_one_error_line():
         err = res.stderr.strip().splitlines()
         assert res.returncode == 2 and len(err) == 1 and os.path.basename(victim) in err[0], (damage, res.stderr)
         assert _snapshot(out) == before, f"{damage}: the run folder changed"
+
+
+def test_copied_run_folders_resume():
+    """A sharded run folder copied keeping its link (cp -r) or following it (cp -rL: `ckpt` a real folder)
+    resumes on 2 ranks and in one process, each leaving one checkpoint behind."""
+    src = _sharded_run("copy_src")
+    for follow in (False, True):
+        for world in (2, 1):
+            out = os.path.join(_TMP, f"copied_{int(follow)}_{world}")
+            shutil.copytree(src, out, symlinks=not follow)
+            train_in(out, world, "--resume", "--no_progress", "--stop_after", "1", *layout(world, world))
+            assert_one_checkpoint(out)
+            assert max(losses(out)) == 3, (follow, world)
 
 
 def kill_in_save_worker(rank, world, argv, victim, where):
@@ -227,6 +247,7 @@ def test_kill_during_save_keeps_the_previous_checkpoint():
         assert load_checkpoint(out, weights=False)["step"] == 2, where
         train_in(out, 2, "--resume", "--no_progress", *layout(2, 2))
         assert max(losses(out)) == 6 and load_checkpoint(out)["step"] == 6, where
+        assert_one_checkpoint(out)
 
 
 def test_tools_read_a_sharded_run():
@@ -274,7 +295,7 @@ def test_two_nodes():
 
 
 TESTS = [test_rank_holds_only_its_experts, test_resume_across_layouts, test_resume_same_layout_is_bitwise,
-         test_fsdp_matches_one_process, test_damaged_shard_is_one_error_line,
+         test_fsdp_matches_one_process, test_damaged_shard_is_one_error_line, test_copied_run_folders_resume,
          test_kill_during_save_keeps_the_previous_checkpoint, test_tools_read_a_sharded_run, test_two_nodes]
 
 if __name__ == "__main__":

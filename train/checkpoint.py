@@ -16,13 +16,14 @@ import hashlib
 import os
 import shutil
 import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from data.atomic import atomic_file, atomic_link
+from data.atomic import atomic_file, atomic_link, usual_modes
 
 CKPT_NAME = "ckpt.pt"
 SHARDED_NAME, SHARDED_STATE = "ckpt", "state.pt"  # the sharded checkpoint (a link to its folder), its state file
@@ -181,15 +182,25 @@ def verify(ckpt, path):
 
 def checkpoint_in(path):
     """The checkpoint `path` names: a ckpt.pt, a sharded checkpoint's folder, or a run folder's (ckpt.pt or
-    ckpt, the newer where a crash left both); a run folder without one gives its ckpt.pt path (not there)."""
+    the link ckpt, the newer where a crash left both); a run folder without one gives its ckpt.pt path (not
+    there)."""
     if not os.path.isdir(path) or is_sharded(path):
         return path
-    found = [os.path.join(path, n) for n in (CKPT_NAME, SHARDED_NAME) if os.path.exists(os.path.join(path, n))]
-    return max(found, key=os.path.getmtime) if found else os.path.join(path, CKPT_NAME)
+    found = [os.path.join(path, n) for n in (CKPT_NAME, SHARDED_NAME) if os.path.lexists(os.path.join(path, n))]
+    return max(found, key=lambda p: os.lstat(p).st_mtime) if found else os.path.join(path, CKPT_NAME)
+
+
+def _check_exists(path):
+    """Raise FileNotFoundError naming `path` (and, for a link, its missing target) unless it exists."""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: checkpoint not found (a link to {os.readlink(path)}, which is missing)")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: checkpoint not found")
 
 
 def is_sharded(path):
-    return os.path.isdir(path) and os.path.exists(os.path.join(path, SHARDED_STATE))
+    """Whether `path` is a sharded checkpoint's folder (complete or not: its state.pt or DCP's .metadata)."""
+    return os.path.isdir(path) and any(os.path.lexists(os.path.join(path, n)) for n in (SHARDED_STATE, ".metadata"))
 
 
 def run_dir_of(path):
@@ -205,8 +216,7 @@ def load_checkpoint(path, weights=True):
     path = checkpoint_in(path)
     if is_sharded(path):
         return load_sharded(path, weights)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: checkpoint not found")
+    _check_exists(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated or foreign file
@@ -226,8 +236,7 @@ def read_saved_flags(path):
     """(the flags saved in a training checkpoint, its world size), without reading its tensors (mmap).
     Raises FileNotFoundError / ValueError naming the file, also for weights without training state."""
     path = checkpoint_in(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: checkpoint not found")
+    _check_exists(path)
     if is_sharded(path):
         ckpt = read_sharded_state(path)
         return dict(ckpt["args"]), ckpt.get("world_size", 1)
@@ -456,6 +465,7 @@ def _publish(folder, out_dir, step):
     while os.path.exists(final + (f".{n}" if n > 1 else "")):
         n += 1
     final += f".{n}" if n > 1 else ""
+    usual_modes(folder)  # (mkdtemp made it 0700)
     os.rename(folder, final)
     atomic_link(os.path.join(out_dir, SHARDED_NAME), os.path.basename(final))
     for name in os.listdir(out_dir):
@@ -467,17 +477,23 @@ def _publish(folder, out_dir, step):
 
 
 def remove_sharded(out_dir):
-    """Delete a run folder's sharded checkpoint (after a ckpt.pt replaced it)."""
+    """Delete a run folder's sharded checkpoints (after a ckpt.pt replaced them): the link, its folder, any
+    unpublished one, a copy that followed the link."""
     link = os.path.join(out_dir, SHARDED_NAME)
     if os.path.islink(link):
-        target = os.path.realpath(link)
         os.remove(link)
-        shutil.rmtree(target, ignore_errors=True)
+    elif is_sharded(link):
+        shutil.rmtree(link)
+    for name in os.listdir(out_dir):
+        if name.startswith(f"{SHARDED_NAME}.step"):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
 
 
 def read_sharded_state(folder):
     """A sharded checkpoint's state.pt (no tensors read), verified. Raises ValueError naming the file."""
     path = os.path.join(folder, SHARDED_STATE)
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: missing (the sharded checkpoint is incomplete); use another checkpoint")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated or foreign file
@@ -516,13 +532,14 @@ def load_sharded(folder, weights=True):
     the whole single-process state_dict (CPU); its shapes checked against the config either way
     (`check_weights_fit_config`). Raises ValueError naming the file."""
     state = read_sharded_state(folder)
+    verify_shards(folder, {n: h for n, h in state["files"].items() if n == ".metadata"})  # (read here: checked first)
     saved = {k[len("model."):]: v for k, v in _saved_tensors(folder).items() if k.startswith("model.")}
     state["model"] = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (shape, dtype) in saved.items()}
     check_weights_fit_config(state, folder)
     if weights:
         verify_shards(folder, state["files"])
         state["model"] = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in saved.items()}
-        dcp.load({"model": state["model"]}, checkpoint_id=folder, no_dist=True)
+        _dcp_load({"model": state["model"]}, folder, distributed=False)
     else:
         del state["model"]
     state["folder"] = folder
@@ -535,6 +552,13 @@ def load_sharded_into(folder, state, model, optimizer, ctx):
     it."""
     verify_shards(folder, state["files"], ctx.rank, ctx.world_size, ctx.cpu_group)
     init_optimizer_state(optimizer)
-    dcp.load(tensor_state(model, optimizer), checkpoint_id=folder, no_dist=not ctx.distributed)
+    _dcp_load(tensor_state(model, optimizer), folder, ctx.distributed)
     for group, saved in zip(optimizer.param_groups, state["optimizer_groups"]):
         group.update({k: saved[k] for k in HYPERPARAMETERS})
+
+
+def _dcp_load(state, folder, distributed):
+    """dcp.load in place; in one process without its warning that it assumes one process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=folder, no_dist=not distributed)

@@ -47,7 +47,7 @@ def remove_temp_leftovers(out_dir):
     for name in os.listdir(out_dir):
         if _TEMP.match(name):
             path = os.path.join(out_dir, name)
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
 
 
 def abandon_run_dir(out_dir, lock):
