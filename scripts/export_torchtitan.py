@@ -12,9 +12,12 @@ trainer configs `minimind_pretrain` / `minimind_sft`, which load hf/ at step 0 a
 COMMAND.txt. Routing balance: torchtitan's learned routing bias (load_balance_coeff) is off, since a Qwen3-MoE
 folder cannot hold it (its exports would route otherwise than it trained); --load_balance_coeff turns it on.
 torchtitan has none of our router losses or capacity limits: those the run used are named in a warning.
-Back again: torchtitan's last checkpoint (HF format, in its dump folder) -> scripts/import_hf.py.
+Back again: torchtitan's last checkpoint (HF format, in its dump folder) -> scripts/import_hf.py (the chat
+template then lacks the generation tags; train/sft.py masks by its own ChatML rule). torchtitan's SFT loader
+takes one exchange per row: minimind_sft trains on each conversation's last.
 A model torchtitan's Qwen3 cannot express (shared experts, another RMSNorm eps) is one `error:` line.
 """
+import math
 import os
 import re
 import sys
@@ -23,15 +26,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from data.atomic import atomic_dir  # noqa: E402
 from model.config import MiniMindConfig  # noqa: E402
-from model.hf_adapter import ExportError  # noqa: E402
-from train.checkpoint import load_checkpoint  # noqa: E402
+from model.hf_adapter import ExportError, check_exportable  # noqa: E402
+from train.checkpoint import load_checkpoint, run_tokenizer  # noqa: E402
 from train.flags import Parser, run_tool  # noqa: E402
 
 TORCHTITAN_EPS = 1e-6  # torchtitan's Qwen3 RMSNorm eps (models/qwen3: _EPS), fixed
 
 
-def check_expressible(config):
-    """Raise ExportError naming the fields torchtitan 0.3.0's Qwen3 cannot express."""
+def check_expressible(config, ep, fsdp, load_balance_coeff):
+    """Raise ExportError naming the fields torchtitan 0.3.0's Qwen3 cannot express (after export_hf's own
+    refusals) and the flags that do not fit the model."""
+    check_exportable(config)
+    if ep < 1 or fsdp < 1:
+        raise ExportError(f"--ep {ep} and --fsdp {fsdp} must be >= 1")
+    if fsdp % ep:
+        raise ExportError(f"--ep {ep} must divide --fsdp {fsdp} (torchtitan's EP borrows FSDP's ranks)")
+    if config.use_moe and config.num_experts % ep:
+        raise ExportError(f"--ep {ep} must divide the model's {config.num_experts} experts")
+    if not config.use_moe and ep > 1:
+        raise ExportError(f"--ep {ep}: a dense model has no experts to shard; use --ep 1")
+    if load_balance_coeff is not None and not (math.isfinite(load_balance_coeff) and load_balance_coeff > 0):
+        raise ExportError(f"--load_balance_coeff must be > 0 (or left out: off), got {load_balance_coeff}")
     bad = []
     if config.use_moe and config.n_shared_experts:
         bad.append(f"n_shared_experts={config.n_shared_experts} (its Qwen3 MoE has no shared experts)")
@@ -44,8 +59,7 @@ def check_expressible(config):
 def untrained_settings(config):
     """The MoE training settings of `config` that torchtitan's MoE lacks (named in a warning)."""
     active = {"router_aux_loss_coef": config.router_aux_loss_coef, "router_z_loss_coef": config.router_z_loss_coef,
-              "router_bias_update_rate": config.router_bias_update_rate, "capacity_factor": config.capacity_factor,
-              "moe_pad_to_capacity": config.moe_pad_to_capacity, "router_dtype": config.router_dtype}
+              "router_dtype": config.router_dtype}  # (capacity and the aux-free bias: the HF export refuses them)
     return [f"{name}={value}" for name, value in active.items() if config.use_moe and value]
 
 
@@ -73,8 +87,9 @@ def flavor_module(config, args_of_run, source, load_balance_coeff):
 
 
 TEMPLATE = '''"""torchtitan 0.3.0 flavor of a minimind-moe run ({source}), written by scripts/export_torchtitan.py.
-Configs: minimind_pretrain (text: --dataloader.dataset / --dataloader.dataset_path), minimind_sft (chat jsonl:
-MINIMIND_SFT_JSONL, {{"conversations": [...]}} or {{"messages": [...]}} per line). Both load hf/ at step 0."""
+Configs: minimind_pretrain (torchtitan's registered "c4", streamed from the HF hub; other text through its
+--dataloader.dataset / --dataloader.dataset_path), minimind_sft (MINIMIND_SFT_JSONL: our chat jsonl,
+{{"conversations": [...]}} or {{"messages": [...]}} per line, each row's last exchange). Both load hf/ at step 0."""
 import os
 
 from torchtitan.components.checkpoint import CheckpointManager
@@ -128,11 +143,17 @@ def minimind_pretrain():
     return _trainer(HuggingFaceTextDataLoader.Config(dataset="c4"), steps=1000)
 
 
+def last_exchange(row):
+    """torchtitan 0.3.0's ChatDataset takes one [user, assistant] exchange: a conversation's last one (its system
+    turn and earlier turns are dropped)."""
+    turns = [t for t in (row.get("conversations") or row["messages"]) if t["role"] in ("user", "assistant")]
+    return [{{"role": t["role"], "content": t["content"]}} for t in turns[-2:]]
+
+
 def minimind_sft():
     data = os.environ.get("MINIMIND_SFT_JSONL", "sft.jsonl")
     return _trainer(ChatDataLoader.Config(dataset_path="json", load_dataset_kwargs={{"data_files": data, "split": "train"}},
-                                          sample_processor=lambda row: row.get("conversations") or row["messages"]),
-                    steps=300)
+                                          sample_processor=last_exchange), steps=300)
 '''
 
 
@@ -144,24 +165,47 @@ def command(config_name, ep, fsdp):
             f"--config {config_name} " + " ".join(flags))
 
 
-def export(ckpt_path, out_dir, ep=1, fsdp=1, load_balance_coeff=None, log=print, force=False):
-    """Write the torchtitan folder at out_dir (the same rules as export_hf.export for an existing one)."""
+OWN_FILES = {"hf", "minimind_tt.py", "COMMAND.txt", "__pycache__"}
+
+
+def check_out(out_dir, force):
+    """Raise ExportError unless out_dir is new, empty, or (with force) an earlier export holding nothing else
+    (torchtitan's outputs/ included: never deleted)."""
+    if not out_dir.strip():
+        raise ExportError("--out is empty; name a folder")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ExportError(f"{out_dir}: {parent} is a file, not a folder; choose another --out")
+    if not os.path.exists(out_dir) or (os.path.isdir(out_dir) and not os.listdir(out_dir)):
+        return
+    names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
+    if "minimind_tt.py" not in names:
+        raise ExportError(f"{out_dir}: exists and is not an earlier export; choose an empty or new --out")
+    if names - OWN_FILES:
+        raise ExportError(f"{out_dir}: an earlier export that now also holds {sorted(names - OWN_FILES)} (torchtitan's "
+                          f"outputs?): move them, or choose another --out")
+    if not force:
+        raise ExportError(f"{out_dir}: an earlier export is there; pass --force to replace it")
+
+
+def export(ckpt_path, out_dir, ep=1, fsdp=1, load_balance_coeff=None, tokenizer_dir=None, log=print, force=False):
+    """Write the torchtitan folder at out_dir. Raises ExportError / ValueError / FileNotFoundError (one line)
+    before anything is written."""
     from export_hf import export as export_hf
     ckpt = load_checkpoint(ckpt_path, weights=False)
     config = MiniMindConfig.from_dict(ckpt["config"])
-    check_expressible(config)
-    if ep < 1 or fsdp < 1 or fsdp % ep:
-        raise ExportError(f"--ep {ep} must divide --fsdp {fsdp} (torchtitan's EP borrows its ranks from FSDP's)")
-    earlier = os.path.exists(os.path.join(out_dir, "minimind_tt.py"))
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)) and not (force and earlier):
-        raise ExportError(f"{out_dir}: exists and is not empty" + (" (an earlier export: pass --force)" if earlier
-                                                                   else "; choose an empty or new --out"))
+    check_expressible(config, ep, fsdp, load_balance_coeff)
+    check_out(out_dir, force)
+    run_tokenizer(ckpt_path, tokenizer_dir)  # (found now, not after the weights)
     missing = untrained_settings(config)
     if missing:
         log(f"warning: torchtitan trains without {', '.join(missing)}: its MoE has no router aux / z loss, "
             f"capacity or aux-free bias of ours")
     with atomic_dir(out_dir) as tmp:
-        export_hf(ckpt_path, os.path.join(tmp, "hf"), log=lambda line: log(line.replace(tmp, out_dir)))
+        export_hf(ckpt_path, os.path.join(tmp, "hf"), tokenizer_dir=tokenizer_dir,
+                  log=lambda line: log(line.replace(tmp, out_dir)))
         template = os.path.join(tmp, "hf", "chat_template.jinja")
         if os.path.exists(template):  # torchtitan's jinja environment has no {% generation %} extension
             with open(template, encoding="utf-8") as f:
@@ -172,10 +216,12 @@ def export(ckpt_path, out_dir, ep=1, fsdp=1, load_balance_coeff=None, log=print,
             f.write(flavor_module(config, ckpt.get("args") or {}, os.path.abspath(ckpt_path), load_balance_coeff))
         with open(os.path.join(tmp, "COMMAND.txt"), "w", encoding="utf-8") as f:
             f.write(f"# in this folder, with torchtitan==0.3.0 installed, on {fsdp} GPUs:\n"
-                    f"{command('minimind_pretrain', ep, fsdp)}\n{command('minimind_sft', ep, fsdp)}\n"
+                    f"{command('minimind_pretrain', ep, fsdp)}\n"
+                    f"MINIMIND_SFT_JSONL=<your chat jsonl> {command('minimind_sft', ep, fsdp)}\n"
                     f"# load_balance_coeff={load_balance_coeff!r}: torchtitan's routing bias "
                     f"{'on (a Qwen3-MoE export cannot hold it)' if load_balance_coeff else 'off'}\n"
-                    f"# back: python scripts/import_hf.py --hf <dump folder>/checkpoint/step-N --out <run>\n")
+                    f"# back (torchtitan saves in outputs/): python scripts/import_hf.py --hf "
+                    f"outputs/checkpoint/step-N --out <run>\n")
     log(f"torchtitan folder: {out_dir}\n{command('minimind_pretrain', ep, fsdp)}")
 
 
@@ -187,10 +233,11 @@ def main(argv=None):
     p.add_argument("--fsdp", type=int, default=8, help="its FSDP degree (= GPUs) in the command")
     p.add_argument("--load_balance_coeff", type=float, default=None, help="torchtitan's routing-bias rate "
                    "(default off: a Qwen3-MoE export cannot hold the bias)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: tokenizer/ next to the checkpoint)")
     p.add_argument("--force", action="store_true", help="replace an earlier export at --out")
     args = p.parse_args(argv)
     try:
-        export(args.ckpt, args.out, args.ep, args.fsdp, args.load_balance_coeff, force=args.force)
+        export(args.ckpt, args.out, args.ep, args.fsdp, args.load_balance_coeff, args.tokenizer, force=args.force)
     except (ExportError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -78,6 +78,22 @@ print("mesh", world, dims.dp_shard, dims.ep, "ep mesh", tuple(dims.get_mesh("ep"
 '''
 
 
+# Runs in torchtitan's venv: minimind_sft's loader over our chat format (a system turn, several exchanges)
+SFT = r'''
+import os, sys
+folder = sys.argv[1]
+sys.path.insert(0, folder)
+import minimind_tt
+from datasets import load_dataset
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.hf_datasets.text_datasets import ChatDataset
+loader = minimind_tt.minimind_sft().dataloader
+dataset = ChatDataset(load_dataset(loader.dataset_path, **loader.load_dataset_kwargs),
+                      HuggingFaceTokenizer(tokenizer_path=minimind_tt.HF), loader.sample_processor, seq_len=64)
+print("sft windows with supervised tokens", sum(1 for _, (_, labels) in zip(range(3), dataset) if (labels != -100).any()))
+'''
+
+
 def torchtitan_python():
     python = os.environ.get("TORCHTITAN_PYTHON") or os.path.join(ROOT, ".venv-torchtitan", "bin", "python")
     if not os.path.exists(python):
@@ -140,7 +156,7 @@ def test_torchtitan_computes_our_logits_and_saves_our_weights():
 
 def test_command_parses_and_the_mesh_builds():
     """The folder's pretrain and SFT commands, as torchtitan's config parser takes them; the mesh for EP=4 x
-    FSDP=8 built on the fake backend."""
+    FSDP=8 built on the fake backend; the SFT loader on conversations of ours (system turn, two exchanges)."""
     python, folder = torchtitan_python(), handed_folder()
     for config in ("minimind_pretrain", "minimind_sft"):
         line = [ln for ln in open(os.path.join(folder, "COMMAND.txt")) if f"--config {config} " in ln][0]
@@ -150,10 +166,22 @@ def test_command_parses_and_the_mesh_builds():
         said = [ln for ln in r.stdout.splitlines() if ln.startswith("mesh ")]
         print(f"        {config}: {said}")
         assert said and said[0].startswith("mesh 8 8 4"), r.stdout[-2000:]
+    chats = os.path.join(_TMP, "chats.jsonl")
+    with open(chats, "w") as f:
+        for i in range(3):
+            turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Question {i}?"},
+                     {"role": "assistant", "content": "An answer."}, {"role": "user", "content": "And then?"},
+                     {"role": "assistant", "content": f"Then {i}."}]
+            f.write(json.dumps({"conversations": turns}) + "\n")
+    r = subprocess.run([python, "-c", SFT, folder], capture_output=True, text=True,
+                       env=dict(os.environ, MINIMIND_SFT_JSONL=chats))
+    said = [ln for ln in r.stdout.splitlines() if ln.startswith("sft windows")]
+    assert r.returncode == 0 and said and int(said[0].split()[-1]) >= 1, r.stdout[-1000:] + r.stderr[-3000:]
 
 
 def test_inexpressible_model_is_one_error_line():
-    """Shared experts: one `error:` line naming the field, exit 2, nothing written."""
+    """Shared experts, --ep not dividing --fsdp or the experts, a routing-bias rate of 0: one `error:` line
+    naming it, exit 2, nothing written."""
     shared = os.path.join(_TMP, "shared_run")
     r = testlib.run_script("train/pretrain.py", *testlib.TINY_RUN_FLAGS, "--max_steps", "1", "--n_shared_experts", "1",
                            "--out_dir", shared)
@@ -163,6 +191,12 @@ def test_inexpressible_model_is_one_error_line():
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "n_shared_experts" in lines[0], r.stderr
     assert not os.path.exists(out)
+    for flags, said in ((["--ep", "3"], "--ep 3 must divide --fsdp 8"), (["--load_balance_coeff", "0"], "must be > 0"),
+                        (["--ep", "8"], "must divide the model's 4 experts")):
+        r = testlib.run_script("scripts/export_torchtitan.py", "--ckpt", testlib.tiny_run(), "--out", out, *flags)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and said in lines[0], (flags, r.stderr)
+        assert not os.path.exists(out)
 
 
 TESTS = [test_inexpressible_model_is_one_error_line, test_torchtitan_computes_our_logits_and_saves_our_weights,
