@@ -200,13 +200,23 @@ def engine_name(engine):
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
+def per_expert_entries(experts, prefix=""):
+    """(state_dict key, stacked parameter's name, index into it) of each expert's gate, up and down
+    weight, in E FeedForward modules' order: how the stack stands for them (state_dict,
+    checkpoints)."""
+    F_, first = experts.down_proj.shape[2], experts.first_expert
+    for e in range(len(experts)):
+        where = (("gate_up_proj", (e, slice(None, F_))), ("gate_up_proj", (e, slice(F_, None))),
+                 ("down_proj", (e,)))
+        for projection, (name, index) in zip(PROJECTIONS, where):
+            yield f"{prefix}{first + e}.{projection}.weight", name, index
+
+
 def _per_expert_state_dict(module, state_dict, prefix, local_metadata):
     """Experts' state_dict hook: the stacked tensors -> one view per expert and projection."""
-    gate_up, down = state_dict.pop(prefix + "gate_up_proj"), state_dict.pop(prefix + "down_proj")
-    F_, first = down.shape[2], module.first_expert
-    for e in range(gate_up.shape[0]):
-        for name, w in zip(PROJECTIONS, (gate_up[e, :F_], gate_up[e, F_:], down[e])):
-            state_dict[f"{prefix}{first + e}.{name}.weight"] = w
+    stacked = {name: state_dict.pop(prefix + name) for name in ("gate_up_proj", "down_proj")}
+    for key, name, index in per_expert_entries(module, prefix):
+        state_dict[key] = stacked[name][index]
 
 
 def _stacked_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys,

@@ -40,12 +40,12 @@ def compare_logits(ours, hf_dir, dtype, n_tokens=48, seed=0):
         return (ours(ids).logits - hf(ids).logits).abs().max().item()
 
 
-def export(ckpt_path, out_dir, dtype="float32", tokenizer_dir=None, verify=True, log=print, force=False):
-    """Write the HF folder at out_dir. An existing out_dir must be empty or an earlier export (replaced
-    atomically only with force=True); anything else is refused, never deleted. Returns the max logit diff."""
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
-
+def check_out(out_dir, force, marker="model.safetensors", own=None):
+    """Raise ExportError unless out_dir can take an export: new, empty, or with `force` an earlier one (it
+    holds `marker`, no checkpoint, and with `own` nothing but those names: what is not ours is never
+    deleted)."""
+    if not out_dir.strip():
+        raise ExportError("--out is empty; name a folder")
     parent = os.path.dirname(os.path.abspath(out_dir))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -53,10 +53,22 @@ def export(ckpt_path, out_dir, dtype="float32", tokenizer_dir=None, verify=True,
         raise ExportError(f"{out_dir}: {parent} is a file, not a folder; choose another --out")
     if os.path.exists(out_dir):
         names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else {"(a file)"}
-        if (names and "model.safetensors" not in names) or "ckpt.pt" in names:
+        if (names and marker not in names) or "ckpt.pt" in names:
             raise ExportError(f"{out_dir}: exists and is not an earlier export; choose an empty or new --out")
+        if names and own is not None and names - own:
+            raise ExportError(f"{out_dir}: an earlier export that now also holds {sorted(names - own)}: move them, "
+                              f"or choose another --out")
         if names and not force:
             raise ExportError(f"{out_dir}: an export is already there; pass --force to replace it")
+
+
+def export(ckpt_path, out_dir, dtype="float32", tokenizer_dir=None, verify=True, log=print, force=False):
+    """Write the HF folder at out_dir. An existing out_dir must be empty or an earlier export (replaced
+    atomically only with force=True); anything else is refused, never deleted. Returns the max logit diff."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    check_out(out_dir, force)
     ckpt = load_checkpoint(ckpt_path)
     model = model_from_checkpoint(ckpt)
     hf_config = to_hf_config(model.config)

@@ -165,39 +165,17 @@ def command(config_name, ep, fsdp):
             f"--config {config_name} " + " ".join(flags))
 
 
-OWN_FILES = {"hf", "minimind_tt.py", "COMMAND.txt", "__pycache__"}
-
-
-def check_out(out_dir, force):
-    """Raise ExportError unless out_dir is new, empty, or (with force) an earlier export holding nothing else
-    (torchtitan's outputs/ included: never deleted)."""
-    if not out_dir.strip():
-        raise ExportError("--out is empty; name a folder")
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ExportError(f"{out_dir}: {parent} is a file, not a folder; choose another --out")
-    if not os.path.exists(out_dir) or (os.path.isdir(out_dir) and not os.listdir(out_dir)):
-        return
-    names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
-    if "minimind_tt.py" not in names:
-        raise ExportError(f"{out_dir}: exists and is not an earlier export; choose an empty or new --out")
-    if names - OWN_FILES:
-        raise ExportError(f"{out_dir}: an earlier export that now also holds {sorted(names - OWN_FILES)} (torchtitan's "
-                          f"outputs?): move them, or choose another --out")
-    if not force:
-        raise ExportError(f"{out_dir}: an earlier export is there; pass --force to replace it")
+OWN_FILES = {"hf", "minimind_tt.py", "COMMAND.txt", "__pycache__"}  # (torchtitan writes outputs/ beside them)
 
 
 def export(ckpt_path, out_dir, ep=1, fsdp=1, load_balance_coeff=None, tokenizer_dir=None, log=print, force=False):
     """Write the torchtitan folder at out_dir. Raises ExportError / ValueError / FileNotFoundError (one line)
     before anything is written."""
-    from export_hf import export as export_hf
+    from export_hf import check_out, export as export_hf
     ckpt = load_checkpoint(ckpt_path, weights=False)
     config = MiniMindConfig.from_dict(ckpt["config"])
     check_expressible(config, ep, fsdp, load_balance_coeff)
-    check_out(out_dir, force)
+    check_out(out_dir, force, marker="minimind_tt.py", own=OWN_FILES)
     run_tokenizer(ckpt_path, tokenizer_dir)  # (found now, not after the weights)
     missing = untrained_settings(config)
     if missing:

@@ -67,7 +67,7 @@ def _per_expert_slots(model, params):
     [(i, where)], params[i][where] each; an Experts' stacked gate_up_proj stands for E x (gate, up,
     down) slices, its down_proj for nothing (the order of E FeedForward modules' parameters); a
     stacked tensor whose partner is not in `params` (frozen) stands for its own E slices alone."""
-    from model.moe import Experts
+    from model.moe import Experts, per_expert_entries
     stacks = [m for m in unwrap(model).modules() if isinstance(m, Experts)]
     position = {id(p): i for i, p in enumerate(params)}
     gate_ups = {id(m.gate_up_proj): m for m in stacks}
@@ -79,13 +79,8 @@ def _per_expert_slots(model, params):
             if not any(id(p) == id(m.down_proj) for m in stacks):
                 slots.append((i, ()))
             continue
-        down, F_ = position.get(id(experts.down_proj)), experts.down_proj.shape[2]
-        for e in range(len(experts)):
-            if id(p) == id(experts.down_proj):
-                slots.append((i, (e,)))
-                continue
-            slots += [(i, (e, slice(None, F_))), (i, (e, slice(F_, None)))]
-            slots += [(down, (e,))] if down is not None else []
+        held = {"gate_up_proj": position.get(id(experts.gate_up_proj)), "down_proj": position.get(id(experts.down_proj))}
+        slots += [(held[name], index) for _, name, index in per_expert_entries(experts) if held[name] is not None]
     return slots
 
 
@@ -366,15 +361,14 @@ def load_hf_checked(hf_dir):
 def _param_keys(model):
     """{parameter: [(state_dict key, index into the parameter)]}: an Experts' stacked tensors stand for
     one key per expert and projection (its global expert ids), every other parameter for its own name."""
-    from model.moe import PROJECTIONS, Experts
+    from model.moe import Experts, per_expert_entries
     keys = {p: [(name, ())] for name, p in model.named_parameters()}
     for prefix, experts in model.named_modules():
         if isinstance(experts, Experts):
-            F_, first = experts.down_proj.shape[2], experts.first_expert
-            key = lambda e, proj: f"{prefix}.{first + e}.{proj}.weight"  # noqa: E731
-            keys[experts.gate_up_proj] = [entry for e in range(len(experts)) for entry in (
-                (key(e, PROJECTIONS[0]), (e, slice(None, F_))), (key(e, PROJECTIONS[1]), (e, slice(F_, None))))]
-            keys[experts.down_proj] = [(key(e, PROJECTIONS[2]), (e,)) for e in range(len(experts))]
+            stacked = {"gate_up_proj": experts.gate_up_proj, "down_proj": experts.down_proj}
+            keys.update({p: [] for p in stacked.values()})
+            for key, name, index in per_expert_entries(experts, prefix + "."):
+                keys[stacked[name]].append((key, index))
     return keys
 
 
@@ -468,10 +462,7 @@ def _publish(folder, out_dir, step):
     usual_modes(folder)  # (mkdtemp made it 0700)
     os.rename(folder, final)
     atomic_link(os.path.join(out_dir, SHARDED_NAME), os.path.basename(final))
-    for name in os.listdir(out_dir):
-        path = os.path.join(out_dir, name)
-        if name.startswith(f"{SHARDED_NAME}.step") and path != final:
-            shutil.rmtree(path, ignore_errors=True)
+    _sweep_sharded_folders(out_dir, keep=final)
     if os.path.exists(os.path.join(out_dir, CKPT_NAME)):
         os.remove(os.path.join(out_dir, CKPT_NAME))
 
@@ -484,9 +475,15 @@ def remove_sharded(out_dir):
         os.remove(link)
     elif is_sharded(link):
         shutil.rmtree(link)
+    _sweep_sharded_folders(out_dir)
+
+
+def _sweep_sharded_folders(out_dir, keep=None):
+    """Delete every ckpt.step* folder of out_dir but `keep` (older, unpublished or copied ones)."""
     for name in os.listdir(out_dir):
-        if name.startswith(f"{SHARDED_NAME}.step"):
-            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+        path = os.path.join(out_dir, name)
+        if name.startswith(f"{SHARDED_NAME}.step") and path != keep:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def read_sharded_state(folder):
@@ -553,7 +550,12 @@ def load_sharded_into(folder, state, model, optimizer, ctx):
     verify_shards(folder, state["files"], ctx.rank, ctx.world_size, ctx.cpu_group)
     init_optimizer_state(optimizer)
     _dcp_load(tensor_state(model, optimizer), folder, ctx.distributed)
-    for group, saved in zip(optimizer.param_groups, state["optimizer_groups"]):
+    set_hyperparameters(optimizer, state["optimizer_groups"])
+
+
+def set_hyperparameters(optimizer, groups):
+    """Each of the optimizer's groups takes the HYPERPARAMETERS of the matching one in `groups`."""
+    for group, saved in zip(optimizer.param_groups, groups):
         group.update({k: saved[k] for k in HYPERPARAMETERS})
 
 

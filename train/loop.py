@@ -33,9 +33,9 @@ from data.tokenizer import stop_token_ids, token_byte_lengths
 from kernels.engines import describe as describe_engines, engines_for, native_bf16
 from model.model_minimind import MiniMindForCausalLM
 from train import flags
-from train.checkpoint import (CKPT_NAME, HYPERPARAMETERS, checkpoint_in, copy_tensor_state, init_optimizer_state, load_checkpoint,
+from train.checkpoint import (CKPT_NAME, checkpoint_in, copy_tensor_state, init_optimizer_state, load_checkpoint,
                               load_sharded_into, optimizer_state_stacked, remove_sharded, save_checkpoint, save_sharded,
-                              tensor_state)
+                              set_hyperparameters, tensor_state)
 from train.init_weights import upcycle, upcycled_base, weights_source
 from train.parallel import (PeerFailed, check_same_on_all_ranks, clip_grad_norm_sharded, ep_dispatchers, expert_params,
                             init_distributed, install as install_ep, main_rank_first, moe_layers, no_grad_sync,
@@ -428,8 +428,7 @@ def restore(args, ckpt, model, optimizer, state, data, log, ctx):
         whole_optimizer.load_state_dict(optimizer_state_stacked(ckpt["optimizer"], whole_optimizer, whole))
         init_optimizer_state(optimizer)
         copy_tensor_state(tensor_state(whole, whole_optimizer), tensor_state(model, optimizer))
-        for group, saved in zip(optimizer.param_groups, whole_optimizer.param_groups):
-            group.update({k: saved[k] for k in HYPERPARAMETERS})
+        set_hyperparameters(optimizer, whole_optimizer.param_groups)
     state.load_state_dict(ckpt)
     log(f"resumed from {args.resume} at step {state.step}")
 

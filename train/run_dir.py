@@ -9,7 +9,7 @@ import shutil
 import socket
 
 from data.atomic import atomic_dir
-from train.checkpoint import CKPT_NAME, SHARDED_NAME
+from train.checkpoint import checkpoint_in
 
 LOCK_NAME = ".lock"
 _TEMP = re.compile(r"^\..+\.(tmp|old)[^/]*$")  # atomic_file / atomic_dir leftovers
@@ -19,9 +19,9 @@ def claim_run_dir(out_dir, resuming, overwrite, is_main):
     """Create out_dir, refuse it when it holds another run, lock it (rank 0) and clean temp leftovers. Returns the
     open lock file (closing it releases the lock), None on other ranks. Raises ValueError saying what to do."""
     os.makedirs(out_dir, exist_ok=True)
-    held = [n for n in (CKPT_NAME, SHARDED_NAME) if os.path.exists(os.path.join(out_dir, n))]
-    if not resuming and not overwrite and held:
-        raise ValueError(f"{out_dir} already holds a run ({held[0]}); continue it with --resume, start over "
+    held = checkpoint_in(out_dir)
+    if not resuming and not overwrite and os.path.exists(held):
+        raise ValueError(f"{out_dir} already holds a run ({os.path.basename(held)}); continue it with --resume, start over "
                          f"with --overwrite, or choose another --out_dir")
     if not is_main:
         return None
@@ -54,7 +54,7 @@ def abandon_run_dir(out_dir, lock):
     """Rank 0, a run that created out_dir failed or was interrupted before its first checkpoint: release the
     lock and remove out_dir (its lock, tokenizer copy, step-0 metrics) unless it holds a checkpoint, so a
     refused or interrupted run leaves either a valid checkpoint or no folder."""
-    if not any(os.path.exists(os.path.join(out_dir, n)) for n in (CKPT_NAME, SHARDED_NAME)):
+    if not os.path.exists(checkpoint_in(out_dir)):
         shutil.rmtree(out_dir, ignore_errors=True)
     lock.close()
 
