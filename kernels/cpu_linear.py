@@ -1,5 +1,5 @@
-"""y = x @ W^T on CPU through oneDNN, forward and backward: the engine for the model's bias-free
-linears.
+"""y = x @ W^T on CPU through oneDNN (forward and input gradient; the weight gradient, a product of
+two transposed operands, by torch.mm): the engine for the model's bias-free linears.
 
 torch's fp32 CPU matmul goes through MKL, on some CPUs well below oneDNN
 (`scripts/bench/bench_step.py`); bf16 autocast already reaches oneDNN, so only the fp32 path
@@ -56,7 +56,8 @@ class _OneDNNLinear(torch.autograd.Function):
     def backward(ctx, grad_MN):
         x_MK, w_NK = ctx.saved_tensors
         grad_x = onednn_linear(grad_MN, w_NK.t()) if ctx.needs_input_grad[0] else None  # [M, K]
-        grad_w = onednn_linear(grad_MN.t(), x_MK.t()) if ctx.needs_input_grad[1] else None  # [N, K]
+        # [N, K]: MKL's GEMM reads the transposed operands in place, where oneDNN copies them first
+        grad_w = torch.mm(grad_MN.t(), x_MK) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w
 
 

@@ -33,17 +33,41 @@ from model.dispatch import RowMovers, combine_rows, permute_rows
 from model.engines import PLAIN, Engines
 from model.moe import Experts, MOEFeedForward, engine_name
 
-def native_bf16():
-    """The CPU's native bf16 GEMM instructions that oneDNN runs, "AMX" or "AVX512-BF16", else None
-    (emulated bf16 is slower than fp32): where bf16 autocast pays, --dtype auto's rule. A property
-    of the machine, not a timing, so the machine's load never changes a run's dtype."""
-    if not onednn_runs("cpu", torch.bfloat16):
-        return None
-    for name, has in (("AMX", "_is_amx_tile_supported"),
-                      ("AVX512-BF16", "_is_avx512_bf16_supported")):
-        if getattr(torch.cpu, has, lambda: False)():
-            return name
-    return None
+def cpu_facts():
+    """What --dtype auto reads of this CPU: {"vendor": /proc/cpuinfo's vendor_id ("GenuineIntel",
+    "AuthenticAMD", "" where unknown), "amx": AMX tiles usable, "avx512_bf16": AVX512-BF16 usable,
+    "onednn_bf16": oneDNN runs bf16 GEMMs here}. Properties of the machine, not timings."""
+    vendor = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            vendor = next((line.split(":", 1)[1].strip() for line in cpuinfo
+                           if line.startswith("vendor_id")), "")
+    except OSError:
+        pass
+    def has(name):
+        return bool(getattr(torch.cpu, name, lambda: False)())
+    return {"vendor": vendor, "amx": has("_is_amx_tile_supported"),
+            "avx512_bf16": has("_is_avx512_bf16_supported"),
+            "onednn_bf16": onednn_runs("cpu", torch.bfloat16)}
+
+
+def bf16_pays(facts):
+    """(True if bf16 autocast trains faster than fp32 on a CPU with these `cpu_facts`, the reason
+    in words): --dtype auto's rule on CPU, from the CPU kinds measured (scripts/README.md:
+    bench_train's rows per kind). bf16 where oneDNN runs it on AMX tiles, or on AVX512-BF16 of an
+    AMD CPU; fp32 on an Intel CPU with AVX512-BF16 but no AMX (oneDNN's avx512_core_bf16 GEMMs run
+    below its fp32 ones there), on AVX2-only CPUs (bf16 emulated) and where oneDNN cannot run bf16.
+    A pure function of the facts."""
+    if not facts["onednn_bf16"]:
+        return False, "oneDNN runs no bf16 GEMMs here"
+    if facts["amx"]:
+        return True, "AMX tiles: native bf16 GEMMs"
+    if facts["avx512_bf16"] and facts["vendor"] == "AuthenticAMD":
+        return True, "AVX512-BF16 on AMD: native bf16 GEMMs, faster than fp32"
+    if facts["avx512_bf16"]:
+        vendor = facts["vendor"] or "an unknown vendor"
+        return False, f"AVX512-BF16 without AMX on {vendor}: bf16 GEMMs slower than fp32"
+    return False, "no native bf16 GEMMs (bf16 would be emulated)"
 
 
 def engines_for(config, device, dtype, compiled=False) -> Engines:

@@ -1,7 +1,7 @@
 """The experts engines of the fused MoE path: functions with model/moe.py: expert_loop's interface
 that run all experts at once on their stacked weights (model/moe.py: Experts), read as they are.
 
-    cpu_experts              CPU with oneDNN (fp32, native bf16): the batched expert GEMMs below
+    cpu_experts              CPU (fp32 on MKL, bf16 on oneDNN): the batched expert GEMMs below
     GROUPED_EXPERTS[backend] elsewhere (CUDA; CPU under torch.compile): kernels/grouped_gemm.py's
                              GroupedSwiGLU on torch's grouped_mm, our Triton kernels or the
                              reference loop
@@ -9,22 +9,26 @@ that run all experts at once on their stacked weights (model/moe.py: Experts), r
 No host read of the counts on either; the only pass over the weights is the cast to the rows' dtype
 under autocast (none in fp32).
 
-The CPU engine: a few batched GEMMs per projection, everything else once per layer.
+The CPU engine: a few batched GEMMs (torch.bmm) per projection, everything else once per layer.
 
-    x_R = the rows gathered into per-expert segments, neighbouring experts of similar counts batched
-    in groups, each expert of a group padded to its largest's bucket size;
+    x_R = the rows in per-expert segments;
     gu_R = x_R[seg e] @ W_gu[e]^T
     h_R = silu(gate) * up * w (routing weight), over the whole buffer;
     out_R = h_R[seg e] @ W_down[e]^T
 
-A GEMM's oneDNN kernel is built once per shape at several times the GEMM's cost, hence the buckets
-(a bounded set of shapes). Padding rows repeat a routed row with weight 0: their h and their share
-of every gradient are zero (if finite), and each weight gradient is one GEMM over its segment. The
-SwiGLU, its backward and the casts run once per layer over the whole buffer in the rows' dtype:
-per-expert and mixed-dtype elementwise ops cost far more than their arithmetic on a CPU. torch's CPU
-grouped_mm is slower than this; on GPUs the fused path runs grouped GEMMs (kernels/grouped_gemm.py).
+fp32 (MKL, which builds no kernel per GEMM shape): the segments are the dispatched rows in place,
+one GEMM per expert, no copy in or out. bf16 (oneDNN, which builds a kernel per GEMM shape at
+several times the GEMM's cost): the rows are gathered into segments padded to a bounded set of
+bucket sizes, neighbouring experts of similar counts batched in groups, each expert of a group
+padded to its largest's bucket. Padding rows repeat a routed row with weight 0: their h and their
+share of every gradient are zero (if finite), and each weight gradient is one GEMM over its
+segment. The SwiGLU, its backward and the casts run once per layer over the whole buffer in the
+rows' dtype: per-expert and mixed-dtype elementwise ops cost far more than their arithmetic on a
+CPU. torch's CPU grouped_mm is slower than this; on GPUs the fused path runs grouped GEMMs
+(kernels/grouped_gemm.py).
 Segment bounds are read from CPU memory: no device sync.
 """
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -44,16 +48,6 @@ def _bucket(rows):
         return rows
     step = 1 << max(3, rows.bit_length() - 5)
     return -(-rows // step) * step
-
-
-def _bmm(lhs, rhs, out):
-    """out[i] = lhs[i] @ rhs[i] in place: fp32 by oneDNN's linear per matrix
-    (kernels/cpu_linear.py's op; torch's fp32 matmuls are MKL), other dtypes by one torch.bmm
-    (oneDNN for bf16)."""
-    if lhs.dtype != torch.float32:
-        return torch.bmm(lhs, rhs, out=out)
-    for i in range(lhs.shape[0]):
-        out[i].copy_(torch.ops.mkldnn._linear_pointwise(lhs[i], rhs[i].t(), None, "none", [], ""))
 
 
 class ExpertGroup(NamedTuple):
@@ -77,25 +71,40 @@ class ExpertGroup(NamedTuple):
 
 @dataclass
 class CPULayout:
-    """Where the CPU engine puts each routed row: `groups` of neighbouring experts; padded_rows R in
-    all; dst_N int64 [N] each routed row's padded row; src_R int64 [R] each padded row's source row
-    (a padding row repeats a routed row); real_R bool [R] not a padding row; idle: the experts of no
-    group (no rows)."""
+    """Where the CPU engine puts each routed row: `groups` of neighbouring experts; rows R of the
+    buffer, the first `covered` in the groups' segments (the rest, rows of no expert, zero); idle:
+    the experts of no group (no rows). Padded (bf16): dst_N int64 [N] each routed row's padded row,
+    src_R int64 [R] each padded row's source row (a padding row repeats a routed row), real_R bool
+    [R] not a padding row. In place (fp32): the three None, R = P, each expert's rows where the
+    dispatcher put them."""
     groups: list
-    padded_rows: int
-    dst_N: torch.Tensor
-    src_R: torch.Tensor
-    real_R: torch.Tensor
+    rows: int
+    covered: int
+    dst_N: torch.Tensor | None
+    src_R: torch.Tensor | None
+    real_R: torch.Tensor | None
     idle: list
 
+    def to_buffer(self, t_P):
+        """[P, ...] -> [R, ...]: the dispatched rows where the GEMMs read them."""
+        return t_P if self.src_R is None else t_P.index_select(0, self.src_R)
 
-def _from_padded(padded_R, dst_N, P):
-    """[P, ...]: row i = padded_R[dst_N[i]] for the N routed rows, zero after them (rows of no
-    expert)."""
-    out = padded_R.new_empty(P, *padded_R.shape[1:])
-    out[dst_N.shape[0]:].zero_()
-    torch.index_select(padded_R, 0, dst_N, out=out[:dst_N.shape[0]])
-    return out
+    def from_buffer(self, t_R, P):
+        """[R, ...] -> [P, ...]: the rows back where the dispatcher put them, zero after the N
+        routed ones (rows of no expert)."""
+        if self.dst_N is None:
+            return t_R
+        N = self.dst_N.shape[0]
+        out = t_R.new_empty(P, *t_R.shape[1:])
+        out[N:].zero_()
+        torch.index_select(t_R, 0, self.dst_N, out=out[:N])
+        return out
+
+    def empty(self, like, cols):
+        """A [R, cols] buffer of like's dtype for GEMM outputs, zero outside the segments."""
+        out = like.new_empty(self.rows, cols)
+        out[self.covered:].zero_()
+        return out
 
 
 class CPUExperts(torch.autograd.Function):
@@ -109,22 +118,25 @@ class CPUExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows_PD, tokens_per_expert, row_weight_P, w_gate_up_E2FD, w_down_EDF):
         (P, D), dtype = rows_PD.shape, rows_PD.dtype
-        layout = _cpu_layout(cpu_values(tokens_per_expert), dtype)
+        layout = _cpu_layout(cpu_values(tokens_per_expert), dtype, P)
         scale_P = row_weight_P if row_weight_P is not None else rows_PD.new_ones(P)
         with torch.autocast("cpu", enabled=False):
             w_gu, w_down = cast(w_gate_up_E2FD, dtype), cast(w_down_EDF, dtype)
-            x_RD = rows_PD.index_select(0, layout.src_R)
-            scale_R = torch.where(layout.real_R, scale_P.to(dtype).index_select(0, layout.src_R), 0)
-            gu_R2F, out_RD = (rows_PD.new_empty(layout.padded_rows, w_gu.shape[1]),
-                              rows_PD.new_empty(layout.padded_rows, D))
+            x_RD = layout.to_buffer(rows_PD)
+            scale_R = layout.to_buffer(scale_P.to(dtype))
+            if layout.real_R is not None:
+                scale_R = torch.where(layout.real_R, scale_R, 0)
+            gu_R2F, out_RD = layout.empty(rows_PD, w_gu.shape[1]), layout.empty(rows_PD, D)
             for group in layout.groups:
-                _bmm(group.rows(x_RD), w_gu[group.experts].transpose(1, 2), group.rows(gu_R2F))
+                torch.bmm(group.rows(x_RD), w_gu[group.experts].transpose(1, 2),
+                          out=group.rows(gu_R2F))
             h_RF, silu_RF = scaled_swiglu_forward(gu_R2F, scale_R)
             for group in layout.groups:
-                _bmm(group.rows(h_RF), w_down[group.experts].transpose(1, 2), group.rows(out_RD))
+                torch.bmm(group.rows(h_RF), w_down[group.experts].transpose(1, 2),
+                          out=group.rows(out_RD))
         ctx.layout, ctx.scale_dtype, ctx.weight_dtype = layout, scale_P.dtype, w_gate_up_E2FD.dtype
         ctx.save_for_backward(x_RD, scale_R, gu_R2F, silu_RF, h_RF, w_gu, w_down)
-        return _from_padded(out_RD, layout.dst_N, P)
+        return layout.from_buffer(out_RD, P)
 
     @staticmethod
     @once_differentiable
@@ -132,39 +144,45 @@ class CPUExperts(torch.autograd.Function):
         x_RD, scale_R, gu_R2F, silu_RF, h_RF, w_gu, w_down = ctx.saved_tensors
         layout, need_x, need_scale = ctx.layout, ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         (E, F2, D), P = w_gu.shape, grad_PD.shape[0]
-        gy_RD = grad_PD.to(x_RD.dtype).index_select(0, layout.src_R)
+        gy_RD = layout.to_buffer(grad_PD.to(x_RD.dtype))
         # weight gradients in the rows' dtype, cast to the weights' dtype at the end; each group's
         # GEMMs write its experts' whole gradients, an idle expert's is zero
         gw_down, gw_gu = x_RD.new_empty(E, D, F2 // 2), x_RD.new_empty(E, F2, D)
         for e in layout.idle:
             gw_down[e].zero_(), gw_gu[e].zero_()
-        gh_RF = h_RF.new_empty(h_RF.shape)
+        gh_RF = layout.empty(h_RF, h_RF.shape[1])
         for group in layout.groups:
             gy = group.rows(gy_RD)
-            _bmm(gy.transpose(1, 2), group.rows(h_RF), gw_down[group.experts])
-            _bmm(gy, w_down[group.experts], group.rows(gh_RF))
+            torch.bmm(gy.transpose(1, 2), group.rows(h_RF), out=gw_down[group.experts])
+            torch.bmm(gy, w_down[group.experts], out=group.rows(gh_RF))
         ggu_R2F, gscale_R = scaled_swiglu_backward(gh_RF, gu_R2F, silu_RF, scale_R, need_scale)
-        gx_RD = x_RD.new_empty(layout.padded_rows, D) if need_x else None
+        gx_RD = layout.empty(x_RD, D) if need_x else None
         for group in layout.groups:
             ggu = group.rows(ggu_R2F)
-            _bmm(ggu.transpose(1, 2), group.rows(x_RD), gw_gu[group.experts])
+            torch.bmm(ggu.transpose(1, 2), group.rows(x_RD), out=gw_gu[group.experts])
             if need_x:
-                _bmm(ggu, w_gu[group.experts], group.rows(gx_RD))
-        grad_x = _from_padded(gx_RD, layout.dst_N, P) if need_x else None
-        grad_scale = (_from_padded(gscale_R, layout.dst_N, P).to(ctx.scale_dtype) if need_scale
-                      else None)
+                torch.bmm(ggu, w_gu[group.experts], out=group.rows(gx_RD))
+        grad_x = layout.from_buffer(gx_RD, P) if need_x else None
+        grad_scale = layout.from_buffer(gscale_R, P).to(ctx.scale_dtype) if need_scale else None
         return (grad_x, None, grad_scale, cast(gw_gu, ctx.weight_dtype),
                 cast(gw_down, ctx.weight_dtype))
 
 
-def _cpu_layout(counts, dtype):
-    """The CPULayout of host row counts per expert (a list of ints)."""
-    # Batched GEMMs of up to E // 4 experts beat one small GEMM per expert despite the padding
-    # (bf16; fp32 runs oneDNN's linear per expert); a group takes neighbouring experts while the
-    # smallest count is >= 2/3 of the padded largest, so a skewed routing cannot multiply the
-    # padded rows.
+def _cpu_layout(counts, dtype, P):
+    """The CPULayout of host row counts per expert (a list of ints) for P dispatched rows of
+    `dtype`."""
+    E, routed = len(counts), sum(counts)
+    idle = [e for e, n in enumerate(counts) if n == 0]
+    if dtype == torch.float32:  # MKL: no kernel per shape, so each expert's rows stay in place
+        starts = itertools.accumulate(counts, initial=0)
+        groups = [ExpertGroup(e, e + 1, start, n)
+                  for e, (start, n) in enumerate(zip(starts, counts)) if n]
+        return CPULayout(groups, P, routed, None, None, None, idle)
+    # Batched GEMMs of up to E // 4 experts beat one small GEMM per expert despite the padding; a
+    # group takes neighbouring experts while the smallest count is >= 2/3 of the padded largest,
+    # so a skewed routing cannot multiply the padded rows.
     # (Neighbours, not experts sorted by count: each group's weights are a view.)
-    max_group, E = (max(1, len(counts) // 4) if dtype == torch.bfloat16 else 1), len(counts)
+    max_group = max(1, E // 4)
     # first_row: each expert's first padded row
     groups, first_row, padded_rows, first = [], [], 0, 0
     while first < E:
@@ -177,13 +195,13 @@ def _cpu_layout(counts, dtype):
             groups.append(ExpertGroup(first, end, padded_rows, rows_each))
         first_row += [padded_rows + i * rows_each for i in range(end - first)]
         padded_rows, first = padded_rows + (end - first) * rows_each, end
-    count_E, routed = torch.tensor(counts), sum(counts)
+    count_E = torch.tensor(counts)
     shift_E = torch.tensor(first_row) - count_E.cumsum(0) + count_E
     dst_N = torch.arange(routed) + torch.repeat_interleave(shift_E, count_E, output_size=routed)
     src_R = torch.zeros(padded_rows, dtype=torch.int64).index_copy_(0, dst_N, torch.arange(routed))
     real_R = torch.zeros(padded_rows, dtype=torch.bool).index_fill_(0, dst_N, True)
-    return CPULayout(groups, padded_rows, dst_N, src_R, real_R,
-                     [e for e, n in enumerate(counts) if n == 0])
+    return CPULayout(groups, padded_rows, padded_rows, dst_N, src_R, real_R, idle)
+
 
 
 cpu_experts = CPUExperts.apply

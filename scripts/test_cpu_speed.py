@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from testlib import ROOT, Skip, run  # noqa: F401
+from testlib import ROOT, Skip, run, tiny_run  # noqa: F401
 
 import torch  # noqa: E402
 
@@ -20,9 +20,10 @@ from train import loop  # noqa: E402
 
 
 def test_dtype_auto_on_cpu():
-    """--dtype auto on CPU is bf16 exactly where the CPU has native bf16 GEMMs that oneDNN runs (AMX or
-    AVX512-BF16: kernels.engines.native_bf16, a property of the machine, not a timing; logged); the attention
-    the trainer builds the model with follows the dtype (explicit scores under bf16, SDPA in fp32:
+    """--dtype auto on CPU is a pure function of the machine's facts (kernels.engines.bf16_pays of cpu_facts: the
+    same facts give the same dtype, whatever the load), with its reason logged: bf16 on AMX and on AMD's
+    AVX512-BF16, fp32 on Intel's AVX512-BF16 without AMX, on AVX2-only CPUs and where oneDNN has no bf16; the
+    attention the trainer builds the model with follows the dtype (explicit scores under bf16, SDPA in fp32:
     kernels.engines.engines_for); an explicit --dtype is taken as given, and CUDA's auto is bf16."""
     class Ctx:
         distributed = False
@@ -30,23 +31,34 @@ def test_dtype_auto_on_cpu():
     def args(dtype):
         return type("A", (), {"device": "cpu", "dtype": dtype})
 
-    real = loop.native_bf16
+    def facts(vendor, amx=False, avx512_bf16=False, onednn_bf16=True):
+        return {"vendor": vendor, "amx": amx, "avx512_bf16": avx512_bf16, "onednn_bf16": onednn_bf16}
+
+    cases = [(facts("GenuineIntel", amx=True, avx512_bf16=True), "bfloat16", "AMX"),
+             (facts("AuthenticAMD", avx512_bf16=True), "bfloat16", "AVX512-BF16 on AMD"),
+             (facts("GenuineIntel", avx512_bf16=True), "float32", "without AMX"),
+             (facts("", avx512_bf16=True), "float32", "without AMX"),
+             (facts("AuthenticAMD"), "float32", "no native bf16"),
+             (facts("GenuineIntel", amx=True, avx512_bf16=True, onednn_bf16=False), "float32", "oneDNN")]
+    real = loop.cpu_facts
     try:
-        for native, want in [(None, "float32"), ("AVX512-BF16", "bfloat16"), ("AMX", "bfloat16")]:
-            loop.native_bf16 = lambda: native
-            lines = []
-            assert loop.resolve_dtype(args("auto"), Ctx, "cpu", lines.append) == getattr(torch, want)
-            assert len(lines) == 1 and want in lines[0] and "dtype auto" in lines[0], lines
-            assert (native or "no native bf16") in lines[0], lines
-        loop.native_bf16 = lambda: "AMX"
+        for machine, want, why in cases:
+            for _ in range(2):  # the same facts, the same answer
+                loop.cpu_facts = lambda: dict(machine)
+                lines = []
+                assert loop.resolve_dtype(args("auto"), Ctx, "cpu", lines.append) == getattr(torch, want), machine
+                assert len(lines) == 1 and f"dtype auto: {want} (" in lines[0] and why in lines[0], lines
+        loop.cpu_facts = lambda: facts("GenuineIntel", amx=True)
         lines = []
         assert loop.resolve_dtype(args("float32"), Ctx, "cpu", lines.append) == torch.float32
         assert loop.resolve_dtype(args("bfloat16"), Ctx, "cpu", lines.append) == torch.bfloat16
-        loop.native_bf16 = lambda: None
+        loop.cpu_facts = lambda: facts("")
         assert loop.resolve_dtype(args("auto"), Ctx, "cuda", lines.append) == torch.bfloat16 and not lines, lines
     finally:
-        loop.native_bf16 = real
-    assert engines.native_bf16() in (None, "AMX", "AVX512-BF16")
+        loop.cpu_facts = real
+    here = engines.cpu_facts()
+    assert set(here) == {"vendor", "amx", "avx512_bf16", "onednn_bf16"} and engines.bf16_pays(here) == engines.bf16_pays(
+        engines.cpu_facts()), here
     for dtype, want in ((torch.bfloat16, explicit_attention), (torch.float32, F.scaled_dot_product_attention)):
         cfg = MiniMindConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2)
         model = MiniMindForCausalLM(cfg, engines.engines_for(cfg, "cpu", dtype))
@@ -54,6 +66,29 @@ def test_dtype_auto_on_cpu():
         line = engines.describe(model)
         assert kinds == {want}, (dtype, kinds, line)
         assert "explicit_attention x2" in line if want is explicit_attention else "explicit_attention" not in line, line
+
+
+def test_resume_keeps_the_recorded_dtype():
+    """A run trained under --dtype auto resumes in the dtype it recorded, even where the rule now says the other
+    one (another machine, a changed rule): the checkpoint's flags name the dtype, and resolve_dtype takes a named
+    dtype as given."""
+    from train import flags
+    from train.pretrain import STAGE
+    ckpt = os.path.join(tiny_run(), "ckpt.pt")
+    resumed = flags.parse_args(STAGE, ["--resume", ckpt, "--out_dir", os.path.dirname(ckpt)])
+    recorded = resumed.dtype
+    assert recorded in ("float32", "bfloat16"), recorded
+    other = {"float32": True, "bfloat16": False}[recorded]  # what would make auto pick the other dtype
+
+    class Ctx:
+        distributed = False
+    real = loop.bf16_pays
+    try:
+        loop.bf16_pays = lambda facts: (other, "the rule changed")
+        lines = []
+        assert loop.resolve_dtype(resumed, Ctx, "cpu", lines.append) == getattr(torch, recorded) and not lines, lines
+    finally:
+        loop.bf16_pays = real
 
 
 def test_bf16_curve_tracks_fp32():
@@ -102,7 +137,7 @@ def test_fused_adamw_is_the_loop():
         assert rel < 1e-6, f"fused AdamW {rel:.2e} from the loop"
 
 
-TESTS = [test_fused_adamw_is_the_loop, test_dtype_auto_on_cpu,
+TESTS = [test_fused_adamw_is_the_loop, test_dtype_auto_on_cpu, test_resume_keeps_the_recorded_dtype,
          test_bf16_curve_tracks_fp32]
 
 if __name__ == "__main__":

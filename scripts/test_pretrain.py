@@ -275,6 +275,41 @@ def test_plan_follows_the_speed_and_never_jumps():
     plan_on_resume(args, {"max_steps": 1300, "time_budget_s": 600.0}, out, said.append)  # (nothing more asked)
 
 
+def test_plan_holds_still_under_noise():
+    """plan_budget on a simulated clock whose speed is noisy: every 20-step window +-20% (uniform) around a fixed
+    mean, the first 10 steps 1.5x slower (oneDNN's first kernels). The main job's budget (600 s, --max_steps 1300)
+    at means around the 1,300-step edge and far from it moves its plan at most 3 times in each of 20 seeded runs
+    (the mean since the horizon's start, moved only beyond PLAN_TOLERANCE plus 3 standard errors); a real change,
+    2x slower from step 400 on, still moves it, to within 5% of the steps that fit."""
+    import random
+    from types import SimpleNamespace
+
+    from train.loop import Plan, TrainState, plan_budget, spent
+
+    def simulate(mean_s, seed, slower_from=None):
+        rng, factor = random.Random(seed), 1.0
+        args = SimpleNamespace(time_budget_s=600.0, max_steps=1300, warmup_steps=50, resume=None)
+        state, said = TrainState(batches=None, scaler=None, plan=Plan(end=args.max_steps)), []
+        while state.step < state.plan.end and not state.out_of_time:
+            if state.step % 20 == 0:
+                factor = rng.uniform(0.8, 1.2)
+            slow = (1.5 if state.step < 10 else 1.0) * (2.0 if slower_from and state.step >= slower_from else 1.0)
+            state.step, state.train_s = state.step + 1, state.train_s + mean_s * factor * slow
+            state.out_of_time = spent(args, state.train_s)
+            plan_budget(state, args, said.append)
+        return [line for line in said if line.startswith("re-plan: ")], state
+
+    for mean_s in (0.3, 0.45, 0.47, 0.5, 1.6):
+        for seed in range(20):
+            moves, state = simulate(mean_s, seed)
+            assert len(moves) <= 3, (mean_s, seed, moves)
+            assert state.step == 1300 or state.train_s >= 0.97 * 600, (mean_s, seed, state.step, state.train_s)
+    for seed in range(5):
+        moves, state = simulate(0.3, seed, slower_from=400)
+        fits = 400 + (600 - 400 * 0.3) / 0.6
+        assert 1 <= len(moves) <= 3 and abs(state.plan.end / fits - 1) < 0.05, (seed, moves, state.plan, fits)
+
+
 def test_resume_with_more_steps_or_budget_continues_the_run():
     """A finished 8-step run: `--resume` as it was says "nothing to do" (exit 0); `--resume --max_steps 12` trains
     steps 9-12 at the LR it stood at (the cosine's floor, lr/10). A run its 1-s budget alone ended: `--resume`
@@ -639,7 +674,7 @@ def test_short_validation_split_is_announced():
     assert not any(line.startswith("note:") for line in lines), lines
 
 
-TESTS = [test_resume_with_more_steps_or_budget_continues_the_run, test_init_from_with_another_tokenizer_is_warned, test_plan_follows_the_speed_and_never_jumps, test_tiny_run_learns_and_checkpoint_reloads, test_fused_impl_trains_like_sorted_and_switches_on_resume,
+TESTS = [test_resume_with_more_steps_or_budget_continues_the_run, test_init_from_with_another_tokenizer_is_warned, test_plan_follows_the_speed_and_never_jumps, test_plan_holds_still_under_noise, test_tiny_run_learns_and_checkpoint_reloads, test_fused_impl_trains_like_sorted_and_switches_on_resume,
          test_dense_model_trains_and_resume_keeps_a_damaged_log,
          test_resume_equals_continuous_run, test_bad_inputs_fail_fast_with_clear_messages, test_resume_refuses_a_changed_data_order,
          test_corrupt_checkpoint_is_refused, test_help_shows_every_default_range_and_output_file,

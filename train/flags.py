@@ -168,7 +168,8 @@ def add_train_flags(parser, default_out_dir):
     group.add_argument("--out_dir", default=default_out_dir, help="where checkpoint, tokenizer and plots go")
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     group.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                       help="autocast dtype; auto = bfloat16 on CUDA, and on a CPU with native bf16 GEMMs (AVX512-BF16, AMX)")
+                       help="autocast dtype; auto = bfloat16 on CUDA, and on a CPU where bf16 trains faster than fp32 (AMX; "
+                       "AVX512-BF16 on AMD), else float32; a resume keeps the run's")
     group.add_argument("--threads", default="auto", help="CPU threads, fixed for the run (train/threads.py): auto = "
                        "OMP_NUM_THREADS or the cores torch may use; a resume keeps the run's count")
     group.add_argument("--eval_interval", type=int, default=250, help="steps between validation runs")

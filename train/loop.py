@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from data.atomic import atomic_write_text
 from data.dataset import IGNORE_INDEX, DataError
 from data.tokenizer import stop_token_ids, token_byte_lengths
-from kernels.engines import describe as describe_engines, engines_for, native_bf16
+from kernels.engines import describe as describe_engines, bf16_pays, cpu_facts, engines_for
 from model.model_minimind import MiniMindForCausalLM
 from train import flags
 from train.checkpoint import (CKPT_NAME, checkpoint_in, copy_tensor_state, init_optimizer_state, load_checkpoint,
@@ -82,39 +82,61 @@ def lr_at(step, plan, lr, warmup_steps, min_lr_ratio=0.1):
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-# A --time_budget_s run measures its step time on the training clock all ranks agree on: first over PLAN_FIRST
-# steps after the first PLAN_SKIP of each invocation (they pay one-off costs: kernel set-up, allocation), then over
-# every PLAN_WINDOW steps. Whenever the plan's end, at the measured rate, would miss the budget by more than
-# PLAN_TOLERANCE of it, the plan moves to the steps that fit (at most --max_steps): the run follows the machine's
-# speed and ends within about PLAN_TOLERANCE of its budget.
-PLAN_SKIP, PLAN_FIRST, PLAN_WINDOW, PLAN_TOLERANCE = 2, 5, 20, 0.02
+# A --time_budget_s run measures its step time on the training clock all ranks agree on, after the first PLAN_SKIP
+# steps of each invocation (they pay one-off costs: kernel set-up, allocation). The first measurement, over
+# PLAN_FIRST steps, says the plan. Then a horizon of PLAN_WINDOW-step windows grows, and from PLAN_SETTLE steps on
+# the plan is checked after every window at the horizon's mean step time, which smooths out a window with an
+# evaluation in it or a busy spell. The plan moves to the steps that fit (at most --max_steps) only when its end
+# would miss the budget by more than PLAN_TOLERANCE of it plus three times the mean's standard error over the steps
+# left, so noise does not move it. When the last PLAN_SETTLE steps ran more than PLAN_CHANGE times faster or
+# slower than the horizon's mean, the speed has changed: the horizon restarts with the last window, and the plan
+# moves once it has settled again.
+PLAN_SKIP, PLAN_FIRST, PLAN_SETTLE, PLAN_WINDOW, PLAN_CHANGE, PLAN_TOLERANCE = 2, 5, 60, 20, 1.25, 0.02
 
 
 def plan_budget(state, args, log):
-    """Every step of a --time_budget_s run: take a measurement when one is due and move the plan if it misses the
-    budget (`fit_budget`; a new run's first measurement also says the plan). Returns True when the plan moved."""
+    """Every step of a --time_budget_s run: check the plan when due (`fit_budget`, at the horizon's mean step time;
+    a new run's first measurement also says the plan). Returns True when the plan moved."""
     if not args.time_budget_s or state.out_of_time or state.step - state.start_step < PLAN_SKIP:
         return False
-    if state.plan_mark is None:
-        state.plan_mark = (state.step, state.train_s)
+    marks = state.plan_marks  # (step, train_s) at the horizon's start and after each of its windows
+    if not marks:
+        marks.append((state.step, state.train_s))
         return False
-    mark_step, mark_s = state.plan_mark
-    first = not state.measured
-    if state.step - mark_step < (PLAN_FIRST if first else PLAN_WINDOW):
+    now, first = (state.step, state.train_s), not state.measured
+    if (now[0] - marks[0][0] != PLAN_FIRST) if first else (now[0] - marks[-1][0] < PLAN_WINDOW):
         return False
-    step_s = (state.train_s - mark_s) / (state.step - mark_step)
-    state.plan_mark, state.measured = (state.step, state.train_s), True
-    return fit_budget(state, args, step_s, log, announce=first and state.start_step == 0)
+    state.measured = True
+    if first:
+        step_s, marks[:] = (now[1] - marks[0][1]) / PLAN_FIRST, [now]
+        return fit_budget(state, args, step_s, 0.0, log, announce=state.start_step == 0)
+    marks.append(now)
+    window_s = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(marks, marks[1:])]
+    recent = marks[-1 - PLAN_SETTLE // PLAN_WINDOW] if len(window_s) >= PLAN_SETTLE // PLAN_WINDOW else marks[0]
+    step_s = (now[1] - marks[0][1]) / (now[0] - marks[0][0])
+    recent_s = (now[1] - recent[1]) / (now[0] - recent[0])
+    if not 1 / PLAN_CHANGE < recent_s / step_s < PLAN_CHANGE:
+        marks[:] = marks[-2:]  # the speed changed: a new horizon from the last window on
+        return False
+    if now[0] - marks[0][0] < PLAN_SETTLE:
+        return False
+    mean = sum(window_s) / len(window_s)
+    stderr_s = (sum((w - mean) ** 2 for w in window_s) / (len(window_s) - 1) / len(window_s)) ** 0.5
+    return fit_budget(state, args, step_s, 3 * stderr_s, log)
 
 
-def fit_budget(state, args, step_s, log, announce=False):
-    """Move the plan's end to the steps that fit --time_budget_s at `step_s` seconds per step, or to --max_steps
-    when those fit: the former when the current end would miss the budget by more than PLAN_TOLERANCE of it, the
-    latter whenever it differs. Says so (with `announce`, also when the plan stays). Returns True when it moved."""
-    fit = state.step + max(1, int((args.time_budget_s - state.train_s) / max(step_s, 1e-9)))
+def fit_budget(state, args, step_s, spread_s, log, announce=False):
+    """Move the plan's end to the steps that fit --time_budget_s at `step_s` seconds per step (known within
+    `spread_s`), or to --max_steps when those fit even at step_s + spread_s: the former when the current end would
+    miss the budget by more than PLAN_TOLERANCE of it plus spread_s per step left, the latter whenever it differs.
+    Says so (with `announce`, also when the plan stays). Returns True when it moved."""
+    left_budget_s = args.time_budget_s - state.train_s
+    fit = state.step + max(1, int(left_budget_s / max(step_s, 1e-9)))
     end = min(args.max_steps, fit)
     old = state.plan.end
-    moves = end != old and (fit >= args.max_steps or abs(end - old) * step_s > PLAN_TOLERANCE * args.time_budget_s)
+    margin_s = PLAN_TOLERANCE * args.time_budget_s + spread_s * max(0, end - state.step)
+    all_fit = state.step + left_budget_s / max(step_s + spread_s, 1e-9) >= args.max_steps
+    moves = end != old and (all_fit or abs(end - old) * step_s > margin_s)
     if moves:
         state.plan = state.plan.moved(state.step, end, args.warmup_steps)
     if not (moves or announce):
@@ -145,7 +167,7 @@ def plan_on_resume(args, saved_args, state, log):
             state.plan = state.plan.moved(state.step, args.max_steps, args.warmup_steps)
         return
     if state.step and not spent(args, state.train_s):
-        fit_budget(state, args, state.train_s / state.step, log)
+        fit_budget(state, args, state.train_s / state.step, 0.0, log)
     changed = (args.max_steps, args.time_budget_s) != (saved_args.get("max_steps"), saved_args.get("time_budget_s"))
     if changed and (state.step >= state.plan.end or spent(args, state.train_s)):
         raise ValueError(f"{args.resume}: nothing to train: the run's --time_budget_s {args.time_budget_s:g} is used "
@@ -211,7 +233,7 @@ class TrainState:
     telemetry: LoadTelemetry = field(default_factory=LoadTelemetry)
     train_s: float = 0.0                # the clock as all ranks agree on it: the plan and the budget use it
     out_of_time: bool = False           # --time_budget_s is spent: this step is the run's last
-    plan_mark: tuple | None = None      # (step, train_s) where plan_budget's current measurement started
+    plan_marks: list = field(default_factory=list)  # plan_budget's (step, train_s) marks of its horizon
     measured: bool = False              # plan_budget has measured the step time in this invocation
     shared: tuple | None = None         # several ranks: (async all-reduce, [signal, clock]) of the previous step
     interval_steps: int = 0
@@ -378,20 +400,22 @@ def setup(stage, args, ctx, device_type, log):
 
 
 def resolve_dtype(args, ctx, device_type, log):
-    """The autocast dtype of --dtype: auto = bf16 on CUDA; on CPU bf16 where it has native bf16 GEMMs
-    (`native_bf16`; all ranks agree), else fp32. The checkpoint's flags record the choice (flags.flags_to_save):
-    a resume rounds the same."""
+    """The autocast dtype of --dtype: auto = bf16 on CUDA; on CPU bf16 where it trains faster than fp32 here
+    (`bf16_pays` of this CPU's `cpu_facts`: a rule, not a timing, so the machine's load never changes it; all
+    ranks agree: bf16 only where it pays on every one), else fp32. The checkpoint's flags record the choice
+    (flags.flags_to_save): a resume trains in the recorded dtype whatever the rule says now."""
     if args.dtype != "auto":
         return DTYPES[args.dtype]
     if device_type == "cuda":
         return torch.bfloat16
-    native = native_bf16()
-    flag = torch.tensor(int(native is not None))
+    pays, why = bf16_pays(cpu_facts())
+    flag = torch.tensor(int(pays))
     if ctx.distributed:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if pays and not flag.item():
+            why = "another rank's CPU runs bf16 slower than fp32"
     dtype = torch.bfloat16 if flag.item() else torch.float32
-    log(f"dtype auto: {DTYPE_NAMES[dtype]} ({f'native bf16 GEMMs: {native}' if native else 'no native bf16 GEMMs'} "
-        f"here; kept on --resume)")
+    log(f"dtype auto: {DTYPE_NAMES[dtype]} ({why}; kept on --resume)")
     return dtype
 
 

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 
 from kernels.attention import explicit_attention  # noqa: E402
 from kernels.cpu_linear import OneDNNLinear  # noqa: E402
-from kernels.engines import engines_for, native_bf16  # noqa: E402
+from kernels.engines import bf16_pays, cpu_facts, engines_for  # noqa: E402
 from kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from model.engines import PLAIN  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
@@ -181,7 +181,7 @@ def _no_experts(b, x):  # block b's MoE sublayer with _identity_experts
 
 
 def split(args):
-    bf16 = native_bf16() is not None  # as --dtype auto decides
+    bf16 = bf16_pays(cpu_facts())[0]  # as --dtype auto decides
     dtype = torch.bfloat16 if bf16 else torch.float32
     B, T, D = args.batch_size, args.seq_len, args.hidden_size
     print(f"ms per step (forward + backward of all {args.num_layers} layers), batch {B} x {T}, D={D}, "
