@@ -57,8 +57,9 @@ def questions(n):
 
 
 def load(path):
-    """(model in eval mode, tokenizer) of a run folder (ckpt.pt + tokenizer/) or an export (scripts/export_hf.py).
-    Raises FileNotFoundError / ValueError / DataError naming the file."""
+    """(model in eval mode, tokenizer) of a run folder (ckpt.pt + tokenizer/) or an export (scripts/export_hf.py),
+    in fp32 whatever dtype the run trained in (greedy decoding: scripts/generate.py: load_model says why fp32
+    serves it better). Raises FileNotFoundError / ValueError / DataError naming the file."""
     if is_hf_folder(path):
         return load_hf_checked(path).eval(), load_tokenizer(path)
     return model_from_checkpoint(load_checkpoint(path)).eval(), run_tokenizer(path)[0]

@@ -26,7 +26,9 @@ FP32_TOL = 1e-4  # fp32 reassociation in attention/softmax between two implement
 
 
 def compare_logits(ours, hf_dir, dtype, n_tokens=48, seed=0):
-    """Max abs logit difference between our model and the exported folder on random tokens."""
+    """Max abs logit difference between our model and the exported folder on random tokens, both in fp32
+    whatever dtype the run trained in (the export's weights rounded to `dtype` on our side too): an fp32
+    forward on each side is the one that can agree to 1e-4, whatever engines autocast would pick."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     ours = ours.float().eval()

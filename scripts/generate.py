@@ -89,7 +89,11 @@ def main(argv=None):
 def load_model(p, args, device):
     """(model in eval mode, tokenizer) for --ckpt (a checkpoint file or run dir, with --tokenizer or the
     run's tokenizer/), or (None, tokenizer) for an exported HF folder (checked, then left to transformers).
-    Problems end the program through the parser: one `error:` line, exit code 2."""
+    On CPU the model runs in fp32 whatever dtype the run trained in: decoding multiplies a few rows by each
+    weight, so its time is reading the weights, and bf16 autocast would first cast every fp32 weight at every
+    token (more bytes than fp32 reads); fp32 also keeps greedy outputs those of the fp32 export in transformers.
+    On CUDA bf16 autocast, the trainer's. Problems end the program through the parser: one `error:` line, exit
+    code 2."""
     if is_hf_folder(args.ckpt):
         try:
             load_hf_checked(args.ckpt)  # transformers alone loads damaged folders (a missing tensor: random init)
