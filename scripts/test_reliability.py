@@ -252,7 +252,7 @@ def test_stop_signals_save_and_resume_bitwise():
         assert r_ref.returncode == 0, r_ref.stderr[-2000:]
         a, b = load_checkpoint(out), load_checkpoint(ref)
         assert a["step"] == b["step"] == k + 3
-        # (the runs' --dtype auto choices, in case they differ: each start measures the bf16 speedup anew)
+        # (the runs' --dtype auto lines, shown if the weights differ)
         dtypes = [line for o in (stdout, r.stdout, r_ref.stdout) for line in o.splitlines() if "dtype auto" in line]
         for name in a["model"]:
             assert torch.equal(a["model"][name], b["model"][name]), f"{sig.name}: {name} differs after resume (step {k}; {dtypes})"

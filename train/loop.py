@@ -16,6 +16,7 @@ import contextlib
 import math
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -120,8 +121,7 @@ def plan_budget(state, args, log):
         return False
     if now[0] - marks[0][0] < PLAN_SETTLE:
         return False
-    mean = sum(window_s) / len(window_s)
-    stderr_s = (sum((w - mean) ** 2 for w in window_s) / (len(window_s) - 1) / len(window_s)) ** 0.5
+    stderr_s = statistics.stdev(window_s) / math.sqrt(len(window_s))
     return fit_budget(state, args, step_s, 3 * stderr_s, log)
 
 
