@@ -423,7 +423,7 @@ def expert_gemms_reference(experts, rows_PD, tokens_per_expert_E, row_weight_P):
 
 @contextlib.contextmanager
 def engine_calls():
-    """Counts the runs of the two experts engines' Functions while inside: {"cpu": the oneDNN expert GEMMs
+    """Counts the runs of the two experts engines' Functions while inside: {"cpu": the CPU expert GEMMs
     (kernels.experts.CPUExperts: cpu_experts), "grouped": the grouped GEMMs (kernels.grouped_gemm.GroupedSwiGLU:
     GROUPED_EXPERTS)}."""
     calls = {"cpu": 0, "grouped": 0}
@@ -451,7 +451,7 @@ def cpu_expert_gemms(experts, rows_PD, tokens_per_expert_E, row_weight_P):
 
 
 def test_cpu_expert_gemms():
-    """kernels.experts.cpu_experts (the fused layer's CPU experts engine: the oneDNN expert GEMMs, on the
+    """kernels.experts.cpu_experts (the fused layer's CPU experts engine: MKL's GEMMs in fp32, oneDNN's in bf16, on the
     expert-sorted rows of the dispatch and the stacked weights) against a per-expert autograd reference:
     output, grad of the rows, of the row weights and of both weight stacks; over the row-map cases (idle
     experts get zero weight grads, padding rows and rows past the segments give zero output), fp32 and bf16;

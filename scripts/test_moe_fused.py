@@ -9,7 +9,7 @@ three (ENGINES), each on a layer of its own with the same weights (kernels.engin
              one nn.Linear-style chain per expert (reads the counts to the host, so it is not the zero-sync
              path), and model/dispatch.py's permute_rows / combine_rows;
   "cpu"      the layer built with kernels.engines.engines_for's engines: kernels/experts.py's cpu_experts (the
-             CPU oneDNN expert GEMMs, CPUExperts: what engines_for picks on CPU where oneDNN runs the dtype) and
+             CPU expert GEMMs, CPUExperts: what engines_for picks on CPU where oneDNN runs the dtype) and
              the permute / combine engines_for picks (on CPU model/dispatch.py's plain ones, on CUDA
              permute_triton / combine_triton: kernels/permute.py's row movers);
   "grouped"  the same engines with the grouped-GEMM experts engine grouped_experts_for picks for the CPU
