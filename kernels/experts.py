@@ -86,8 +86,8 @@ class CPULayout:
     idle: list
 
     def to_buffer(self, t_P):
-        """[P, ...] -> [R, ...]: the dispatched rows where the GEMMs read them."""
-        return t_P if self.src_R is None else t_P.index_select(0, self.src_R)
+        """[P, ...] -> [R, ...]: the dispatched rows where the GEMMs read them (contiguous)."""
+        return t_P.contiguous() if self.src_R is None else t_P.index_select(0, self.src_R)
 
     def from_buffer(self, t_R, P):
         """[R, ...] -> [P, ...]: the rows back where the dispatcher put them, zero after the N
