@@ -304,6 +304,11 @@ def test_plan_holds_still_under_noise():
             moves, state = simulate(mean_s, seed)
             assert len(moves) <= 3, (mean_s, seed, moves)
             assert state.step == 1300 or state.train_s >= 0.97 * 600, (mean_s, seed, state.step, state.train_s)
+    args = SimpleNamespace(time_budget_s=30.0, max_steps=10**12, warmup_steps=50, resume=None)
+    state = TrainState(batches=None, scaler=None, plan=Plan(end=args.max_steps))
+    while state.step < 200:  # a clock that stands still (a coarse timer) never raises
+        state.step += 1
+        plan_budget(state, args, lambda line: None)
     for seed in range(5):
         moves, state = simulate(0.3, seed, slower_from=400)
         fits = 400 + (600 - 400 * 0.3) / 0.6

@@ -84,8 +84,8 @@ def lr_at(step, plan, lr, warmup_steps, min_lr_ratio=0.1):
 
 
 # A --time_budget_s run measures its step time on the training clock all ranks agree on, after the first PLAN_SKIP
-# steps of each invocation (they pay one-off costs: kernel set-up, allocation). The first measurement, over
-# PLAN_FIRST steps, says the plan. Then a horizon of PLAN_WINDOW-step windows grows, and from PLAN_SETTLE steps on
+# steps of each invocation (they pay one-off costs: kernel set-up, allocation). A new run's first measurement, over
+# PLAN_FIRST steps, says the plan (a resumed run's was fitted to its mean so far: `plan_on_resume`). Then a horizon of PLAN_WINDOW-step windows grows, and from PLAN_SETTLE steps on
 # the plan is checked after every window at the horizon's mean step time, which smooths out a window with an
 # evaluation in it or a busy spell. The plan moves to the steps that fit (at most --max_steps) only when its end
 # would miss the budget by more than PLAN_TOLERANCE of it plus three times the mean's standard error over the steps
@@ -108,15 +108,15 @@ def plan_budget(state, args, log):
     if (now[0] - marks[0][0] != PLAN_FIRST) if first else (now[0] - marks[-1][0] < PLAN_WINDOW):
         return False
     state.measured = True
-    if first:
+    if first:  # a new run's plan; a resumed one's was fitted to the run's mean (plan_on_resume): only the horizon
         step_s, marks[:] = (now[1] - marks[0][1]) / PLAN_FIRST, [now]
-        return fit_budget(state, args, step_s, 0.0, log, announce=state.start_step == 0)
+        return state.start_step == 0 and fit_budget(state, args, step_s, 0.0, log, announce=True)
     marks.append(now)
     window_s = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(marks, marks[1:])]
     recent = marks[-1 - PLAN_SETTLE // PLAN_WINDOW] if len(window_s) >= PLAN_SETTLE // PLAN_WINDOW else marks[0]
     step_s = (now[1] - marks[0][1]) / (now[0] - marks[0][0])
     recent_s = (now[1] - recent[1]) / (now[0] - recent[0])
-    if not 1 / PLAN_CHANGE < recent_s / step_s < PLAN_CHANGE:
+    if step_s > 0 and not 1 / PLAN_CHANGE < recent_s / step_s < PLAN_CHANGE:
         marks[:] = marks[-2:]  # the speed changed: a new horizon from the last window on
         return False
     if now[0] - marks[0][0] < PLAN_SETTLE:
