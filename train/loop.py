@@ -85,13 +85,13 @@ def lr_at(step, plan, lr, warmup_steps, min_lr_ratio=0.1):
 
 # A --time_budget_s run measures its step time on the training clock all ranks agree on, after the first PLAN_SKIP
 # steps of each invocation (they pay one-off costs: kernel set-up, allocation). A new run's first measurement, over
-# PLAN_FIRST steps, says the plan (a resumed run's was fitted to its mean so far: `plan_on_resume`). Then a horizon of PLAN_WINDOW-step windows grows, and from PLAN_SETTLE steps on
-# the plan is checked after every window at the horizon's mean step time, which smooths out a window with an
-# evaluation in it or a busy spell. The plan moves to the steps that fit (at most --max_steps) only when its end
-# would miss the budget by more than PLAN_TOLERANCE of it plus three times the mean's standard error over the steps
-# left, so noise does not move it. When the last PLAN_SETTLE steps ran more than PLAN_CHANGE times faster or
-# slower than the horizon's mean, the speed has changed: the horizon restarts with the last window, and the plan
-# moves once it has settled again.
+# PLAN_FIRST steps, says the plan (a resumed run's plan was fitted to its mean so far: `plan_on_resume`). Then a
+# horizon of PLAN_WINDOW-step windows grows, and from PLAN_SETTLE steps on the plan is checked after every window
+# at the horizon's mean step time, which smooths out a window with an evaluation in it or a busy spell. The plan
+# moves to the steps that fit (at most --max_steps) only when its end would miss the budget by more than
+# PLAN_TOLERANCE of it plus three times the mean's standard error over the steps left, so noise does not move it.
+# When the last PLAN_SETTLE steps ran more than PLAN_CHANGE times faster or slower than the horizon's mean, the
+# speed has changed: the horizon restarts with the last window, and the plan moves once it has settled again.
 PLAN_SKIP, PLAN_FIRST, PLAN_SETTLE, PLAN_WINDOW, PLAN_CHANGE, PLAN_TOLERANCE = 2, 5, 60, 20, 1.25, 0.02
 
 
