@@ -89,6 +89,11 @@ class CPULayout:
         """[P, ...] -> [R, ...]: the dispatched rows where the GEMMs read them (contiguous)."""
         return t_P.contiguous() if self.src_R is None else t_P.index_select(0, self.src_R)
 
+    def row_weights(self, weight_P):
+        """[P] -> [R]: each buffer row's routing weight, 0 on padding rows."""
+        weight_R = self.to_buffer(weight_P)
+        return weight_R if self.real_R is None else torch.where(self.real_R, weight_R, 0)
+
     def from_buffer(self, t_R, P):
         """[R, ...] -> [P, ...]: the rows back where the dispatcher put them, zero after the N
         routed ones (rows of no expert)."""
@@ -123,9 +128,7 @@ class CPUExperts(torch.autograd.Function):
         with torch.autocast("cpu", enabled=False):
             w_gu, w_down = cast(w_gate_up_E2FD, dtype), cast(w_down_EDF, dtype)
             x_RD = layout.to_buffer(rows_PD)
-            scale_R = layout.to_buffer(scale_P.to(dtype))
-            if layout.real_R is not None:
-                scale_R = torch.where(layout.real_R, scale_R, 0)
+            scale_R = layout.row_weights(scale_P.to(dtype))
             gu_R2F, out_RD = layout.empty(rows_PD, w_gu.shape[1]), layout.empty(rows_PD, D)
             for group in layout.groups:
                 torch.bmm(group.rows(x_RD), w_gu[group.experts].transpose(1, 2),
@@ -201,7 +204,6 @@ def _cpu_layout(counts, dtype, P):
     src_R = torch.zeros(padded_rows, dtype=torch.int64).index_copy_(0, dst_N, torch.arange(routed))
     real_R = torch.zeros(padded_rows, dtype=torch.bool).index_fill_(0, dst_N, True)
     return CPULayout(groups, padded_rows, padded_rows, dst_N, src_R, real_R, idle)
-
 
 
 cpu_experts = CPUExperts.apply

@@ -113,7 +113,7 @@ def plan_budget(state, args, log):
         return state.start_step == 0 and fit_budget(state, args, step_s, 0.0, log, announce=True)
     marks.append(now)
     window_s = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(marks, marks[1:])]
-    recent = marks[-1 - PLAN_SETTLE // PLAN_WINDOW] if len(window_s) >= PLAN_SETTLE // PLAN_WINDOW else marks[0]
+    recent = marks[max(0, len(marks) - 1 - PLAN_SETTLE // PLAN_WINDOW)]  # PLAN_SETTLE steps back, or the start
     step_s = (now[1] - marks[0][1]) / (now[0] - marks[0][0])
     recent_s = (now[1] - recent[1]) / (now[0] - recent[0])
     if step_s > 0 and not 1 / PLAN_CHANGE < recent_s / step_s < PLAN_CHANGE:
