@@ -128,6 +128,72 @@ def test_dense_weights_identical_across_ranks():
             assert torch.equal(v, states[r][n]), f"{n} differs between rank 0 and rank {r}"
 
 
+def first_step_grads(argv):
+    """Train one step with `argv` on this rank; return every parameter's gradient as the optimizer gets it
+    (after the ranks' reductions and clipping): {name: (first expert held or None, gradient)}, FSDP's shards
+    gathered whole, a rank's experts as it holds them."""
+    import train.loop as loop
+    from torch.distributed.tensor import DTensor
+    from train.pretrain import parse_args, train
+    grads, make_optimizer = {}, loop.make_optimizer
+
+    def capturing(model, args):
+        optimizer = make_optimizer(model, args)
+        step = optimizer.step
+
+        def capture_then_step(*a, **kw):
+            experts = {id(p): m.experts.first_expert for m in model.modules() if hasattr(m, "experts")
+                       for p in m.experts.parameters()}
+            for name, p in model.named_parameters():  # (the same order on every rank: full_tensor pairs up)
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                grads[name] = (experts.get(id(p)), g.clone())
+            return step(*a, **kw)
+        optimizer.step = capture_then_step
+        return optimizer
+    loop.make_optimizer = capturing
+    try:
+        train(parse_args(argv), log=lambda *_: None)
+    finally:
+        loop.make_optimizer = make_optimizer
+    return grads
+
+
+def first_step_grads_worker(rank, world, argv):
+    return first_step_grads(argv)
+
+
+def test_every_gradient_matches_one_process():
+    """The field's silent EP bug (a path that trains while some gradients are lost or wrong: transformers PR
+    48205, issue 48687): after one step on 4 ranks with --ep_size 2, and with --ep_size 2 --fsdp, the gradient
+    of every parameter (embeddings, attention, norms, router, experts) equals one process's on the same global
+    batch, the router's checked on its own. Not bitwise: the ranks' partial sums are added in another order
+    than one process's GEMMs (fp32 reassociation), so within 1e-5 of each tensor's largest entry."""
+    common = TINY + ["--data_path", data_file(), "--max_steps", "1", "--save_interval", "1000",
+                     "--router_aux_loss_coef", "0", "--dtype", "float32", "--moe_impl", "fused"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = first_step_grads(common + ["--batch_size", "8", "--out_dir", os.path.join(_TMP, "grads_one")])
+    finally:
+        torch.set_num_threads(threads)
+    for extra in ([], ["--fsdp"]):
+        argv = common + ["--batch_size", "2", "--ep_size", "2", "--out_dir", os.path.join(_TMP, f"grads_ep{extra}")]
+        ranks = spawn_ranks(first_step_grads_worker, 4, argv + extra, init_group=False)
+        worst = {}
+        for name, (_, want) in one.items():
+            held = sorted({first: g for r in ranks[:2] for first, g in [r[name]]}.items())
+            got = torch.cat([g for _, g in held]) if held[0][0] is not None else held[0][1]
+            assert got.shape == want.shape, (extra, name, got.shape, want.shape)
+            for r, rank in enumerate(ranks[2:], 2):  # the other EP group holds the same reduced gradients
+                assert torch.equal(rank[name][1], ranks[r - 2][name][1]), (extra, name, r)
+            worst[name] = float((got - want).abs().max() / want.abs().max())
+        router = max(v for n, v in worst.items() if n.endswith("mlp.gate.weight"))
+        name = max(worst, key=worst.get)
+        print(f"        ep 2{' --fsdp' if extra else ''}: {len(worst)} parameters, worst {name} {worst[name]:.1e} "
+              f"of its largest entry; router {router:.1e}")
+        assert worst[name] < 1e-5 and router < 1e-5, (extra, name, worst[name], router)
+
+
 def test_time_budget_ranks_stop_together():
     """--time_budget_s 2 on 2 ranks (DDP x EP=2) logging every 200 steps: every step the ranks share their
     training clock (an async all-reduce read one step later), so they plan the same steps, use the same LR and
@@ -193,7 +259,8 @@ def test_bad_setups_fail_fast():
     assert not os.path.exists(os.path.join(_TMP, "bad3")), "a run refused at setup left the folder it made"
 
 
-TESTS = [test_ddp_ep_matches_single_process, test_fused_ep_runs_where_a_rank_gets_no_token,
+TESTS = [test_ddp_ep_matches_single_process, test_every_gradient_matches_one_process,
+         test_fused_ep_runs_where_a_rank_gets_no_token,
          test_dense_weights_identical_across_ranks, test_resume_across_ep_sizes,
          test_bad_setups_fail_fast, test_time_budget_ranks_stop_together]
 

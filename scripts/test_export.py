@@ -36,12 +36,13 @@ def _tokenizer_dir():
     return path
 
 
-def tiny_run(use_moe=True, tie=True, k=2, seed=0, scale=1.0):
+def tiny_run(use_moe=True, tie=True, k=2, seed=0, scale=1.0, expert_width=48):
     """A random model with O(1) logits and non-trivial norm weights (so a dropped q/k norm would show),
-    saved as a run directory (ckpt.pt + tokenizer/); scale: its routed_scaling_factor."""
+    saved as a run directory (ckpt.pt + tokenizer/); scale: its routed_scaling_factor; expert_width: its
+    moe_intermediate_size (hidden size 64). Every weight is moved off its initial value (as training would)."""
     cfg = MiniMindConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, use_moe=use_moe, num_experts=4, num_experts_per_tok=k,
-                         moe_intermediate_size=48, intermediate_size=96, tie_word_embeddings=tie,
+                         moe_intermediate_size=expert_width, intermediate_size=96, tie_word_embeddings=tie,
                          max_position_embeddings=256, initializer_range=0.1, routed_scaling_factor=scale)
     torch.manual_seed(seed)
     model = MiniMindForCausalLM(cfg).eval()
@@ -49,7 +50,9 @@ def tiny_run(use_moe=True, tie=True, k=2, seed=0, scale=1.0):
         for m in model.modules():
             if isinstance(m, RMSNorm):
                 m.weight.copy_(1 + 0.3 * torch.randn_like(m.weight))
-    run_dir = os.path.join(_TMP, f"run_moe{int(use_moe)}_tie{int(tie)}_k{k}_s{scale:g}")
+        for p in model.parameters():
+            p.mul_(1 + 0.1 * torch.randn_like(p))
+    run_dir = os.path.join(_TMP, f"run_moe{int(use_moe)}_tie{int(tie)}_k{k}_s{scale:g}_f{expert_width}")
     save_checkpoint(os.path.join(run_dir, "ckpt.pt"), model, extra={"step": 0, "args": {}})
     tok = os.path.join(run_dir, "tokenizer")
     if not os.path.exists(tok):
@@ -182,6 +185,35 @@ def test_round_trip_bitwise():
         assert not diff, f"config changed in the round trip: {diff}"
 
 
+def test_layout_ambiguous_shapes_and_no_expert_left_at_init():
+    """The expert widths where a transposed or mis-split weight still fits (2F == D, F == D: unsloth-zoo 849):
+    transformers' logits equal ours, the trainer's engines' too; an export then an import brings back every
+    expert tensor to the bit, drops none, and leaves none at its initial value (a fresh model of the same
+    seed: what a converter that skipped the experts would give, as Megatron-Bridge PR 4706)."""
+    from kernels.engines import engines_for
+    for width in (32, 64):
+        ours, run_dir = tiny_run(True, True, 2, expert_width=width)
+        hf, _, _ = load_hf_quietly(export(run_dir))
+        config = MiniMindConfig.from_dict({**ours.config.to_dict(), "moe_impl": "fused"})
+        engined = MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float32)).eval()
+        engined.load_state_dict(ours.state_dict(), strict=True)
+        ids = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            want = hf(ids).logits
+            for name, model in (("ours", ours), ("trainer's engines", engined)):
+                diff = (model(ids).logits - want).abs().max().item()
+                assert diff <= TOL, f"F={width} {name}: max |logit diff| {diff:.2e}"
+        back = load_hf_checked(run_dir + "_hf_float32").state_dict()
+        torch.manual_seed(0)
+        fresh = MiniMindForCausalLM(ours.config).state_dict()
+        source = ours.state_dict()
+        experts = [key for key in source if ".mlp.experts." in key]
+        assert len(experts) == 2 * 4 * 3 and set(back) == set(source), (len(experts), set(back) ^ set(source))
+        for key in experts:
+            assert torch.equal(back[key], source[key]), f"F={width}: {key} changed in the round trip"
+            assert not torch.equal(back[key], fresh[key]), f"F={width}: {key} is at its initial value"
+
+
 def test_bf16_export_loads_and_agrees():
     ours, run_dir = tiny_run(True, True, 2)
     hf, _, _ = load_hf_quietly(export(run_dir, "bfloat16"))
@@ -306,7 +338,8 @@ def test_short_context_model_exports_and_pads_like_hf():
 
 
 TESTS = [test_logits_parity_fp32, test_greedy_generation_identical, test_loads_without_key_warnings,
-         test_round_trip_bitwise, test_bf16_export_loads_and_agrees, test_refuses_what_qwen3_cannot_represent,
+         test_round_trip_bitwise, test_layout_ambiguous_shapes_and_no_expert_left_at_init,
+         test_bf16_export_loads_and_agrees, test_refuses_what_qwen3_cannot_represent,
          test_routed_scaling_factor_goes_into_the_down_projections, test_main_job_checkpoint_exports_and_generates, test_short_context_model_exports_and_pads_like_hf,
          test_eval_sft_takes_runs_and_exports_and_refuses_in_one_line]
 

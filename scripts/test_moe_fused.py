@@ -447,6 +447,29 @@ def test_odd_sizes_fall_back():
                 assert_close(a[2][n], b[2][n], tol, f"{what} grad {n}")
 
 
+def test_layout_ambiguous_shapes():
+    """2F == D and F == D, where a transposed or mis-split stacked weight still has a shape that fits (the
+    bug of unsloth-zoo 849): every experts engine here against the sorted layer (itself bitwise the masked
+    loop at these sizes: test_moe_sorted.py), forward and every gradient, fp32."""
+    for D_, F_ in ((64, 32), (32, 32)):
+        torch.manual_seed(0)
+        cfg = dict(hidden_size=D_, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True,
+                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=F_)
+        ref = MOEFeedForward(MiniMindConfig(**cfg)).train()
+        fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).train()
+        fused.load_state_dict(ref.state_dict())
+        layers = engine_layers(fused)
+        x, g = torch.randn(2, 13, D_), torch.randn(2, 13, D_)
+        for variant in engines_here():
+            with engine(layers, variant) as layer:
+                a, b = fwd_bwd(ref, x, g), fwd_bwd(layer, x, g)
+            what = f"{variant} D={D_} F={F_}"
+            assert_close(a[0], b[0], 1e-5, what + " forward")
+            assert_close(a[1], b[1], 1e-5, what + " grad x")
+            for n in a[2]:
+                assert_close(a[2][n], b[2][n], 1e-5, f"{what} grad {n}")
+
+
 def test_direct_call_with_dropped_pairs():
     """The dispatchers and experts called directly with -1 entries (as the EP transport passes them, in
     any slot order): those pairs contribute 0; sorted and row-map paths agree for every engine."""
@@ -523,7 +546,7 @@ def test_cuda_matches_sorted():
 
 TESTS = [test_matches_sorted_fp32, test_idle_experts_get_zero_grads, test_deterministic, test_zero_syncs,
          test_empty_and_tiny_inputs, test_state_dict_and_engines,
-         test_engine_built_layers_in_float64, test_bf16_autocast_cpu, test_odd_sizes_fall_back,
+         test_engine_built_layers_in_float64, test_bf16_autocast_cpu, test_odd_sizes_fall_back, test_layout_ambiguous_shapes,
          test_direct_call_with_dropped_pairs, test_layer_op_count, test_cuda_matches_sorted]
 
 if __name__ == "__main__":

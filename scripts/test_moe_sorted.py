@@ -76,7 +76,9 @@ def test_bitwise_vs_masked_reference():
 
 
 def test_odd_hidden_and_intermediate_sizes():
-    for h, f, e, k in ((37, 19, 3, 2), (65, 7, 7, 1), (1, 1, 2, 2)):
+    """Odd sizes, and the layout-ambiguous ones where a transposed or mis-split expert weight still fits
+    (2F == D, F == D: unsloth-zoo 849's grouped GEMM trained on transposed weights there)."""
+    for h, f, e, k in ((37, 19, 3, 2), (65, 7, 7, 1), (1, 1, 2, 2), (64, 32, 4, 2), (32, 32, 4, 2)):
         mod = build(seed=4, hidden_size=h, num_attention_heads=1, num_key_value_heads=1, head_dim=8, moe_intermediate_size=f,
                     num_experts=e, num_experts_per_tok=k)
         torch.manual_seed(5)

@@ -6,9 +6,10 @@ With W ranks and ep_size M (M | W), the EP groups are the blocks of M consecutiv
 holds experts [r*E/M, (r+1)*E/M) of every layer and nothing of the others (weights, grads, optimizer
 state); the expert-data-parallel groups join the ranks holding the same experts. The dense parameters are
 replicated and averaged by DDP, or with --fsdp sharded over all W ranks by FSDP2; reduce_expert_grads
-averages the experts' over their group. Per MoE layer: dispatch = rows by destination rank -> all-to-all
-(rows, routing weights, local expert ids) -> the layer's own dispatcher on the received rows -> the rank's
-experts; combine = local combine -> all-to-all back -> each token's partial sums added in ascending rank.
+averages the experts' over their group. Per MoE layer: dispatch = rows by destination rank -> two
+all-to-alls (the rows; their routing weights with local expert ids), torch's functional ones with autograd ->
+the layer's own dispatcher on the received rows -> the rank's experts; combine = local combine -> all-to-all
+back -> each token's partial sums added in ascending rank (one gather-sum, no loop over ranks).
 A token goes once to each rank that holds one of its experts (as Megatron-LM's alltoall dispatcher and
 DeepEP). Counts travel in one small all-to-all, read to the host once per layer; every rank runs the
 same collectives whatever it receives, so backward always pairs up. Rows arrive grouped by source rank
@@ -17,23 +18,18 @@ in token order: with the whole batch in one EP group every expert sees the singl
 """
 import contextlib
 import dataclasses
-import gc
 import json
 import os
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-with warnings.catch_warnings():  # the autograd all-to-all is the documented one on gloo; its successor is not
-    warnings.simplefilter("ignore", FutureWarning)
-    from torch.distributed.nn.functional import all_to_all_single as _all_to_all_autograd
-
-from model.dispatch import RowLayout
+from model.dispatch import RowLayout, sum_rows
 from model.moe import MOEFeedForward
 from model.router import tokens_per_expert
 
@@ -124,17 +120,9 @@ def shutdown(ctx, wait_for_peers=True):
     """Tear the process groups down. On a normal exit all ranks wait for each other first: a rank that
     leaves while a peer is still inside a collective can make gloo abort the peer at exit."""
     if ctx.distributed and dist.is_initialized():
-        gc.collect()  # groups held in reference cycles (EP dispatchers) go now, not at interpreter exit
         if wait_for_peers:
             dist.barrier()
         dist.destroy_process_group()
-
-
-def all_to_all_autograd(output, input, output_split_sizes, input_split_sizes, group):
-    """Uneven all-to-all whose backward is the reverse all-to-all (torch.distributed.nn)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return _all_to_all_autograd(output, input, output_split_sizes, input_split_sizes, group=group)
 
 
 class AllToAllDispatcher:
@@ -193,43 +181,47 @@ class AllToAllDispatcher:
         w_send = torch.where(local_send >= 0, topk_weight_TK[send_token], 0.0)
         self.bytes_sent += n_send * D * x_TD.element_size()
         self.bytes_k_copies += pairs_sent * D * x_TD.element_size()
-        x_recv = all_to_all_autograd(x_TD.new_empty(n_recv, D), x_TD[send_token], recv_rows, send_rows, self.group)
-        w_recv = all_to_all_autograd(w_send.new_empty(n_recv, w_send.shape[1]), w_send.contiguous(), recv_rows,
-                                     send_rows, self.group)
-        idx_recv = local_send.new_empty(n_recv, local_send.shape[1])
-        dist.all_to_all_single(idx_recv, local_send.contiguous(), recv_rows, send_rows, group=self.group)
+        x_recv = all_to_all_single_autograd(x_TD[send_token], recv_rows, send_rows, self.group)
+        # the routing weights and local ids travel together (ids as floats: exact below 2**24); the weights'
+        # gradient comes back the same way
+        K, meta_dtype = topk_idx_TK.shape[1], torch.promote_types(topk_weight_TK.dtype, torch.float32)
+        meta_send = torch.cat([w_send.to(meta_dtype), local_send.to(meta_dtype)], dim=1)
+        w_recv, idx_recv = all_to_all_single_autograd(meta_send, recv_rows, send_rows, self.group).split(K, dim=1)
+        w_recv, idx_recv = w_recv.to(topk_weight_TK.dtype), idx_recv.long()
         # each source rank may fill its own capacity (from its own batch): pad to what arrives at most
         pad_to = max(layout.pad_to * M, *recv_per_local_expert) if layout.pad_to is not None else None
         local = self.local.dispatch(x_recv, idx_recv, w_recv, RowLayout(pad_to, layout.alignment, may_drop=True),
                                     host_tokens_per_expert=recv_per_local_expert)
+        # where each token's rows come back: its destinations' rows in ascending rank (a row's index grows
+        # with its rank), -1 first for the ranks it skips; min(K, M) columns
+        row_of_key = torch.full((T * M,), -1, dtype=torch.int64, device=dev).scatter_(
+            0, order, torch.arange(n_send, device=dev))
+        row_TJ = row_of_key.view(T, M).sort(dim=1).values[:, M - min(K, M):]
         return dataclasses.replace(local, first_expert=self.first_expert, routed_E=pairs_E, state=AllToAllState(
-            local, send_token, send_rows, recv_rows, (T, D), x_TD.dtype))
+            local, row_TJ, send_rows, recv_rows, x_TD.dtype))
 
     def combine(self, rows_out_PD, dispatched):
         state = dispatched.state
         y_recv = self.local.combine(rows_out_PD, state.local)
-        y_send = all_to_all_autograd(y_recv.new_empty(sum(state.send_rows), y_recv.shape[1]), y_recv, state.send_rows,
-                                     state.recv_rows, self.group)
-        # Add the partial sums in ascending destination rank; empty slices too: the output must reach every
-        # all-to-all even when this rank sent nothing, since backward runs the same collectives everywhere.
-        y_TD = torch.zeros(state.shape_TD, dtype=state.dtype, device=y_send.device)
-        start = 0
-        for n in state.send_rows:
-            y_TD = y_TD.index_add(0, state.send_token[start:start + n], y_send[start:start + n].to(state.dtype))
-            start += n
-        return y_TD
+        y_send = all_to_all_single_autograd(y_recv, state.send_rows, state.recv_rows, self.group)
+        # Each token's partial sums in ascending destination rank (fp32); a missing one reads an appended zero
+        # row, which also keeps y_send in the graph when this rank sent nothing: backward must reach every
+        # all-to-all on every rank.
+        n_send = y_send.shape[0]
+        rows_with_zero = torch.cat([y_send, y_send.new_zeros(1, y_send.shape[1])])
+        return sum_rows(rows_with_zero, torch.where(state.row_TJ < 0, n_send, state.row_TJ), state.dtype,
+                        has_holes=False)
 
 
 @dataclass
 class AllToAllState:
     """AllToAllDispatcher's combine metadata: local, the wrapped dispatcher's Dispatched (received rows);
-    send_token int64 [sum(send_rows)] the token of each row sent, ordered by destination rank; send_rows /
-    recv_rows: rows sent to / received from each rank of the group (host lists); shape_TD and dtype of x."""
+    row_TJ int64 [T, min(K, M)] the rows sent for each token (ordered by destination rank, -1: none);
+    send_rows / recv_rows: rows sent to / received from each rank of the group (host lists); dtype: x's."""
     local: object
-    send_token: torch.Tensor
+    row_TJ: torch.Tensor
     send_rows: list
     recv_rows: list
-    shape_TD: tuple
     dtype: torch.dtype
 
 
