@@ -107,13 +107,11 @@ class Dispatched:
     id; zero padding rows); tokens_per_expert int64 [E'] each expert's rows incl. padding (a CPU
     tensor from the sorted dispatcher, on the device from the row map); row_weight_P [P]: the
     routing weight the experts apply (0 for padding), None when the combine applies it (sorted);
-    first_expert: global id of the first expert (under EP the rank's); routed_E: int64 [E] routed
-    pairs per global expert (stats); padded: whether rows include padding; state: what the same
-    dispatcher's combine needs (its own dataclass)."""
+    routed_E: int64 [E] routed pairs per global expert (stats); padded: whether rows include
+    padding; state: what the same dispatcher's combine needs (its own dataclass)."""
     rows_PD: torch.Tensor
     tokens_per_expert: torch.Tensor
     row_weight_P: torch.Tensor | None = None
-    first_expert: int = 0
     routed_E: torch.Tensor | None = None
     padded: bool = False
     state: object = None

@@ -18,8 +18,10 @@ ones, or kernels/permute.py's); model/engines.py names them, kernels/engines.py 
 pay.
 Expert parallelism wraps the dispatcher (train/parallel.py).
 """
+import contextlib
 import math
 import operator
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -119,22 +121,19 @@ class Experts(nn.Module):
     engine reads the stacked tensors as they are: no per-expert copy, concatenation or stack of
     weights.
 
-    forward(rows_PD [P, D], tokens_per_expert int64 [E'], row_weight_P [P] or None, first_expert=0)
-    -> [P, D]: experts first_expert .. first_expert + E' - 1 (E' = all, or under expert parallelism
-    the rank's) on their rows in order, as `expert_loop` documents. As a sequence, `experts[e]` is
-    an `Expert` module. state_dict: one entry per expert and projection,
+    forward(rows_PD [P, D], tokens_per_expert int64 [E'], row_weight_P [P] or None) -> [P, D]: the
+    stack's experts (E' = all, or under expert parallelism the rank's) on their rows in order, as
+    `expert_loop` documents. Under expert parallelism (train/parallel.py) the stacked weights are
+    DTensors sharded on the expert dimension and the engine reads this rank's shard. As a sequence,
+    `experts[e]` is an `Expert` module. state_dict: one entry per expert and projection,
     `{e}.{gate,up,down}_proj.weight` (views into the stack): the keys of E separate FeedForward
-    modules, so every checkpoint and export keeps its layout; load_state_dict takes those keys (or
-    the stacked names). Initialised as E FeedForwards would be (the same draws, in the same
-    order). Under expert parallelism a rank keeps only its experts (`keep`): the stack then holds
-    experts first_expert .. first_expert + len(self) - 1 and the state_dict names those."""
+    modules (HF's layout); `stacked_names()` keeps the stacked ones (checkpoints); load_state_dict
+    takes either. Initialised as E FeedForwards would be (the same draws, in the same order)."""
 
     def __init__(self, num_experts, hidden_size, intermediate_size, engine=expert_loop):
         super().__init__()
         E, D, F_ = num_experts, hidden_size, intermediate_size
         self.engine = engine
-        self.num_experts = E  # the layer's; the stack holds them all, or a rank's share (`keep`)
-        self.first_expert = 0  # the layer's id of the stack's first expert
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * F_, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, F_))
         # nn.Linear's own init
@@ -162,32 +161,33 @@ class Experts(nn.Module):
             for w in expert.weights():
                 init(w)
 
-    @torch.no_grad()
-    def keep(self, first_expert, count):
-        """Hold only experts first_expert .. first_expert + count - 1 (a rank's share under expert
-        parallelism): the stacked parameters become copies of their rows, the rest is freed."""
-        for name in ("gate_up_proj", "down_proj"):
-            old = getattr(self, name)
-            start = first_expert - self.first_expert
-            setattr(self, name, nn.Parameter(old[start:start + count].clone(),
-                                             requires_grad=old.requires_grad))
-        self.first_expert = first_expert
-
-    def forward(self, rows_PD, tokens_per_expert, row_weight_P=None, first_expert=0):
-        w_gate_up_E2FD, w_down_EDF = self.gate_up_proj, self.down_proj
-        start, count = first_expert - self.first_expert, tokens_per_expert.shape[0]
-        # (a slice's backward copies the whole stack)
-        if count != len(self) or start:
-            w_gate_up_E2FD, w_down_EDF = (w_gate_up_E2FD[start:start + count],
-                                          w_down_EDF[start:start + count])
-        return self.engine(rows_PD, tokens_per_expert, row_weight_P, w_gate_up_E2FD, w_down_EDF)
+    def forward(self, rows_PD, tokens_per_expert, row_weight_P=None):
+        return self.engine(rows_PD, tokens_per_expert, row_weight_P, local_shard(self.gate_up_proj),
+                           local_shard(self.down_proj))
 
     def extra_repr(self):
-        (E, F2, D), first = self.gate_up_proj.shape, self.first_expert
-        held = (f"experts {first}-{first + E - 1} of {self.num_experts}: "
-                if E < self.num_experts else "")
-        return (f"{held}{E} x SwiGLU({D} -> {F2 // 2} -> {D}), "
-                f"engine={engine_name(self.engine)}")
+        (E, F2, D) = self.gate_up_proj.shape
+        return f"{E} x SwiGLU({D} -> {F2 // 2} -> {D}), engine={engine_name(self.engine)}"
+
+
+def local_shard(weight):
+    """This rank's part of a weight sharded over ranks (under expert parallelism a DTensor: the
+    rank's experts), else the weight itself."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+_names = threading.local()
+
+
+@contextlib.contextmanager
+def stacked_names():
+    """Within, every Experts' state_dict keeps its stacked tensors (`gate_up_proj`, `down_proj`)
+    under their own names: what checkpoints hold (train/checkpoint.py)."""
+    _names.stacked = True
+    try:
+        yield
+    finally:
+        _names.stacked = False
 
 
 def engine_name(engine):
@@ -202,18 +202,20 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 def per_expert_entries(experts, prefix=""):
     """(state_dict key, stacked parameter's name, index into it) of each expert's gate, up and down
-    weight, in E FeedForward modules' order: how the stack stands for them (state_dict,
-    checkpoints)."""
-    F_, first = experts.down_proj.shape[2], experts.first_expert
+    weight, in E FeedForward modules' order: how the stack stands for them (state_dict)."""
+    F_ = experts.down_proj.shape[2]
     for e in range(len(experts)):
         where = (("gate_up_proj", (e, slice(None, F_))), ("gate_up_proj", (e, slice(F_, None))),
                  ("down_proj", (e,)))
         for projection, (name, index) in zip(PROJECTIONS, where):
-            yield f"{prefix}{first + e}.{projection}.weight", name, index
+            yield f"{prefix}{e}.{projection}.weight", name, index
 
 
 def _per_expert_state_dict(module, state_dict, prefix, local_metadata):
-    """Experts' state_dict hook: the stacked tensors -> one view per expert and projection."""
+    """Experts' state_dict hook: the stacked tensors -> one view per expert and projection (not
+    within `stacked_names`)."""
+    if getattr(_names, "stacked", False):
+        return
     stacked = {name: state_dict.pop(prefix + name) for name in ("gate_up_proj", "down_proj")}
     for key, name, index in per_expert_entries(module, prefix):
         state_dict[key] = stacked[name][index]
@@ -224,10 +226,10 @@ def _stacked_state_dict(module, state_dict, prefix, local_metadata, strict, miss
     """Experts' load_state_dict pre-hook: per-expert entries -> the stacked tensors. A misshapen
     entry is a size-mismatch error naming its key; with some experts' entries absent the others
     load into the current stack and the absent keys are reported missing (strict: an error)."""
-    (E, F2, D), F_ = module.gate_up_proj.shape, module.gate_up_proj.shape[1] // 2
+    (E, F2, D) = module.gate_up_proj.shape
+    F_ = F2 // 2
     shapes = dict(zip(PROJECTIONS, ((F_, D), (F_, D), (D, F_))))
-    keys = [[f"{prefix}{module.first_expert + e}.{name}.weight" for name in PROJECTIONS]
-            for e in range(E)]
+    keys = [[f"{prefix}{e}.{name}.weight" for name in PROJECTIONS] for e in range(E)]
     present = [k for ks in keys for k in ks if k in state_dict]
     if not present:
         return
@@ -317,7 +319,7 @@ class MOEFeedForward(nn.Module):
         topk_idx_TK, layout = drop_and_pad(self.config, topk_idx_TK, topk_weight_TK, token_mask_T)
         dispatched = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout)
         rows_out_PD = self.experts(dispatched.rows_PD, dispatched.tokens_per_expert,
-                                   dispatched.row_weight_P, dispatched.first_expert)
+                                   dispatched.row_weight_P)
         y_TD = self.dispatcher.combine(rows_out_PD, dispatched)
         self.stats = MoEStats(dispatched.routed_E,
                               dispatched.tokens_per_expert if dispatched.padded else None,

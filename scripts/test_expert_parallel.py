@@ -14,9 +14,11 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from testlib import ROOT, Skip, run, spawn_ranks as spawn  # noqa: F401
 from model.dispatch import SortedDispatcher
+from model.moe import local_shard
 from model.model_minimind import MiniMindConfig, MOEFeedForward
 
 D = 32
@@ -109,7 +111,7 @@ def dispatch_experts_combine(layer, dispatcher, x_TD, topk_idx_TK, topk_weight_T
     """The MoE layer's steps 3-5 on given routing (the dispatch contract, `layer`'s experts):
     x_TD [T, D] -> y_TD [T, D]."""
     d = dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
-    return dispatcher.combine(layer.experts(d.rows_PD, d.tokens_per_expert, d.row_weight_P, d.first_expert), d)
+    return dispatcher.combine(layer.experts(d.rows_PD, d.tokens_per_expert, d.row_weight_P), d)
 
 
 @torch.no_grad()
@@ -133,13 +135,18 @@ def named_grads(mod):
     state_dict's names, experts.{e}.{gate,up,down}_proj.weight (under EP the rank's experts only)."""
     grads = {n: None if p.grad is None else p.grad.clone() for n, p in mod.named_parameters()
              if not n.startswith("experts.")}
-    gate_up, down = mod.experts.gate_up_proj.grad, mod.experts.down_proj.grad
-    F_, first = mod.experts.down_proj.shape[2], mod.experts.first_expert
-    for e in range(len(mod.experts)):
+    gate_up, down = (local_shard(p.grad) if p.grad is not None else None for p in mod.experts.parameters())
+    F_, first = mod.experts.down_proj.shape[2], getattr(mod.dispatcher, "first_expert", 0)
+    for e in range(local_shard(mod.experts.down_proj).shape[0]):
         for name, grad, rows in (("gate_proj", gate_up, slice(None, F_)), ("up_proj", gate_up, slice(F_, None)),
                                  ("down_proj", down, slice(None))):
             grads[f"experts.{first + e}.{name}.weight"] = None if grad is None else grad[e, rows].clone()
     return grads
+
+
+def world_mesh():
+    """The 1-D DeviceMesh of every rank: the EP mesh of these layer tests."""
+    return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
 def run_layer(mod, xs, upstream):
@@ -158,7 +165,7 @@ def ep_worker(rank, world, cases):
     for name, e, k in cases:
         mod = build(e, k)
         force(mod, name)
-        install(mod, dist.group.WORLD, e)
+        install(mod, world_mesh(), e)
         x = scenario_inputs(name, world)[rank]
         up = torch.linspace(-1, 1, x.numel()).view_as(x)
         y, xg, grads = run_layer(mod, x, up)
@@ -294,7 +301,7 @@ def capacity_worker(rank, world):
         mod = MOEFeedForward(MiniMindConfig(hidden_size=D, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
                                             use_moe=True, num_experts=4, num_experts_per_tok=2,
                                             moe_intermediate_size=16, **kw)).train()
-        install(mod, dist.group.WORLD, 4)
+        install(mod, world_mesh(), 4)
         x = scenario_inputs("uneven", world)[rank]
         out.append((mod(x).detach(), mod.stats.tokens_per_expert.clone()))
     return out
@@ -343,7 +350,7 @@ def fused_worker(rank, world, cases):
         for name, e, k in cases:
             mod = make(e, k, engine)
             force(mod, name)
-            install(mod, dist.group.WORLD, e)
+            install(mod, world_mesh(), e)
             x = scenario_inputs(name, world)[rank]
             with engine_choice(engine):
                 y, xg, grads = run_layer(mod, x, torch.linspace(-1, 1, x.numel()).view_as(x))
@@ -363,7 +370,7 @@ def per_batch_worker(rank, world, cases, engines):
         for i, (name, e, k, kw) in enumerate(cases):
             mod = make(e, k, engine, **kw)
             force(mod, name)
-            install(mod, dist.group.WORLD, e)
+            install(mod, world_mesh(), e)
             x = scenario_inputs(name, world)[rank]
             with engine_choice(engine):
                 y, xg, grads = run_layer(mod, x, torch.linspace(-1, 1, x.numel()).view_as(x))

@@ -84,31 +84,38 @@ def test_checkpoint_roundtrip():
         raise AssertionError("a mis-shaped attention_mask was accepted")
 
 
-def test_checkpoint_keeps_the_per_expert_layout():
-    """A checkpoint holds what checkpoints held before the experts were stacked: weights under per-expert keys
-    and AdamW state listed per expert parameter (E x gate, up, down in a layer's place, [F, D] / [D, F]), so
-    old checkpoints resume and new ones load anywhere; the stacked optimizer state round-trips bitwise."""
-    from train.checkpoint import optimizer_state_per_expert, optimizer_state_stacked
+def test_checkpoint_layout_and_the_per_expert_one_converted():
+    """The module's state_dict keeps HF's per-expert keys (the user's acceptance test pins them); checkpoints
+    hold the stacked tensors under their own names (`model_state`, `optimizer_state`: torch's state_dict
+    helpers). A checkpoint from before (per-expert weights, AdamW state listed per expert parameter: E x gate,
+    up, down in a layer's place, [F, D] / [D, F]) is converted to the same state bitwise."""
+    from testlib import optimizer_state_per_expert
+    from train.checkpoint import model_state, optimizer_state
+    from train.legacy_checkpoint import converted
     model = tiny(cpu_engines=True, moe_impl="fused").train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 97, (2, 8))
     model(ids, labels=ids).loss.backward()
     optimizer.step()
-    saved = optimizer_state_per_expert(optimizer, model)
     E, F, D, L = 4, 32, 64, 2
-    per_expert_params = len(list(model.parameters())) + L * (3 * E - 2)  # each layer's 2 stacks as 3E tensors
-    assert sum(len(g["params"]) for g in saved["param_groups"]) == per_expert_params
-    shapes = sorted({tuple(st["exp_avg"].shape) for st in saved["state"].values() if st["exp_avg"].dim() == 2})
-    assert (F, D) in shapes and (D, F) in shapes and not any(st["exp_avg"].dim() == 3 for st in saved["state"].values())
-    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    fresh.load_state_dict(optimizer_state_stacked(saved, fresh, model))
-    want, got = optimizer.state_dict(), fresh.state_dict()
-    assert want["param_groups"] == got["param_groups"]
-    for i, state in want["state"].items():
-        assert all(torch.equal(v, got["state"][i][k]) for k, v in state.items()), i
     keys = set(model.state_dict())
     assert {f"model.layers.0.mlp.experts.{E - 1}.{p}_proj.weight" for p in ("gate", "up", "down")} <= keys
     assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in keys)
+    want = {"model": model_state(model), "optimizer": optimizer_state(model, optimizer)}
+    assert want["model"]["model.layers.0.mlp.experts.gate_up_proj"].shape == (E, 2 * F, D)
+    assert "model.layers.1.mlp.experts.down_proj" in want["optimizer"]["state"]
+    legacy = optimizer_state_per_expert(optimizer, model)
+    per_expert_params = len(list(model.parameters())) + L * (3 * E - 2)  # each layer's 2 stacks as 3E tensors
+    assert sum(len(g["params"]) for g in legacy["param_groups"]) == per_expert_params
+    shapes = sorted({tuple(st["exp_avg"].shape) for st in legacy["state"].values() if st["exp_avg"].dim() == 2})
+    assert (F, D) in shapes and (D, F) in shapes and not any(st["exp_avg"].dim() == 3 for st in legacy["state"].values())
+    got = converted({"model": model.state_dict(), "optimizer": legacy, "config": model.config.to_dict()}, model,
+                    optimizer)
+    assert set(got["model"]) == set(want["model"]) and all(torch.equal(got["model"][k], v)
+                                                          for k, v in want["model"].items())
+    assert got["optimizer"]["param_groups"] == want["optimizer"]["param_groups"]
+    for name, state in want["optimizer"]["state"].items():
+        assert all(torch.equal(v, got["optimizer"]["state"][name][k]) for k, v in state.items()), name
 
 
 def test_experts_load_and_pickle_edge_cases():
@@ -118,7 +125,8 @@ def test_experts_load_and_pickle_edge_cases():
     import io
 
     from kernels.engines import engines_for
-    from train.checkpoint import optimizer_state_per_expert, optimizer_state_stacked
+    from testlib import optimizer_state_per_expert
+    from train.legacy_checkpoint import optimizer_state_stacked
     layer = MOEFeedForward(MiniMindConfig(hidden_size=32, num_experts=4, num_experts_per_tok=2,
                                           moe_intermediate_size=16))
     state = dict(layer.state_dict())
@@ -452,7 +460,7 @@ def test_empty_inputs_refused_or_kept_in_the_graph():
 
 
 TESTS = [test_config_errors_name_the_field, test_config_defaults_and_roundtrip, test_checkpoint_roundtrip,
-         test_no_expert_weight_copy_per_forward, test_checkpoint_keeps_the_per_expert_layout,
+         test_no_expert_weight_copy_per_forward, test_checkpoint_layout_and_the_per_expert_one_converted,
          test_experts_load_and_pickle_edge_cases,
          test_forward_loss_and_aux, test_chunked_lm_loss_is_the_torch_loss, test_tied_and_untied_embeddings, test_causal, test_kv_cache_matches_full_forward,
          test_generate_cache_equals_no_cache, test_generate_stops_at_eos_and_max_len, test_overfit_one_batch,

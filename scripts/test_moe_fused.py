@@ -123,7 +123,7 @@ def engine(layers, name):
 def dispatch_experts_combine(layer, x_TD, topk_idx_TK, topk_weight_TK, layout=RowLayout()):
     """The MoE layer's steps 3-5 on given routing (the dispatch contract): x_TD [T, D] -> y_TD [T, D]."""
     d = layer.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout)
-    rows_out_PD = layer.experts(d.rows_PD, d.tokens_per_expert, d.row_weight_P, d.first_expert)
+    rows_out_PD = layer.experts(d.rows_PD, d.tokens_per_expert, d.row_weight_P)
     return layer.dispatcher.combine(rows_out_PD, d)
 
 

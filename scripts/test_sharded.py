@@ -87,17 +87,18 @@ def held_worker(rank, world, argv):
 
 
 def test_rank_holds_only_its_experts():
-    """Elements of weights and AdamW moments per rank after training: experts 1/ep_size of one process's,
-    with --fsdp the dense part 1/world (up to FSDP's padding of dim 0 to a multiple of the world size)."""
+    """Elements of weights and AdamW moments per rank after training: experts 1/world of one process's
+    (EP's shards, FSDP2 over the ranks holding the same experts), with --fsdp the dense part 1/world too (up
+    to FSDP's padding of dim 0 to a multiple of the world size)."""
     needs_ranks(4)
     argv = COMMON + ["--max_steps", "2", "--out_dir"]
     one = spawn_ranks(held_worker, 1, argv + [os.path.join(_TMP, "held1")] + layout(1), init_group=False)[0]
-    for world, ep, fsdp in ((2, 2, False), (4, 4, False), (4, 2, True), (2, 1, True)):
+    for world, ep, fsdp in ((2, 2, False), (4, 4, False), (4, 2, False), (4, 2, True), (2, 1, True)):
         name = f"held{world}_{ep}_{int(fsdp)}"
         per_rank = spawn_ranks(held_worker, world, argv + [os.path.join(_TMP, name)] + layout(world, ep, fsdp),
                                init_group=False)
         for r, counts in enumerate(per_rank):
-            for part, share in (("experts", ep), ("dense", world if fsdp else 1)):
+            for part, share in (("experts", world), ("dense", world if fsdp else 1)):
                 for held, whole in zip(counts[part], one[part]):
                     assert held <= whole / share * 1.05, f"{name} rank {r}: {part} {held} of {whole} (1/{share})"
             assert counts["experts"][1] == 2 * counts["experts"][0], f"{name}: AdamW state for other experts"
@@ -155,6 +156,69 @@ def test_fsdp_matches_one_process():
         assert worst < 1e-5, (ep, worst)
 
 
+def resave_worker(rank, world, argv):
+    """Resume `argv`'s run on this rank's layout and save it again at once, without a step."""
+    import train.loop as loop
+    from train.parallel import init_distributed, shutdown
+    from train.pretrain import STAGE, parse_args
+    args = parse_args(argv)
+    ctx = init_distributed(args.ep_size, "cpu", args.fsdp)
+    try:
+        run, state = loop.setup(STAGE, args, ctx, "cpu", lambda *_: None)
+        loop.save(run, state, plots=False)
+        run.metrics.close()
+    finally:
+        shutdown(ctx)
+
+
+def everything(out):
+    """Every saved value of the run's checkpoint as one process reads it (a sharded one's DCP files whole)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from train.checkpoint import checkpoint_in, is_sharded, read_sharded_state
+    path = checkpoint_in(out)
+    if not is_sharded(path):
+        saved = torch.load(path, weights_only=True)
+    else:
+        whole = os.path.join(_TMP, "whole.pt")
+        dcp_to_torch_save(path, whole)
+        saved = {**read_sharded_state(path), **torch.load(whole, weights_only=True)}
+    return {k: v for k, v in saved.items() if k not in ("sha256", "files", "world_size", "ep_size", "args")}
+
+
+def assert_identical(a, b, where=""):
+    if isinstance(a, dict):
+        assert set(a) == set(b), (where, sorted(set(a) ^ set(b), key=str))
+        for key in a:
+            assert_identical(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}/{i}")
+    elif torch.is_tensor(a):
+        assert torch.equal(a, b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_resharding_keeps_every_bit():
+    """Save in one layout, load in another, save again, with no step between (Megatron's resharding check,
+    beyond weights): 1 process -> 2 ranks -> 4 ranks -> 1 process, EP and EP + --fsdp; every tensor of the
+    model and the optimizer, the data position, the RNG state, the plan and the step equal to the bit."""
+    needs_ranks(4)
+    for chain, layouts in (("ep", [(2, 2, False), (4, 4, False), (1, 1, False)]),
+                           ("fsdp", [(2, 2, True), (4, 2, True), (1, 1, False)])):
+        out = os.path.join(_TMP, f"resave_{chain}")
+        train_in(out, 1, *COMMON, "--max_steps", "8", "--stop_after", "2", *layout(1))
+        first = everything(out)
+        for world, ep, fsdp in layouts:
+            argv = ["--resume", "--out_dir", out, "--no_progress"] + layout(world, ep, fsdp)
+            if world == 1:
+                resave_worker(0, 1, argv)
+            else:
+                spawn_ranks(resave_worker, world, argv, init_group=False)
+            assert_identical(first, everything(out), f"{chain} at {world} ranks, ep {ep}, fsdp {fsdp}")
+
+
 def _sharded_run(name, steps=2):
     out = os.path.join(_TMP, name)
     if not os.path.exists(out):
@@ -210,36 +274,42 @@ def test_copied_run_folders_resume():
             assert max(losses(out)) == 3, (follow, world)
 
 
-def kill_in_save_worker(rank, world, argv, victim, where):
-    """Train with `argv`; at the second checkpoint rank `victim` dies by SIGKILL `where`: "writing" (its
+def kill_worker(rank, world, argv, victim, where):
+    """Train with `argv`; rank `victim` dies by SIGKILL `where`: at the second checkpoint "writing" (its
     shards written, before they are hashed and the others finish) or "publishing" (rank 0 with state.pt
-    written, before the link moves)."""
+    written, before the link moves); or "stepping", in step 3 (its gradients reduced, before clipping and
+    the optimizer step)."""
     import torch.distributed.checkpoint as dcp
     import train.checkpoint as ckpt
+    import train.loop as loop
     from train.pretrain import parse_args, train
-    saves = [0]
-    module, name = (dcp, "save") if where == "writing" else (ckpt, "_publish")
+    calls = [0]
+    module, name = {"writing": (dcp, "save"), "publishing": (ckpt, "_publish"),
+                    "stepping": (loop, "clip_grad_norm_sharded")}[where]
     original = getattr(module, name)
 
-    def save_then_maybe_die(*args, **kwargs):
+    def maybe_die_in(*args, **kwargs):
         out = original(*args, **kwargs) if where == "writing" else None
-        saves[0] += 1
-        if rank == victim and saves[0] == 2:
+        calls[0] += 1
+        if rank == victim and calls[0] == (3 if where == "stepping" else 2):
             os.kill(os.getpid(), signal.SIGKILL)
         return out if where == "writing" else original(*args, **kwargs)
-    setattr(module, name, save_then_maybe_die)
+    setattr(module, name, maybe_die_in)
     train(parse_args(argv), log=lambda *_: None)
 
 
-def test_kill_during_save_keeps_the_previous_checkpoint():
+def test_kill_keeps_the_previous_checkpoint_and_the_run_continues_bitwise():
     """kill -9 of one rank in the middle of a sharded save (rank 1 while DCP writes; rank 0 just before the
-    publish): the run dies, the step-2 checkpoint stays the run's and resumes to the end."""
-    for victim, where in ((1, "writing"), (0, "publishing")):
+    publish) or of a step (rank 1 in step 3): the run dies, the step-2 checkpoint stays the run's, and the
+    relaunched run resumes from it to the end: its losses and weights equal the uninterrupted run's."""
+    needs_ranks(2)
+    straight = os.path.join(_TMP, "unkilled")
+    common = COMMON + ["--max_steps", "6", "--save_interval", "2", "--no_progress"] + layout(2, 2)
+    train_in(straight, 2, *common)
+    for victim, where in ((1, "writing"), (0, "publishing"), (1, "stepping")):
         out = os.path.join(_TMP, f"killed_{where}")
-        argv = COMMON + ["--max_steps", "6", "--save_interval", "2", "--out_dir", out, "--no_progress"] + layout(2, 2)
-        needs_ranks(2)
         try:
-            spawn_ranks(kill_in_save_worker, 2, argv, victim, where, init_group=False)
+            spawn_ranks(kill_worker, 2, common + ["--out_dir", out], victim, where, init_group=False)
             raise AssertionError(f"{where}: the run survived its killed rank")
         except Exception as e:  # (torch.multiprocessing reports the killed or failed rank)
             assert "AssertionError" not in type(e).__name__, e
@@ -248,6 +318,9 @@ def test_kill_during_save_keeps_the_previous_checkpoint():
         train_in(out, 2, "--resume", "--no_progress", *layout(2, 2))
         assert max(losses(out)) == 6 and load_checkpoint(out)["step"] == 6, where
         assert_one_checkpoint(out)
+        assert losses(out) == losses(straight), where
+        a, b = whole_model(out), whole_model(straight)
+        assert all(torch.equal(a[k], b[k]) for k in a), where
 
 
 def test_tools_read_a_sharded_run():
@@ -295,8 +368,9 @@ def test_two_nodes():
 
 
 TESTS = [test_rank_holds_only_its_experts, test_resume_across_layouts, test_resume_same_layout_is_bitwise,
-         test_fsdp_matches_one_process, test_damaged_shard_is_one_error_line, test_copied_run_folders_resume,
-         test_kill_during_save_keeps_the_previous_checkpoint, test_tools_read_a_sharded_run, test_two_nodes]
+         test_resharding_keeps_every_bit, test_fsdp_matches_one_process, test_damaged_shard_is_one_error_line,
+         test_copied_run_folders_resume, test_kill_keeps_the_previous_checkpoint_and_the_run_continues_bitwise,
+         test_tools_read_a_sharded_run, test_two_nodes]
 
 if __name__ == "__main__":
     run(TESTS)

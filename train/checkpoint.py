@@ -5,15 +5,17 @@ config, flags, step, plan, data position, RNG), verified on every load, so a fli
 never loaded (torch.load only notices a damaged container); HF exports carry the SHA-256 of their tensors in
 model.safetensors' metadata (`safetensors_metadata`, checked by `load_safetensors`).
 
-Runs whose ranks hold different parts (expert parallelism, FSDP) write a sharded checkpoint instead: the
-folder `ckpt` (a link, swapped atomically, to ckpt.step<N>/), every tensor by its single-process name
-(`tensor_state`) written by torch.distributed.checkpoint (DCP: each rank its own, one copy of what ranks
-share; loading reads what each rank needs, so any world size and ep_size resumes it), plus state.pt (rank
-0: config, flags, step, data position, RNG, the SHA-256 of every DCP file, and its own). A run folder holds
-one of the two, `checkpoint_in` finds it; every reader takes either.
+The model and optimizer state come from torch.distributed.checkpoint's state_dict helpers (`model_state`,
+`optimizer_state`: every tensor by its parameter's name, the experts stacked), written whole by one process
+(ckpt.pt) or, where the ranks hold parts (expert parallelism, FSDP), sharded: the folder `ckpt` (a link,
+swapped atomically, to ckpt.step<N>/) written by DCP (each rank its own, one copy of what ranks share),
+plus state.pt (rank 0: config, flags, step, data position, RNG, the SHA-256 of every DCP file, and its own).
+`load_into` reads either into any layout (DCP reshards; a ckpt.pt is broadcast from rank 0). A run folder
+holds one of the two, `checkpoint_in` finds it; every reader takes either.
 """
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -21,13 +23,16 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from data.atomic import atomic_file, atomic_link, usual_modes
+from model.moe import stacked_names
+from train import legacy_checkpoint
 
 CKPT_NAME = "ckpt.pt"
 SHARDED_NAME, SHARDED_STATE = "ckpt", "state.pt"  # the sharded checkpoint (a link to its folder), its state file
-HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")  # of AdamW's groups, restored with its state
+PER_EXPERT_KEY = re.compile(r"\.experts\.\d+\.")  # a checkpoint from before the stacked names
 CHECKSUM_KEY, LEGACY_CHECKSUM_KEY = "sha256", "checksum"
 HF_CHECKSUM_KEY = "minimind_tensors_sha256"  # safetensors metadata entry written by export_hf.py
 
@@ -49,85 +54,67 @@ def atomic_torch_save(obj, path):
         torch.save(obj, f)
 
 
+def model_state(model):
+    """The model's state_dict by its parameters' names, the experts' stacked (`stacked_names`), from
+    torch.distributed.checkpoint's helper: DTensors where the ranks hold parts (FSDP, EP)."""
+    with stacked_names():
+        return get_model_state_dict(unwrap(model))
+
+
+def optimizer_state(model, optimizer):
+    """The optimizer's state_dict keyed by parameter names (as `model_state`), from the same helper."""
+    with stacked_names():
+        return get_optimizer_state_dict(unwrap(model), optimizer)
+
+
 def save_checkpoint(path, model, optimizer=None, extra=None):
-    """Write {"model": fp32 CPU state_dict, "optimizer" (per-expert layout: `optimizer_state_per_expert`),
-    "config", **extra, "sha256"} atomically (train/loop.py's extra: TrainState, the flags as "args", the data
-    identity, the world size)."""
+    """Write {"model": fp32 CPU `model_state`, "optimizer": `optimizer_state`, "config", **extra, "sha256"}
+    atomically, in one process (train/loop.py's extra: TrainState, the flags as "args", the data identity,
+    the world size)."""
     model = unwrap(model)
     state = {"model": {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
-                       for k, v in model.state_dict().items()},
-             "optimizer": optimizer_state_per_expert(optimizer, model) if optimizer is not None else None,
+                       for k, v in model_state(model).items()},
+             "optimizer": optimizer_state(model, optimizer) if optimizer is not None else None,
              "config": model.config.to_dict(), **(extra or {})}
     state[CHECKSUM_KEY] = checksum(state)
     atomic_torch_save(state, path)
 
 
-def _per_expert_slots(model, params):
-    """What the per-expert layout lists in place of `params` (an optimizer's parameters in order):
-    [(i, where)], params[i][where] each; an Experts' stacked gate_up_proj stands for E x (gate, up,
-    down) slices, its down_proj for nothing (the order of E FeedForward modules' parameters); a
-    stacked tensor whose partner is not in `params` (frozen) stands for its own E slices alone."""
-    from model.moe import Experts, per_expert_entries
-    stacks = [m for m in unwrap(model).modules() if isinstance(m, Experts)]
-    position = {id(p): i for i, p in enumerate(params)}
-    gate_ups = {id(m.gate_up_proj): m for m in stacks}
-    lone_downs = {id(m.down_proj): m for m in stacks if id(m.gate_up_proj) not in position}
-    slots = []
-    for i, p in enumerate(params):
-        experts = gate_ups.get(id(p)) or lone_downs.get(id(p))
-        if experts is None:
-            if not any(id(p) == id(m.down_proj) for m in stacks):
-                slots.append((i, ()))
-            continue
-        held = {"gate_up_proj": position.get(id(experts.gate_up_proj)), "down_proj": position.get(id(experts.down_proj))}
-        slots += [(held[name], index) for _, name, index in per_expert_entries(experts) if held[name] is not None]
-    return slots
+def save_run(out_dir, model, optimizer, extra, ctx, sharded):
+    """A run's checkpoint in `out_dir`: sharded by every rank (`save_sharded`) where the ranks hold parts,
+    else ckpt.pt by rank 0 (`save_checkpoint`; a sharded one it replaces is removed)."""
+    if sharded:
+        save_sharded(out_dir, model, optimizer, extra, ctx)
+    elif ctx.is_main:
+        save_checkpoint(os.path.join(out_dir, CKPT_NAME), model, optimizer, extra)
+        remove_sharded(out_dir)
 
 
-def optimizer_state_per_expert(optimizer, model):
-    """optimizer.state_dict() with each stacked expert tensor's state as per-expert entries (views), the layout of
-    a model of E FeedForward experts: what checkpoints hold, whatever the storage of the experts."""
-    saved, params = optimizer.state_dict(), [p for g in optimizer.param_groups for p in g["params"]]
-    slots = _per_expert_slots(model, params)
-    state = {n: {k: v[where] if torch.is_tensor(v) and v.dim() else v for k, v in saved["state"][i].items()}
-             for n, (i, where) in enumerate(slots) if i in saved["state"]}
-    group_of = [j for j, g in enumerate(saved["param_groups"]) for _ in g["params"]]  # group of each parameter
-    groups = [{**g, "params": [n for n, (i, _) in enumerate(slots) if group_of[i] == j]}
-              for j, g in enumerate(saved["param_groups"])]
-    return {"state": state, "param_groups": groups}
+def load_into(ckpt, model, optimizer, ctx):
+    """Fill the live `model` and `optimizer` in place from a checkpoint (`load_checkpoint`'s dict), whatever
+    the layouts (one process, DDP, EP, FSDP; every rank calls it): a sharded one read by each rank for what
+    it holds (DCP reshards), a ckpt.pt set from rank 0's whole state (broadcast, each rank keeping its part).
+    Checkpoints from before the stacked expert names are converted (train/legacy_checkpoint.py)."""
+    model, whole = unwrap(model), StateDictOptions(full_state_dict=True, broadcast_from_rank0=ctx.distributed)
+    if "folder" in ckpt:
+        verify_shards(ckpt["folder"], ckpt["files"], ctx.rank, ctx.world_size, ctx.cpu_group)
+    if is_legacy(ckpt):
+        state, options = legacy_checkpoint.converted(ckpt, model, optimizer), whole
+    elif "folder" in ckpt:
+        state, options = {"model": model_state(model), "optimizer": optimizer_state(model, optimizer)}, None
+        _dcp_load(state, ckpt["folder"], ctx.distributed)
+    else:
+        state, options = ckpt, whole
+    with stacked_names():
+        set_model_state_dict(model, state["model"], options=options)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
 
 
-def optimizer_state_stacked(saved, optimizer, model):
-    """The inverse of `optimizer_state_per_expert`: a checkpoint's optimizer state for `optimizer` (stacked experts).
-    Raises ValueError when it does not fit the model (count of entries, an expert's state partial or its steps
-    unequal)."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    slots = _per_expert_slots(model, params)
-    listed = sum(len(g["params"]) for g in saved["param_groups"])
-    if listed != len(slots) or len(saved["param_groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"the optimizer state lists {listed} parameters in {len(saved['param_groups'])} groups; the "
-                         f"model has {len(slots)} in {len(optimizer.param_groups)}")
-    state, filled = {}, {}
-    for n, (i, where) in enumerate(slots):
-        if n not in saved["state"]:
-            continue
-        filled[i] = filled.get(i, 0) + 1
-        if where == ():
-            state[i] = saved["state"][n]
-            continue
-        entry = state.setdefault(i, {})
-        for k, v in saved["state"][n].items():
-            if torch.is_tensor(v) and v.dim():
-                entry.setdefault(k, v.new_empty(params[i].shape))[where].copy_(v)
-            elif entry.setdefault(k, v) is not v and not torch.equal(torch.as_tensor(entry[k]), torch.as_tensor(v)):
-                raise ValueError(f"the experts' optimizer {k} differs between experts ({entry[k]} and {v})")
-    expected = {i: sum(1 for j, _ in slots if j == i) for i in filled}
-    if any(filled[i] != expected[i] for i in filled):
-        raise ValueError("the optimizer state covers only some experts of a layer")
-    members = [set(g["params"]) for g in saved["param_groups"]]
-    groups = [{**g, "params": sorted({i for n, (i, _) in enumerate(slots) if n in listed_here})}
-              for g, listed_here in zip(saved["param_groups"], members)]
-    return {"state": state, "param_groups": groups}
+def is_legacy(ckpt):
+    """Whether a checkpoint (`load_checkpoint`'s dict) predates the stacked expert names: its experts saved
+    one tensor per expert and projection, its optimizer state listed by position."""
+    keys = _saved_tensors(ckpt["folder"]) if "folder" in ckpt else ckpt["model"]
+    return any(PER_EXPERT_KEY.search(key) for key in keys)
 
 
 def _leaves(obj, prefix=""):
@@ -257,8 +244,13 @@ def check_weights_fit_config(ckpt, path):
     except Exception as e:  # ValueError naming the field, or the dataclass's own type errors
         raise ValueError(f"{path}: invalid model config ({str(e).splitlines()[0]})") from None
     with torch.device("meta"):
-        want = {k: tuple(v.shape) for k, v in MiniMindForCausalLM(config).state_dict().items()}
+        model = MiniMindForCausalLM(config)
+        with stacked_names():
+            want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        per_expert = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     have = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in ckpt["model"].items()}
+    if set(have) & (set(per_expert) - set(want)):  # (a checkpoint from before the stacked names)
+        want = per_expert
     problems = ([f"missing {k}" for k in want if k not in have] + [f"unexpected {k}" for k in have if k not in want]
                 + [f"{k} is {have[k]}, the config needs {want[k]}" for k in want if k in have and have[k] != want[k]])
     if problems:
@@ -358,61 +350,6 @@ def load_hf_checked(hf_dir):
 
 # ----------------------------------------------------------------------------- sharded checkpoints (DCP)
 
-def _param_keys(model):
-    """{parameter: [(state_dict key, index into the parameter)]}: an Experts' stacked tensors stand for
-    one key per expert and projection (its global expert ids), every other parameter for its own name."""
-    from model.moe import Experts, per_expert_entries
-    keys = {p: [(name, ())] for name, p in model.named_parameters()}
-    for prefix, experts in model.named_modules():
-        if isinstance(experts, Experts):
-            stacked = {"gate_up_proj": experts.gate_up_proj, "down_proj": experts.down_proj}
-            keys.update({p: [] for p in stacked.values()})
-            for key, name, index in per_expert_entries(experts, prefix + "."):
-                keys[stacked[name]].append((key, index))
-    return keys
-
-
-def tensor_state(model, optimizer=None):
-    """Every tensor of a run by its single-process name: {"model": model.state_dict() (per-expert keys;
-    under EP this rank's experts, under FSDP DTensor shards), "optimizer": {key: {"step", "exp_avg",
-    "exp_avg_sq"}}}, views into the live tensors: what a sharded checkpoint holds, and what loading one fills
-    in place."""
-    model = unwrap(model)
-    state = {"model": model.state_dict()}
-    if optimizer is not None:
-        keys = _param_keys(model)
-        state["optimizer"] = {key: {k: v[where] if torch.is_tensor(v) and v.dim() else v
-                                    for k, v in optimizer.state[p].items()}
-                              for g in optimizer.param_groups for p in g["params"] for key, where in keys[p]}
-    return state
-
-
-def init_optimizer_state(optimizer):
-    """Create the optimizer's state (zeros) by one step on zero grads at learning rate 0, which leaves every
-    parameter as it was, so that a checkpoint's state can be loaded into it in place."""
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
-        for p in g["params"]:
-            p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, lrs):
-        g["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
-
-
-def copy_tensor_state(source, target):
-    """Copy a whole-tensor `tensor_state` (one process's) into another's tensors in place (nested dicts by the
-    same keys), a DTensor target from its share of the source (no communication)."""
-    for key, t in target.items():
-        if isinstance(t, dict):
-            copy_tensor_state(source[key], t)
-        elif isinstance(t, DTensor):
-            t.copy_(distribute_tensor(source[key].to(t.device), t.device_mesh, t.placements, src_data_rank=None))
-        elif torch.is_tensor(t):
-            t.copy_(source[key])
-
-
 def _file_sha256(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -431,21 +368,20 @@ def _gather_from_ranks(value, rank, world, group):
 
 
 def save_sharded(out_dir, model, optimizer, extra, ctx):
-    """Write the sharded checkpoint of a run (every rank calls it): DCP into a temp folder, each rank
-    hashing its share of the files, rank 0 adding state.pt (`extra`, the config, the optimizer's
-    hyperparameters, the hashes) and publishing it (`_publish`). A crash before the publish leaves the
+    """Write the sharded checkpoint of a run (every rank calls it): `model_state` and `optimizer_state` by
+    DCP into a temp folder, each rank hashing its share of the files, rank 0 adding state.pt (`extra`, the
+    config, the hashes) and publishing it (`_publish`). A crash before the publish leaves the
     previous checkpoint in place (the temp folder is swept by the next save or run)."""
     folder = [tempfile.mkdtemp(dir=out_dir, prefix=f".{SHARDED_NAME}.tmp") if ctx.is_main else None]
     dist.broadcast_object_list(folder, src=0, group=ctx.cpu_group)
     folder = folder[0]
-    dcp.save(tensor_state(model, optimizer), checkpoint_id=folder)
+    dcp.save({"model": model_state(model), "optimizer": optimizer_state(model, optimizer)}, checkpoint_id=folder)
     names = sorted(os.listdir(folder))  # (DCP returns after its metadata is written: every rank sees all files)
     mine = {n: _file_sha256(os.path.join(folder, n)) for n in names[ctx.rank::ctx.world_size]}
     files = {n: h for part in _gather_from_ranks(mine, ctx.rank, ctx.world_size, ctx.cpu_group) for n, h in part.items()}
     if not ctx.is_main:
         return
-    groups = [{k: g[k] for k in HYPERPARAMETERS} for g in optimizer.param_groups]
-    state = {**extra, "config": unwrap(model).config.to_dict(), "optimizer_groups": groups, "files": files}
+    state = {**extra, "config": unwrap(model).config.to_dict(), "files": files}
     state[CHECKSUM_KEY] = checksum(state)
     atomic_torch_save(state, os.path.join(folder, SHARDED_STATE))
     _publish(folder, out_dir, extra.get("step", 0))
@@ -541,22 +477,6 @@ def load_sharded(folder, weights=True):
         del state["model"]
     state["folder"] = folder
     return state
-
-
-def load_sharded_into(folder, state, model, optimizer, ctx):
-    """Fill the live `model` and `optimizer` (any world size, ep_size, FSDP or not) from a sharded
-    checkpoint in place, each rank reading what it holds (DCP); `state` is its state.pt. Every rank calls
-    it."""
-    verify_shards(folder, state["files"], ctx.rank, ctx.world_size, ctx.cpu_group)
-    init_optimizer_state(optimizer)
-    _dcp_load(tensor_state(model, optimizer), folder, ctx.distributed)
-    set_hyperparameters(optimizer, state["optimizer_groups"])
-
-
-def set_hyperparameters(optimizer, groups):
-    """Each of the optimizer's groups takes the HYPERPARAMETERS of the matching one in `groups`."""
-    for group, saved in zip(optimizer.param_groups, groups):
-        group.update({k: saved[k] for k in HYPERPARAMETERS})
 
 
 def _dcp_load(state, folder, distributed):

@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -34,13 +35,11 @@ from data.tokenizer import stop_token_ids, token_byte_lengths
 from kernels.engines import describe as describe_engines, bf16_pays, cpu_facts, engines_for
 from model.model_minimind import MiniMindForCausalLM
 from train import flags
-from train.checkpoint import (CKPT_NAME, checkpoint_in, copy_tensor_state, init_optimizer_state, load_checkpoint,
-                              load_sharded_into, optimizer_state_stacked, remove_sharded, save_checkpoint, save_sharded,
-                              set_hyperparameters, tensor_state)
+from train.checkpoint import checkpoint_in, load_checkpoint, load_into, save_run
 from train.init_weights import upcycle, upcycled_base, weights_source
-from train.parallel import (PeerFailed, check_same_on_all_ranks, clip_grad_norm_sharded, ep_dispatchers, expert_params,
-                            init_distributed, install as install_ep, main_rank_first, moe_layers, no_grad_sync,
-                            reduce_expert_grads, shard_dense, shutdown)
+from train.parallel import (PeerFailed, check_same_on_all_ranks, clip_grad_norm_sharded, ep_dispatchers,
+                            init_distributed, install as install_ep, main_rank_first, moe_layers, no_grad_sync, shard,
+                            shutdown)
 from train.report import (LoadTelemetry, MetricsLog, Progress, describe_model, load_summary, open_wandb, plot_expert_load,
                           plot_loss_curve)
 from train.run_dir import abandon_run_dir, claim_run_dir, copy_tokenizer
@@ -298,7 +297,7 @@ def train(args, log=print, stage=None):
     device_type = args.device.split(":")[0] if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but CUDA is not available")
-    ctx = init_distributed(args.ep_size, device_type)
+    ctx = init_distributed(args.ep_size, device_type, args.fsdp)
     try:
         run, state = setup(stage, args, ctx, device_type, log if ctx.is_main else (lambda *_: None))
         run.log(f"setup: {time.time() - t_start:.1f} s to the first step")
@@ -357,12 +356,13 @@ def setup(stage, args, ctx, device_type, log):
         dtype = resolve_dtype(args, ctx, device_type, log)
         threads = set_run_threads(args.threads, device_type, log)
         if ctx.distributed:
-            experts = (f"{config.num_experts // ctx.ep_size} of the {config.num_experts} experts per rank, each on "
-                       f"{ctx.world_size // ctx.ep_size} rank(s)" if config.use_moe and ctx.ep_size > 1 else "every rank "
-                       "holds every expert")
-            dense = "sharded over all ranks by FSDP2" if args.fsdp else "replicated by DDP"
+            experts = (f" ({config.num_experts // ctx.ep_size} of the {config.num_experts} experts per rank)"
+                       if config.use_moe and ctx.ep_size > 1 else "")
+            how = ("every parameter sharded over the ranks by FSDP2" if args.fsdp else
+                   f"the experts sharded over the {ctx.world_size // ctx.ep_size} rank(s) holding them, the rest "
+                   f"replicated (FSDP2)" if ctx.ep_size > 1 else "the parameters replicated by DDP")
             log(f"distributed: world size {ctx.world_size} ({dist.get_backend()}), data parallel size {ctx.world_size}, "
-                f"expert parallel size {ctx.ep_size} ({experts}); dense parameters {dense}")
+                f"expert parallel size {ctx.ep_size}{experts}; {how}")
         model = MiniMindForCausalLM(config, engines_for(config, device, dtype, compiled=args.compile))
         if init_model is not None and args.upcycle_from:
             upcycle(model, init_model, args.seed)
@@ -372,7 +372,7 @@ def setup(stage, args, ctx, device_type, log):
             log(f"initialised weights from {args.init_from}")
         log(describe_model(model, config, device, dtype))
         if ctx.ep_size > 1:  # (before the device: it never holds the other ranks' experts)
-            install_ep(model, ctx.ep_group, config.num_experts)
+            install_ep(model, ctx.ep_mesh, config.num_experts)
         model = model.to(device)
         train_model = wrap(model, args, ctx, device_type)
         optimizer = make_optimizer(model, args)
@@ -432,57 +432,40 @@ def make_optimizer(model, args):
 
 
 def restore(args, ckpt, model, optimizer, state, data, log, ctx):
-    """Weights, optimizer and TrainState from the checkpoint, after checking it trained on this data: a
-    sharded checkpoint read in place by every rank (DCP); a ckpt.pt loaded as it is, or where the ranks hold
-    parts (EP, FSDP) through a whole CPU copy of the model and optimizer, from which each takes its part."""
+    """Weights, optimizer and TrainState from the checkpoint, after checking it trained on this data
+    (train/checkpoint.py: load_into, any layout into any layout)."""
     for key, value in data.identity.items():
         if ckpt.get(key) not in (None, value):
             show = lambda v: f"{v:,}" if isinstance(v, int) else repr(v)  # noqa: E731
             raise ValueError(f"{args.resume}: the checkpoint was trained with {key}={show(ckpt[key])} but the data now "
                              f"gives {show(value)}; resume needs the same data and tokenizer")
-    if "folder" in ckpt:
-        load_sharded_into(ckpt["folder"], ckpt, model, optimizer, ctx)
-    elif not sharded(args, ctx):
-        model.load_state_dict(ckpt["model"], strict=True)
-        optimizer.load_state_dict(optimizer_state_stacked(ckpt["optimizer"], optimizer, model))
-    else:
-        whole = MiniMindForCausalLM(model.config)
-        whole.load_state_dict(ckpt["model"], strict=True)
-        whole_optimizer = make_optimizer(whole, args)
-        whole_optimizer.load_state_dict(optimizer_state_stacked(ckpt["optimizer"], whole_optimizer, whole))
-        init_optimizer_state(optimizer)
-        copy_tensor_state(tensor_state(whole, whole_optimizer), tensor_state(model, optimizer))
-        set_hyperparameters(optimizer, whole_optimizer.param_groups)
+    load_into(ckpt, model, optimizer, ctx)
     state.load_state_dict(ckpt)
     log(f"resumed from {args.resume} at step {state.step}")
 
 
 def sharded(args, ctx):
-    """Whether the ranks hold different parts of the model (EP's experts, FSDP's shards): then checkpoints
-    are sharded and the grads' norm is summed over ranks."""
+    """Whether the ranks hold different parts of the model (EP's experts, FSDP's shards): then FSDP2 carries
+    every parameter, the checkpoints are sharded and the grads' norm is taken over the ranks."""
     return ctx.ep_size > 1 or args.fsdp
 
 
 def wrap(model, args, ctx, device_type):
-    """DDP over the dense parameters (EP's experts are left to reduce_expert_grads), or with --fsdp FSDP2
-    (`shard_dense`). Returns what the training step calls (torch.compile comes after the restore)."""
+    """FSDP2 where the ranks hold parts (`sharded`: train/parallel.py: shard), else DDP. Returns what the
+    training step calls (torch.compile comes after the restore)."""
     if not ctx.distributed:
         return model
-    if args.fsdp:
-        shard_dense(model, ctx.dp_mesh)
+    if sharded(args, ctx):
+        shard(model, ctx)
         return model
-    if ctx.ep_size > 1:
-        experts = set(expert_params(model))
-        DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, p in model.named_parameters() if p in experts])
     return DDP(model, device_ids=[ctx.local_rank] if device_type == "cuda" else None, find_unused_parameters=False)
 
 
 # -------------------------------------------------------------------------------------------- 2. loop
 
 def train_step(run, state):
-    """One optimizer step: micro-steps with gradient accumulation (DDP all-reduces the dense grads in the
-    last backward), the expert grads' reduction under EP, clipping, the optimizer step, then the router's
-    own step. Returns (lr, LM-loss part, router-loss part, grad norm, load [L, E] or None); the parts are
+    """One optimizer step: micro-steps with gradient accumulation (DDP / FSDP2 reduce the grads in the last
+    backward), clipping, the optimizer step, then the router's own step. Returns (lr, LM-loss part, router-loss part, grad norm, load [L, E] or None); the parts are
     this rank's, detached: summed over ranks they give the global batch's losses."""
     args, ctx = run.args, run.ctx
     lr = lr_at(state.step, state.plan, args.learning_rate, args.warmup_steps)
@@ -493,16 +476,14 @@ def train_step(run, state):
     rows = slice(ctx.rank * args.batch_size, (ctx.rank + 1) * args.batch_size)
     ce = aux = 0.0
     for i, batch in enumerate(batches):
-        no_sync = ctx.distributed and i < len(batches) - 1  # DDP all-reduces on the last micro-step only
+        no_sync = ctx.distributed and i < len(batches) - 1  # the grads are reduced on the last micro-step only
         with no_grad_sync(run.train_model) if no_sync else contextlib.nullcontext():
             micro_ce, micro_aux = forward_backward(run, state.scaler, n_global, *(t[rows] for t in batch))
         ce, aux = ce + micro_ce, aux + micro_aux
     state.scaler.unscale_(run.optimizer)
-    if sharded(args, ctx):  # (the experts are neither DDP's nor FSDP's)
-        reduce_expert_grads(run.model, ctx.expert_dp_group, ctx.world_size)
     grad_norm = None
     if args.grad_clip > 0:
-        grad_norm = (clip_grad_norm_sharded(run.model, args.grad_clip, ctx.ep_group) if sharded(args, ctx) else
+        grad_norm = (clip_grad_norm_sharded(run.model, args.grad_clip) if sharded(args, ctx) else
                      torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.grad_clip))
     state.scaler.step(run.optimizer)
     state.scaler.update()
@@ -668,6 +649,8 @@ def evaluate(run):
                 out = run.model(x.to(run.device), labels=y.to(run.device), **extra)
             total, count = total + out.ce_loss.item() * targets, count + targets
     run.model.train(was_training)
+    if isinstance(run.model, FSDPModule):  # (no backward follows to free the root's gathered weights)
+        run.model.reshard()
     return total / max(count, 1)
 
 
@@ -719,11 +702,7 @@ def save(run, state, plots=True):
     out = run.args.out_dir
     extra = {**state.state_dict(), "args": flags.flags_to_save(run.args, run.config, DTYPE_NAMES[run.dtype], run.threads),
              **run.data.identity, "world_size": run.ctx.world_size, "ep_size": run.ctx.ep_size}
-    if sharded(run.args, run.ctx):
-        save_sharded(out, run.model, run.optimizer, extra, run.ctx)
-    elif run.ctx.is_main:
-        save_checkpoint(os.path.join(out, CKPT_NAME), run.model, run.optimizer, extra)
-        remove_sharded(out)
+    save_run(out, run.model, run.optimizer, extra, run.ctx, sharded(run.args, run.ctx))
     if not run.ctx.is_main:
         return
     atomic_write_text(os.path.join(out, "config.json"), run.config.to_json_string())

@@ -1,12 +1,15 @@
 """Data and expert parallelism: process groups from torchrun's environment (DeviceMesh), the all-to-all
-dispatcher that shards the experts, and FSDP2 for the rest (model/ holds no distributed code; this wraps
-its dispatchers and keeps a rank's experts).
+dispatcher that shards the experts, and FSDP2 (model/ holds no distributed code; this wraps its
+dispatchers and turns its stacked experts into DTensors).
 
 With W ranks and ep_size M (M | W), the EP groups are the blocks of M consecutive ranks; rank r of a group
-holds experts [r*E/M, (r+1)*E/M) of every layer and nothing of the others (weights, grads, optimizer
-state); the expert-data-parallel groups join the ranks holding the same experts. The dense parameters are
-replicated and averaged by DDP, or with --fsdp sharded over all W ranks by FSDP2; reduce_expert_grads
-averages the experts' over their group. Per MoE layer: dispatch = rows by destination rank -> two
+holds experts [r*E/M, (r+1)*E/M) of every layer: the stacked expert weights are DTensors sharded on the
+expert dimension over the `ep` mesh dimension (`install`), and nothing of the other experts exists on the
+rank. The ranks holding the same experts form the expert-data-parallel mesh. Under EP or --fsdp FSDP2
+carries every parameter (`shard`): each layer's experts sharded over their expert-data-parallel ranks
+(so a rank holds 1/W of every expert weight, gradient and AdamW moment), each transformer block and the
+root over all W ranks, sharded with --fsdp, else replicated (HSDP with shards of one rank: DDP's
+all-reduce). Without EP or --fsdp, DDP. Per MoE layer: dispatch = rows by destination rank -> two
 all-to-alls (the rows; their routing weights with local expert ids), torch's functional ones with autograd ->
 the layer's own dispatcher on the received rows -> the rank's experts; combine = local combine -> all-to-all
 back -> each token's partial sums added in ascending rank (one gather-sum, no loop over ranks).
@@ -14,20 +17,23 @@ A token goes once to each rank that holds one of its experts (as Megatron-LM's a
 DeepEP). Counts travel in one small all-to-all, read to the host once per layer; every rank runs the
 same collectives whatever it receives, so backward always pairs up. Rows arrive grouped by source rank
 in token order: with the whole batch in one EP group every expert sees the single-process rows in order
-(bitwise the same outputs and gradients; the combine's for k <= 2).
+(bitwise the same outputs and gradients; the combine's for k <= 2). The layout follows torchtitan's
+(experts as DTensors on the EP mesh, FSDP over the expert-data-parallel ranks).
 """
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from model.dispatch import RowLayout, sum_rows
 from model.moe import MOEFeedForward
@@ -39,10 +45,10 @@ class DistContext:
     world_size: int = 1
     local_rank: int = 0
     ep_size: int = 1
-    ep_group: object = None
-    expert_dp_group: object = None
+    ep_mesh: object = None         # 1-D DeviceMesh of this rank's EP group: the experts are sharded over it
+    expert_dp_mesh: object = None  # 1-D: the ranks holding the same experts; FSDP2 shards them over it
+    dp_mesh: object = None         # 2-D (replicate, shard) of every rank: FSDP2's mesh for the rest
     cpu_group: object = None  # every rank, gloo: host-side values (the loop's clock and stop signals) beside NCCL
-    dp_mesh: object = None    # 1-D DeviceMesh of every rank: FSDP2 shards the dense parameters over it
 
     @property
     def is_main(self):
@@ -52,11 +58,16 @@ class DistContext:
     def distributed(self):
         return self.world_size > 1
 
+    @property
+    def ep_group(self):
+        return self.ep_mesh.get_group() if self.ep_mesh is not None else None
 
-def init_distributed(ep_size, device_type):
+
+def init_distributed(ep_size, device_type, fsdp=False):
     """Initialise torch.distributed when launched by torchrun (WORLD_SIZE > 1); NCCL on CUDA, gloo on CPU.
-    The groups come from DeviceMesh: a 2-D mesh (expert_dp, ep) of shape (W / ep_size, ep_size), rows the EP
-    groups (consecutive ranks), columns the ranks holding the same experts; and a 1-D mesh of all ranks.
+    The meshes (DeviceMesh): a 2-D one (expert_dp, ep) of shape (W / ep_size, ep_size), rows the EP groups
+    (blocks of consecutive ranks), columns the ranks holding the same experts; and a 2-D one (replicate,
+    shard) of all ranks, (1, W) with --fsdp (FSDP2 shards over all) or (W, 1) (FSDP2 replicates).
 
     Raises ValueError when ep_size < 1 or does not divide the world size.
     """
@@ -70,11 +81,12 @@ def init_distributed(ep_size, device_type):
         return DistContext()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    mesh = init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("expert_dp", "ep"))
+    experts = init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("expert_dp", "ep"))
     return DistContext(rank=dist.get_rank(), world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                       ep_size=ep_size, ep_group=mesh.get_group("ep"), expert_dp_group=mesh.get_group("expert_dp"),
-                       cpu_group=dist.new_group(backend="gloo"),
-                       dp_mesh=init_device_mesh(device_type, (world,), mesh_dim_names=("dp",)))
+                       ep_size=ep_size, ep_mesh=experts["ep"], expert_dp_mesh=experts["expert_dp"],
+                       dp_mesh=init_device_mesh(device_type, (1, world) if fsdp else (world, 1),
+                                                mesh_dim_names=("replicate", "shard")),
+                       cpu_group=dist.new_group(backend="gloo"))
 
 
 def check_same_on_all_ranks(ctx, what, value):
@@ -169,7 +181,7 @@ class AllToAllDispatcher:
         dest_TK = torch.where(valid_TK, topk_idx_TK.div(L, rounding_mode="floor"), M)  # M = nowhere
         send_TM = torch.zeros(T, M + 1, dtype=torch.bool, device=dev).scatter_(1, dest_TK, True)[:, :M]
         pairs_E, send_rows, recv_rows, recv_per_local_expert, pairs_sent = self._exchange_counts(topk_idx_TK, send_TM)
-        n_send, n_recv = sum(send_rows), sum(recv_rows)
+        n_send = sum(send_rows)
         # One row per (token, destination rank), ordered by rank, then token (argsort of a unique key, no
         # sync); each row carries the slots of that rank's experts (local ids), the others -1.
         t_T1 = torch.arange(T, device=dev)[:, None]
@@ -197,7 +209,7 @@ class AllToAllDispatcher:
         row_of_key = torch.full((T * M,), -1, dtype=torch.int64, device=dev).scatter_(
             0, order, torch.arange(n_send, device=dev))
         row_TJ = row_of_key.view(T, M).sort(dim=1).values[:, M - min(K, M):]
-        return dataclasses.replace(local, first_expert=self.first_expert, routed_E=pairs_E, state=AllToAllState(
+        return dataclasses.replace(local, routed_E=pairs_E, state=AllToAllState(
             local, row_TJ, send_rows, recv_rows, x_TD.dtype))
 
     def combine(self, rows_out_PD, dispatched):
@@ -230,15 +242,22 @@ def moe_layers(model):
     return [m for m in model.modules() if isinstance(m, MOEFeedForward)]
 
 
-def install(model, ep_group, num_experts):
-    """Expert parallelism on every MoE layer of `model`: an AllToAllDispatcher over `ep_group` (wrapping the
-    layer's own), and the layer's Experts keep only this rank's E / ep_size experts (`Experts.keep`: the
-    others' weights are freed; their grads and optimizer state never exist here). Returns the dispatchers.
-    Raises ValueError when ep_size does not divide num_experts."""
+def install(model, ep_mesh, num_experts):
+    """Expert parallelism on every MoE layer of `model`: an AllToAllDispatcher over `ep_mesh`'s group
+    (wrapping the layer's own), and the layer's stacked expert weights become DTensors sharded on the expert
+    dimension over `ep_mesh`, this rank holding its E / ep_size experts (a copy: the whole stack is freed;
+    moved to the mesh's device first). Returns the dispatchers. Raises ValueError when ep_size does not
+    divide num_experts."""
+    rank = ep_mesh.get_local_rank()
     for moe in moe_layers(model):
-        if not isinstance(moe.dispatcher, AllToAllDispatcher):
-            moe.dispatcher = AllToAllDispatcher(ep_group, num_experts, moe.dispatcher)
-            moe.experts.keep(moe.dispatcher.first_expert, moe.dispatcher.experts_per_rank)
+        if isinstance(moe.dispatcher, AllToAllDispatcher):
+            continue
+        moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), num_experts, moe.dispatcher)
+        for name in ("gate_up_proj", "down_proj"):
+            whole = getattr(moe.experts, name)
+            mine = whole.detach().to(ep_mesh.device_type).chunk(ep_mesh.size(), dim=0)[rank].clone()
+            setattr(moe.experts, name, nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False),
+                                                    requires_grad=whole.requires_grad))
     return ep_dispatchers(model)
 
 
@@ -248,22 +267,27 @@ def ep_dispatchers(model):
 
 
 def expert_params(model):
-    """The routed experts' stacked parameters (under EP this rank's experts only: reduced by
-    `reduce_expert_grads`, never by DDP / FSDP)."""
+    """The routed experts' stacked parameters (under EP: DTensors, this rank's experts)."""
     return [p for moe in moe_layers(model) for p in moe.experts.parameters()]
 
 
-def shard_dense(model, dp_mesh):
-    """FSDP2 (`fully_shard`) over `dp_mesh`: each transformer block, then the rest (embeddings, final norm,
-    the tied head) at the root; the routed experts are left out (EP shards them). Each rank then holds
-    1/W of the dense parameters, their grads and optimizer state; forward / backward gather a block's
-    weights just in time and reduce-scatter its grads (the mean over ranks, as DDP)."""
-    experts = set(expert_params(model))
+def shard(model, ctx):
+    """FSDP2 (`fully_shard`) on every parameter: each layer's experts sharded over the ranks holding the same
+    experts (`ctx.expert_dp_mesh`; their gradients summed there and divided by the world size, not that
+    mesh's size: each rank's loss is scaled for an average over all W ranks, as for DDP), each transformer
+    block, then the rest (embeddings, final norm, the tied head) at the root over all ranks (`ctx.dp_mesh`:
+    sharded with --fsdp, else replicated, DDP's arithmetic). Forward / backward gather a unit's weights just
+    in time and reduce its grads (reduce-scatter, all-reduce across replicas)."""
+    for moe in moe_layers(model):
+        fully_shard(moe.experts, mesh=ctx.expert_dp_mesh)
+        moe.experts.set_gradient_divide_factor(ctx.world_size)
+        # gloo has no pre-scaled sum: a sum, then the division (not on one rank: torch divides as it copies)
+        moe.experts.set_force_sum_reduction_for_comms(dist.get_backend() == "gloo" and ctx.expert_dp_mesh.size() > 1)
     for block in model.model.layers:
-        fully_shard(block, mesh=dp_mesh, ignored_params=experts)
-    # (the root too frees its gathered weights after forward: FSDP2 keeps them by default, and after an
-    # evaluation nothing would free them)
-    fully_shard(model, mesh=dp_mesh, ignored_params=experts, reshard_after_forward=True)
+        fully_shard(block, mesh=ctx.dp_mesh)
+    # (the root keeps its gathered weights from forward to backward, FSDP2's default: the LM loss's backward
+    # reads the head's weight, which torch 2.11 would have freed; `evaluate` reshards it after evaluating)
+    fully_shard(model, mesh=ctx.dp_mesh)
 
 
 @contextlib.contextmanager
@@ -282,33 +306,24 @@ def no_grad_sync(train_model):
         module.set_requires_gradient_sync(True)
 
 
-def reduce_expert_grads(model, expert_dp_group, world_size):
-    """Sum the experts' grads over the ranks holding the same experts and divide by the world size: the
-    DDP-consistent mean over all ranks (each local grad already sums its EP group's tokens)."""
-    for p in expert_params(model):
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        if dist.get_world_size(expert_dp_group) > 1:
-            dist.all_reduce(p.grad, group=expert_dp_group)
-        p.grad.div_(world_size)
+# The experts' norm is summed over both dimensions of their mesh, one all-reduce each (torch warns it could be
+# one); every rank ends with the same bits: each all-reduce gives its group one result.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-def clip_grad_norm_sharded(model, max_norm, ep_group):
-    """Clip every grad to a global norm when the ranks hold different parts (EP experts, FSDP shards):
-    norm^2 = dense^2 (FSDP: the DTensor norm over the shards; DDP: the same on every rank) + the sum over
-    the EP group of the owned experts'^2. Returns the norm before clipping."""
-    experts = set(expert_params(model))
-    params = [p for p in model.parameters() if p.grad is not None]
-    dense, owned = [p for p in params if p not in experts], [p for p in params if p in experts]
-    dense_norm = torch.nn.utils.get_total_norm([p.grad for p in dense]) if dense else torch.zeros(())
-    if isinstance(dense_norm, DTensor):
-        dense_norm = dense_norm.full_tensor()
-    total_sq = dense_norm.float().pow(2)
-    if owned:
-        expert_sq = torch.nn.utils.get_total_norm([p.grad for p in owned]).float().pow(2)
-        dist.all_reduce(expert_sq, group=ep_group)
-        total_sq = total_sq + expert_sq
-    total = torch.as_tensor(total_sq).sqrt()
-    for part in (dense, owned):  # (apart: torch's foreach ops take FSDP's DTensors or plain tensors, not both)
-        torch.nn.utils.clip_grads_with_norm_(part, max_norm, total)
+def clip_grad_norm_sharded(model, max_norm):
+    """Clip every grad to the global norm when the ranks hold parts (FSDP's shards, EP's experts): the
+    grads are DTensors, grouped by mesh (the experts' and the rest's), each group's norm taken over its
+    ranks (DTensor), norm = sqrt of the sum of their squares. Returns the norm before clipping."""
+    groups = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    squares = []
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().pow(2))
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    for params in groups.values():  # (apart: torch's foreach ops take the DTensors of one mesh at a time)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

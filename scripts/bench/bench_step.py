@@ -167,7 +167,7 @@ SPLIT_ROWS = {  # name: (num_experts, top-k, expert width); equal active FFN wid
     "E=64 k=8 F=96": (64, 8, 96)}
 
 
-def _identity_experts(rows_PD, tokens_per_expert, row_weight_P=None, first_expert=0):
+def _identity_experts(rows_PD, tokens_per_expert, row_weight_P=None):
     """Experts that cost nothing (each row times its routing weight): what routing + dispatch + combine cost."""
     return rows_PD if row_weight_P is None else rows_PD * row_weight_P.unsqueeze(-1).to(rows_PD.dtype)
 
