@@ -418,6 +418,17 @@ def test_bf16_autocast_cpu():
             assert_bf16_as_close_as_sorted(ref, run_fused, x, g, f"{impl} E={E} k={k} {kw}")
 
 
+def sorted_and_fused(D_, F_):
+    """(sorted layer, plain fused layer) with the same weights: hidden size D_, expert width F_, E=4, k=2."""
+    torch.manual_seed(0)
+    cfg = dict(hidden_size=D_, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True,
+               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=F_)
+    ref = MOEFeedForward(MiniMindConfig(**cfg)).train()
+    fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).train()
+    fused.load_state_dict(ref.state_dict())
+    return ref, fused
+
+
 def test_odd_sizes_fall_back():
     """Sizes torch's grouped_mm cannot take, in forward or only in backward (rows not 16-byte multiples:
     D or F not a multiple of 4 in fp32, of 8 in bf16), get the reference loop as their grouped engine
@@ -425,12 +436,7 @@ def test_odd_sizes_fall_back():
     Values and all grads agree in every variant."""
     for D_, F_, dtype in ((33, 13, None), (32, 13, None), (33, 24, None), (36, 64, torch.bfloat16),
                           (100, 64, torch.bfloat16)):
-        torch.manual_seed(0)
-        cfg = dict(hidden_size=D_, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True,
-                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=F_)
-        ref = MOEFeedForward(MiniMindConfig(**cfg)).train()
-        fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).train()
-        fused.load_state_dict(ref.state_dict())
+        ref, fused = sorted_and_fused(D_, F_)
         layers = engine_layers(fused, dtype or torch.float32)
         assert layers["grouped"].experts.engine is GROUPED_EXPERTS["reference"], (D_, F_, dtype)
         x, g = torch.randn(2, 11, D_), torch.randn(2, 11, D_)
@@ -452,12 +458,7 @@ def test_layout_ambiguous_shapes():
     bug of unsloth-zoo 849): every experts engine here against the sorted layer (itself bitwise the masked
     loop at these sizes: test_moe_sorted.py), forward and every gradient, fp32."""
     for D_, F_ in ((64, 32), (32, 32)):
-        torch.manual_seed(0)
-        cfg = dict(hidden_size=D_, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True,
-                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=F_)
-        ref = MOEFeedForward(MiniMindConfig(**cfg)).train()
-        fused = MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")).train()
-        fused.load_state_dict(ref.state_dict())
+        ref, fused = sorted_and_fused(D_, F_)
         layers = engine_layers(fused)
         x, g = torch.randn(2, 13, D_), torch.randn(2, 13, D_)
         for variant in engines_here():

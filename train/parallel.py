@@ -58,10 +58,6 @@ class DistContext:
     def distributed(self):
         return self.world_size > 1
 
-    @property
-    def ep_group(self):
-        return self.ep_mesh.get_group() if self.ep_mesh is not None else None
-
 
 def init_distributed(ep_size, device_type, fsdp=False):
     """Initialise torch.distributed when launched by torchrun (WORLD_SIZE > 1); NCCL on CUDA, gloo on CPU.
