@@ -488,7 +488,56 @@ def test_pad_to_capacity_uneven_batches():
     compare_per_batch(world, UNEVEN_PAD_CASES, ENGINES, spawn(per_batch_worker, world, UNEVEN_PAD_CASES, ENGINES))
 
 
-TESTS = [test_capacity_under_ep, test_fused_path_under_ep_2_ranks, test_fused_path_under_ep_4_ranks,
+META_CONFIGS = [dict(num_experts=8, num_experts_per_tok=2, n_shared_experts=1),
+                dict(num_experts=4, num_experts_per_tok=1, tie_word_embeddings=False)]
+
+
+def whole_model(seed=0, **kw):
+    from model.model_minimind import MiniMindForCausalLM
+    torch.manual_seed(seed)
+    return MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=2, use_moe=True, moe_intermediate_size=96,
+                                              vocab_size=300, **kw))
+
+
+def meta_build_worker(rank, world):
+    from model.model_minimind import MiniMindForCausalLM
+    from train.parallel import build_on_meta
+    out = []
+    for kw in META_CONFIGS:
+        config = whole_model(**kw).config
+        torch.manual_seed(0)
+        model = build_on_meta(lambda: MiniMindForCausalLM(config), world_mesh())
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        out.append(dict(tensors={n: local_shard(t).clone() for n, t in
+                                 [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]},
+                        rng=torch.get_rng_state(), tied=tied,
+                        aux_loss=[m.aux_loss.clone() for m in model.modules() if isinstance(m, MOEFeedForward)]))
+    return out
+
+
+def test_build_on_meta_gives_each_rank_its_share_of_the_same_weights():
+    """The model built on the meta device (train/parallel.py: build_on_meta), at 1 and 2 ranks: each rank
+    holds exactly its rows of every stacked expert weight and every other tensor whole, bitwise the plain
+    build's of the same seed, with the RNG left in the same state and a tied head still tied."""
+    for world in (1, 2):
+        per_rank = spawn(meta_build_worker, world)
+        for i, kw in enumerate(META_CONFIGS):
+            plain = whole_model(**kw)
+            rng = torch.get_rng_state()
+            expected = dict([*plain.named_parameters(remove_duplicate=False), *plain.named_buffers()])
+            for rank, results in enumerate(per_rank):
+                got = results[i]
+                assert got["tensors"].keys() == expected.keys(), got["tensors"].keys() ^ expected.keys()
+                for name, t in expected.items():
+                    want = t.chunk(world)[rank] if name.endswith(("gate_up_proj", "down_proj")) else t
+                    assert torch.equal(got["tensors"][name], want), (world, rank, kw, name)
+                assert torch.equal(got["rng"], rng), (world, rank, kw)
+                assert got["tied"] == plain.config.tie_word_embeddings
+                assert all(torch.equal(a, torch.zeros(())) for a in got["aux_loss"])
+
+
+TESTS = [test_build_on_meta_gives_each_rank_its_share_of_the_same_weights, test_capacity_under_ep, test_fused_path_under_ep_2_ranks, test_fused_path_under_ep_4_ranks,
          test_rank_without_routed_pairs_2_ranks, test_rank_without_routed_pairs_4_ranks,
          test_pad_to_capacity_uneven_batches, test_ep_equals_single_process_2_ranks,
          test_ep_equals_single_process_4_ranks, test_dispatch_combine_roundtrip, test_deterministic]

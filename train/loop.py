@@ -37,7 +37,7 @@ from model.model_minimind import MiniMindForCausalLM
 from train import flags
 from train.checkpoint import checkpoint_in, load_checkpoint, load_into, save_run
 from train.init_weights import upcycle, upcycled_base, weights_source
-from train.parallel import (PeerFailed, check_same_on_all_ranks, clip_grad_norm_sharded, ep_dispatchers,
+from train.parallel import (PeerFailed, build_on_meta, check_same_on_all_ranks, clip_grad_norm_sharded, ep_dispatchers,
                             init_distributed, install as install_ep, main_rank_first, moe_layers, no_grad_sync, shard,
                             shutdown)
 from train.report import (LoadTelemetry, MetricsLog, Progress, describe_model, load_summary, open_wandb, plot_expert_load,
@@ -363,7 +363,11 @@ def setup(stage, args, ctx, device_type, log):
                    f"replicated (FSDP2)" if ctx.ep_size > 1 else "the parameters replicated by DDP")
             log(f"distributed: world size {ctx.world_size} ({dist.get_backend()}), data parallel size {ctx.world_size}, "
                 f"expert parallel size {ctx.ep_size}{experts}; {how}")
-        model = MiniMindForCausalLM(config, engines_for(config, device, dtype, compiled=args.compile))
+        engines = engines_for(config, device, dtype, compiled=args.compile)
+        if ctx.ep_size > 1 and init_model is None:  # each rank builds its experts only, the same weights
+            model = build_on_meta(lambda: MiniMindForCausalLM(config, engines), ctx.ep_mesh)
+        else:
+            model = MiniMindForCausalLM(config, engines)
         if init_model is not None and args.upcycle_from:
             upcycle(model, init_model, args.seed)
             log(f"upcycled the dense model {args.upcycle_from} into {config.num_experts} experts per layer")

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.overrides import TorchFunctionMode
 
 from model.dispatch import RowLayout, sum_rows
 from model.moe import MOEFeedForward
@@ -251,10 +252,98 @@ def install(model, ep_mesh, num_experts):
         moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), num_experts, moe.dispatcher)
         for name in ("gate_up_proj", "down_proj"):
             whole = getattr(moe.experts, name)
+            if isinstance(whole, DTensor):  # (built on this rank's share: build_on_meta)
+                continue
             mine = whole.detach().to(ep_mesh.device_type).chunk(ep_mesh.size(), dim=0)[rank].clone()
             setattr(moe.experts, name, nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False),
                                                     requires_grad=whole.requires_grad))
     return ep_dispatchers(model)
+
+
+class InitCalls(TorchFunctionMode):
+    """Within (and within `torch.device("meta")`), records in order each call that gives a meta tensor
+    values: in-place initialisers (`normal_`, `fill_`, `nn.init.kaiming_uniform_`, ...) on a tensor or a
+    view of one, and factories other than `empty` (`ones`, `zeros`, ...). `calls`: (function, target, args,
+    kwargs), target the meta tensor written (a view: its storage, offset and strides say where)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if not args and "tensor" in kwargs:  # (nn.init's functions, called by keyword)
+            args, kwargs = (kwargs["tensor"],), {k: v for k, v in kwargs.items() if k != "tensor"}
+        first = args[0] if args else None
+        if name.endswith("_") and not name.endswith("__") and isinstance(first, torch.Tensor) and first.is_meta:
+            self.calls.append((func, first, args[1:], kwargs))
+        elif (isinstance(out, torch.Tensor) and out.is_meta and not name.startswith("empty")
+              and not any(isinstance(a, torch.Tensor) for a in args)):
+            self.calls.append((func, out, args, kwargs))
+        return out
+
+
+def storage_key(t):
+    """What identifies `t`'s storage (shared by its views and by a Parameter made of it)."""
+    return t.untyped_storage()._cdata
+
+
+@torch.no_grad()
+def build_on_meta(build, ep_mesh):
+    """`build()` (a model constructor) with every tensor on the meta device, then each rank's share made
+    real: the stacked expert weights as DTensors sharded on the expert dimension over `ep_mesh` holding this
+    rank's rows only (on the mesh's device, as `install` leaves them), every other tensor whole on the CPU.
+    The values are the ones `build()` gives to the bit, the CPU's RNG stream included: the recorded calls
+    (InitCalls) are replayed in their order, each on a scratch tensor of its target's shape (a stacked
+    weight's is one expert's: `Experts.reset_each`), and the part this rank keeps is copied in. So a rank's
+    peak memory at build is its share plus one scratch tensor, and the weights stay a function of the seed
+    alone, whatever the world size or ep_size."""
+    with torch.device("meta"), InitCalls() as log:
+        model = build()
+    rank, ranks = ep_mesh.get_local_rank(), ep_mesh.size()
+    stacked = {storage_key(p) for moe in moe_layers(model) for p in moe.experts.parameters()}
+    kept = {}  # storage key -> (this rank's part of the storage, flat, as a real tensor; its first index)
+
+    def kept_part(t):
+        key = storage_key(t)
+        if key not in kept:
+            numel = t.untyped_storage().nbytes() // t.element_size()
+            first, last = (numel // ranks * rank, numel // ranks * (rank + 1)) if key in stacked else (0, numel)
+            kept[key] = (torch.empty(last - first, dtype=t.dtype), first)
+        return kept[key]
+    for func, target, args, kwargs in log.calls:
+        if func.__name__.endswith("_"):  # (in place)
+            value = torch.empty(target.shape, dtype=target.dtype)
+            func(value, *args, **kwargs)
+        else:
+            value = func(*args, **{**kwargs, "device": "cpu"})
+        part, first = kept_part(target)
+        start = target.storage_offset()
+        end = start + sum((n - 1) * step for n, step in zip(target.shape, target.stride())) + 1
+        if first <= start and end <= first + part.numel():
+            part.as_strided(target.shape, target.stride(), start - first).copy_(value)
+        elif start < first + part.numel() and end > first:
+            raise AssertionError(f"{func.__name__} writes across the ranks' shares of a stacked expert weight")
+    real = {}  # id of a meta tensor of the model -> its real one (a tied weight stays one Parameter)
+
+    def materialised(t):
+        if id(t) not in real:
+            part, first = kept_part(t)
+            if storage_key(t) in stacked:
+                local = part.view(-1, *t.shape[1:]).to(ep_mesh.device_type)
+                value = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            else:
+                value = part.as_strided(t.shape, t.stride(), t.storage_offset())
+            real[id(t)] = nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
+        return real[id(t)]
+    for module in model.modules():
+        for table in (module._parameters, module._buffers, module.__dict__):
+            for name, t in list(table.items()):
+                if isinstance(t, torch.Tensor) and t.is_meta:
+                    table[name] = materialised(t)
+    return model
 
 
 def ep_dispatchers(model):

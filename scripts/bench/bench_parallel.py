@@ -2,7 +2,7 @@
 state (experts and the dense rest apart), the peak memory, and the run's tokens/s, for one process and for
 `--world` local processes at ep_size 1 / 2 / 4, with and without --fsdp.
 
-    python scripts/bench/bench_parallel.py                       # D=256, 4 layers, E=32, k=4, F=384; 4 processes
+    python scripts/bench/bench_parallel.py                       # D=256, 4 layers, E=64, k=2, F=384; 4 processes
     python scripts/bench/bench_parallel.py --steps 20 --layouts 1:1,4:4,4:4:fsdp
     python scripts/bench/bench_parallel.py --device cuda         # one process per GPU (NCCL)
 
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 MODEL = ["--hidden_size", "256", "--num_hidden_layers", "4", "--num_attention_heads", "4",
-         "--num_key_value_heads", "2", "--use_moe", "1", "--num_experts", "32", "--num_experts_per_tok", "4",
+         "--num_key_value_heads", "2", "--use_moe", "1", "--num_experts", "64", "--num_experts_per_tok", "2",
          "--moe_intermediate_size", "384"]
 
 
