@@ -146,5 +146,5 @@ def is_hf_folder(path):
         with open(cfg, encoding="utf-8") as f:
             return json.load(f).get("model_type") in ("qwen3", "qwen3_moe")
     except (ValueError, AttributeError):
-        # a damaged config.json: train/checkpoint.py's load_hf_checked names it
+        # a damaged config.json: train/hf_folder.py's load_hf_checked names it
         return True

@@ -26,7 +26,9 @@ from data.sft_corpus import default_sft_set  # noqa: E402
 from data.dataset import DataError  # noqa: E402
 from data.tokenizer import load_tokenizer, stop_token_ids  # noqa: E402
 from model.hf_adapter import is_hf_folder  # noqa: E402
-from train.checkpoint import load_checkpoint, load_hf_checked, model_from_checkpoint, run_tokenizer  # noqa: E402
+from train.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
+from train.hf_folder import load_hf_checked  # noqa: E402
+from train.run_dir import run_tokenizer  # noqa: E402
 
 
 def words(text):

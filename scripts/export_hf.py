@@ -18,7 +18,9 @@ import torch  # noqa: E402
 
 from model.hf_adapter import ExportError, to_hf_config, to_hf_state_dict  # noqa: E402
 from data.atomic import atomic_dir  # noqa: E402
-from train.checkpoint import load_checkpoint, model_from_checkpoint, run_tokenizer, safetensors_metadata  # noqa: E402
+from train.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
+from train.hf_folder import safetensors_metadata  # noqa: E402
+from train.run_dir import run_tokenizer  # noqa: E402
 from train.flags import Parser, run_tool  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.atomic import atomic_dir  # noqa: E402
 from model.config import MiniMindConfig  # noqa: E402
 from model.hf_adapter import ExportError, check_exportable  # noqa: E402
-from train.checkpoint import load_checkpoint, run_tokenizer  # noqa: E402
+from train.checkpoint import load_checkpoint  # noqa: E402
+from train.run_dir import run_tokenizer  # noqa: E402
 from train.flags import Parser, run_tool  # noqa: E402
 
 TORCHTITAN_EPS = 1e-6  # torchtitan's Qwen3 RMSNorm eps (models/qwen3: _EPS), fixed

@@ -18,7 +18,9 @@ from transformers import TextStreamer  # noqa: E402
 from data.dataset import DataError  # noqa: E402
 from data.tokenizer import load_tokenizer, stop_token_ids  # noqa: E402
 from model.hf_adapter import is_hf_folder  # noqa: E402
-from train.checkpoint import load_checkpoint, load_hf_checked, model_from_checkpoint, run_tokenizer  # noqa: E402
+from train.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
+from train.hf_folder import load_hf_checked  # noqa: E402
+from train.run_dir import run_tokenizer  # noqa: E402
 from train.flags import Parser, Range, check_ranges, run_tool, show_ranges, utf8_text  # noqa: E402
 
 RANGES = {"max_new_tokens": Range(1), "num_samples": Range(1), "temperature": Range(0), "top_k": Range(0),

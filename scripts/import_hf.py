@@ -7,7 +7,7 @@ The output run directory holds ckpt.pt (fp32 weights, config; step 0, no optimiz
 and tokenizer/, so generate.py, export_hf.py and `pretrain.py --init_from` accept it. It is written as a
 whole (a temp folder renamed into place): a failed or killed import leaves no --out folder behind.
 
-The folder is checked before anything is written (train/checkpoint.py: load_hf_checked): config.json must
+The folder is checked before anything is written (train/hf_folder.py: load_hf_checked): config.json must
 be JSON describing a Qwen3(-MoE) model MiniMind can express, every *.safetensors file must be readable and
 hold exactly the tensors that config needs, with their shapes. A model.safetensors written by
 scripts/export_hf.py carries a SHA-256 of its tensors in its metadata, and a flipped bit is refused; a
@@ -21,8 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model.hf_adapter import ExportError  # noqa: E402
 from data.atomic import atomic_dir, atomic_write_text  # noqa: E402
-from train.checkpoint import CKPT_NAME, load_hf_checked, save_checkpoint  # noqa: E402
+from train.checkpoint import save_checkpoint  # noqa: E402
+from train.hf_folder import load_hf_checked  # noqa: E402
 from train.flags import Parser, run_tool  # noqa: E402
+from train.run_dir import CKPT_NAME  # noqa: E402
 
 
 def import_hf(hf_dir, out_dir, log=print):

@@ -18,7 +18,8 @@ from testlib import ROOT, Skip, run, run_script  # noqa: F401
 from model import hf_adapter
 from model.hf_adapter import ExportError, from_hf_config
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, RMSNorm
-from train.checkpoint import load_hf_checked, save_checkpoint
+from train.checkpoint import save_checkpoint
+from train.hf_folder import load_hf_checked
 from data.tokenizer import save_tokenizer, train_tokenizer
 
 _TMP = testlib.scratch_dir("test_export_")

@@ -1,9 +1,14 @@
-"""Golden loss curve: a tiny pretraining run must log the training/router/validation losses checked into
+"""Golden loss curves: a tiny pretraining run must log the training/router/validation losses checked into
 scripts/golden/tiny_pretrain.json, step for step, so a refactor cannot silently change training (the
-aux-loss coefficient, the LR schedule, the loss normalisation, the data order, the init...).
+aux-loss coefficient, the LR schedule, the loss normalisation, the data order, the init...); the same run
+on 2 local processes with --ep_size 2 --fsdp (the global batch kept) those of tiny_pretrain_ep2_fsdp.json,
+so the distributed path (the experts' DTensor shards, FSDP2's reductions, the all-to-all) cannot either.
 
     python scripts/test_golden.py            # compare
-    python scripts/test_golden.py --update   # rewrite the golden file after an *intended* change
+    python scripts/test_golden.py --update   # rewrite the golden files after an *intended* change
+
+The EP 2 + FSDP file also records the machine that wrote it (`machine`: CPU model, ISA level, torch); on
+that kind of machine its curve must come back to the bit (one thread per rank: the run is deterministic).
 
 Tolerance: relative 2e-4 per logged value. Two runs on one machine are bitwise equal; the slack is for
 other CPUs, whose GEMM kernels (MKL / oneDNN pick code by ISA) round differently. Measured on this
@@ -21,6 +26,7 @@ import testlib
 from testlib import ROOT, run  # noqa: F401
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_pretrain.json")
+GOLDEN_EP = os.path.join(os.path.dirname(GOLDEN), "tiny_pretrain_ep2_fsdp.json")
 RTOL = 2e-4
 FLAGS = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "2", "--num_key_value_heads", "1",
          "--num_experts", "4", "--num_experts_per_tok", "2", "--moe_intermediate_size", "32", "--seq_len", "32",
@@ -28,6 +34,7 @@ FLAGS = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_hea
          "--learning_rate", "1e-2", "--log_interval", "3", "--eval_interval", "10", "--save_interval", "30",
          "--seed", "7", "--device", "cpu", "--dtype", "float32", "--no_progress", "--sample_tokens", "0"]
 KEYS = ("train_loss", "aux_loss", "val_loss", "lr")
+EP_FLAGS = ["--batch_size", "2", "--ep_size", "2", "--fsdp", "--threads", "1"]  # (2 ranks: the global batch of 4)
 
 
 def synthetic_corpus(path, n_docs=300):
@@ -45,13 +52,34 @@ def synthetic_corpus(path, n_docs=300):
 
 def golden_run(extra=()):
     """The logged curve of the tiny run: [{step, train_loss, aux_loss, lr} or {step, val_loss}]."""
-    from train.pretrain import parse_args, train
     tmp = testlib.scratch_dir("test_golden_")
     data = os.path.join(tmp, "corpus.txt")
     synthetic_corpus(data)
-    s = train(parse_args(FLAGS + ["--data_path", data, "--out_dir", os.path.join(tmp, "run"), *extra]),
-              log=lambda *_: None)
+    return _curve(0, 1, FLAGS + ["--data_path", data, "--out_dir", os.path.join(tmp, "run"), *extra])
+
+
+def golden_run_ep():
+    """The tiny run's curve on 2 gloo ranks, --ep_size 2 --fsdp (rank 0 logs)."""
+    tmp = testlib.scratch_dir("test_golden_ep_")
+    data = os.path.join(tmp, "corpus.txt")
+    synthetic_corpus(data)
+    argv = FLAGS + EP_FLAGS + ["--data_path", data, "--out_dir", os.path.join(tmp, "run")]
+    return testlib.spawn_ranks(_curve, 2, argv, init_group=False)[0]
+
+
+def _curve(rank, world, argv):
+    from train.pretrain import parse_args, train
+    s = train(parse_args(argv), log=lambda *_: None)
     return [{k: r[k] for k in ("step",) + KEYS if k in r} for r in s["records"]]
+
+
+def machine():
+    """What decides a run's rounding here: the CPU model, the ISA level torch's kernels use, torch."""
+    import torch
+    with open("/proc/cpuinfo") as f:
+        info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in f if ":" in line)}
+    return {"cpu": " ".join(info.get(k, "") for k in ("model name", "cpu family", "model")),
+            "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
 
 
 def compare(got, want):
@@ -73,13 +101,28 @@ def test_loss_curve_matches_golden():
     assert worst <= RTOL, f"loss curve moved by {worst:.2e} relative (> {RTOL}); if intended, run --update"
 
 
-TESTS = [test_loss_curve_matches_golden]
+def test_ep2_fsdp_loss_curve_matches_golden():
+    """The 2-rank --ep_size 2 --fsdp run's curve: to the bit on the kind of machine that wrote the file,
+    else within RTOL (other GEMM kernels round differently, as for the one-process curve)."""
+    golden = json.load(open(GOLDEN_EP))
+    got = golden_run_ep()
+    worst = compare(got, golden["records"])
+    same_machine = golden["machine"] == machine()
+    print(f"        max relative difference to the golden curve: {worst:.2e} "
+          f"({'this kind of machine wrote it: bitwise' if same_machine else f'another machine: tolerance {RTOL}'})")
+    if same_machine:
+        assert got == golden["records"], f"the EP 2 + FSDP curve moved by {worst:.2e}; if intended, run --update"
+    assert worst <= RTOL, f"loss curve moved by {worst:.2e} relative (> {RTOL}); if intended, run --update"
+
+
+TESTS = [test_loss_curve_matches_golden, test_ep2_fsdp_loss_curve_matches_golden]
 
 if __name__ == "__main__":
     if "--update" in sys.argv:
-        records = golden_run()
-        with open(GOLDEN, "w") as f:
-            json.dump({"flags": FLAGS, "records": records}, f, indent=1)
-        print(f"wrote {GOLDEN} ({len(records)} records)")
+        for path, records, flags, extra in ((GOLDEN, golden_run(), FLAGS, {}),
+                                            (GOLDEN_EP, golden_run_ep(), FLAGS + EP_FLAGS, {"machine": machine()})):
+            with open(path, "w") as f:
+                json.dump({"flags": flags, **extra, "records": records}, f, indent=1)
+            print(f"wrote {path} ({len(records)} records)")
     else:
         run(TESTS)

@@ -509,7 +509,7 @@ def _hf_export():
     model.safetensors carries the checksum entry."""
     from safetensors import safe_open
 
-    from train.checkpoint import HF_CHECKSUM_KEY
+    from train.hf_folder import HF_CHECKSUM_KEY
     run_dir, hf = os.path.join(_TMP, "hf_src"), os.path.join(_TMP, "hf_export")
     assert cli(*TINY, "--data_path", data_file(), "--max_steps", "2", "--out_dir", run_dir).returncode == 0
     r = cli("--ckpt", run_dir, "--out", hf, script="scripts/export_hf.py")
@@ -524,7 +524,7 @@ def _damaged_hf_folders(hf):
     """{case: (damaged folder, the file damaged)}: copies of the HF folder `hf`, one file changed in each."""
     from safetensors.torch import load_file, save
 
-    from train.checkpoint import safetensors_metadata
+    from train.hf_folder import safetensors_metadata
     blob = open(os.path.join(hf, "model.safetensors"), "rb").read()
     data_start = 8 + int.from_bytes(blob[:8], "little")  # u64 header length, JSON header, then the tensor bytes
     flipped = bytearray(blob)
@@ -562,7 +562,7 @@ def test_import_hf_refuses_every_damaged_folder():
     imports bit for bit, and transformers still loads it with the checksum entry."""
     from transformers import AutoModelForCausalLM
 
-    from train.checkpoint import load_hf_checked
+    from train.hf_folder import load_hf_checked
     run_dir, hf = _hf_export()
     hf_model = AutoModelForCausalLM.from_pretrained(hf)  # the checksum entry does not bother transformers
     assert torch.equal(hf_model.model.embed_tokens.weight, load_checkpoint(run_dir)["model"]["model.embed_tokens.weight"])

@@ -255,7 +255,8 @@ def parse_args(stage, argv=None):
 
 
 def _merge_resume(parser, stage, args, argv):
-    from train.checkpoint import checkpoint_in, read_saved_flags  # (torch: only a resume needs it while parsing)
+    from train.checkpoint import read_saved_flags  # (torch: only a resume needs it while parsing)
+    from train.run_dir import checkpoint_in
     path = checkpoint_in(args.out_dir if args.resume == "auto" else args.resume)
     try:
         saved, saved_world = read_saved_flags(path)

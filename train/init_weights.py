@@ -9,8 +9,10 @@ import torch
 
 from model.config import MiniMindConfig
 from model.hf_adapter import is_hf_folder
-from train.checkpoint import load_checkpoint, load_hf_checked, model_from_checkpoint, run_dir_of
+from train.checkpoint import load_checkpoint, model_from_checkpoint
+from train.hf_folder import load_hf_checked
 from train.flags import TRUNK_FIELDS
+from train.run_dir import run_dir_of
 
 
 def upcycled_base(args, dense):

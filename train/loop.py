@@ -35,14 +35,14 @@ from data.tokenizer import stop_token_ids, token_byte_lengths
 from kernels.engines import describe as describe_engines, bf16_pays, cpu_facts, engines_for
 from model.model_minimind import MiniMindForCausalLM
 from train import flags
-from train.checkpoint import checkpoint_in, load_checkpoint, load_into, save_run
+from train.checkpoint import load_checkpoint, load_into, save_run
 from train.init_weights import upcycle, upcycled_base, weights_source
 from train.parallel import (PeerFailed, build_on_meta, check_same_on_all_ranks, clip_grad_norm_sharded, ep_dispatchers,
                             init_distributed, install as install_ep, main_rank_first, moe_layers, no_grad_sync, shard,
                             shutdown)
 from train.report import (LoadTelemetry, MetricsLog, Progress, describe_model, load_summary, open_wandb, plot_expert_load,
                           plot_loss_curve)
-from train.run_dir import abandon_run_dir, claim_run_dir, copy_tokenizer
+from train.run_dir import abandon_run_dir, checkpoint_in, claim_run_dir, copy_tokenizer
 from train.stage import Stage, StageData
 from train.threads import set_run_threads
 

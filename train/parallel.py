@@ -285,9 +285,9 @@ class InitCalls(TorchFunctionMode):
         return out
 
 
-def storage_key(t):
-    """What identifies `t`'s storage (shared by its views and by a Parameter made of it)."""
-    return t.untyped_storage()._cdata
+def storage_key(tensor):
+    """What identifies `tensor`'s storage (shared by its views and by a Parameter made of it)."""
+    return tensor.untyped_storage()._cdata
 
 
 @torch.no_grad()
@@ -306,12 +306,12 @@ def build_on_meta(build, ep_mesh):
     stacked = {storage_key(p) for moe in moe_layers(model) for p in moe.experts.parameters()}
     kept = {}  # storage key -> (this rank's part of the storage, flat, as a real tensor; its first index)
 
-    def kept_part(t):
-        key = storage_key(t)
+    def kept_part(meta):
+        key = storage_key(meta)
         if key not in kept:
-            numel = t.untyped_storage().nbytes() // t.element_size()
+            numel = meta.untyped_storage().nbytes() // meta.element_size()
             first, last = (numel // ranks * rank, numel // ranks * (rank + 1)) if key in stacked else (0, numel)
-            kept[key] = (torch.empty(last - first, dtype=t.dtype), first)
+            kept[key] = (torch.empty(last - first, dtype=meta.dtype), first)
         return kept[key]
     for func, target, args, kwargs in log.calls:
         if func.__name__.endswith("_"):  # (in place)
@@ -328,21 +328,21 @@ def build_on_meta(build, ep_mesh):
             raise AssertionError(f"{func.__name__} writes across the ranks' shares of a stacked expert weight")
     real = {}  # id of a meta tensor of the model -> its real one (a tied weight stays one Parameter)
 
-    def materialised(t):
-        if id(t) not in real:
-            part, first = kept_part(t)
-            if storage_key(t) in stacked:
-                local = part.view(-1, *t.shape[1:]).to(ep_mesh.device_type)
+    def materialised(meta):
+        if id(meta) not in real:
+            part, first = kept_part(meta)
+            if storage_key(meta) in stacked:
+                local = part.view(-1, *meta.shape[1:]).to(ep_mesh.device_type)
                 value = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
             else:
-                value = part.as_strided(t.shape, t.stride(), t.storage_offset())
-            real[id(t)] = nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
-        return real[id(t)]
+                value = part.as_strided(meta.shape, meta.stride(), meta.storage_offset())
+            real[id(meta)] = nn.Parameter(value, meta.requires_grad) if isinstance(meta, nn.Parameter) else value
+        return real[id(meta)]
     for module in model.modules():
         for table in (module._parameters, module._buffers, module.__dict__):
-            for name, t in list(table.items()):
-                if isinstance(t, torch.Tensor) and t.is_meta:
-                    table[name] = materialised(t)
+            for name, value in list(table.items()):
+                if isinstance(value, torch.Tensor) and value.is_meta:
+                    table[name] = materialised(value)
     return model
 
 

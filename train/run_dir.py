@@ -1,6 +1,7 @@
-"""The run folder (--out_dir): claimed by one run at a time (`claim_run_dir`: an flock on out_dir/.lock,
-dropped when the holder dies), cleaned of interrupted atomic writes, removed again when a fresh run is refused
-before it trained, and given a copy of the run's tokenizer.
+"""The run folder (--out_dir): where its checkpoint lives (ckpt.pt, or the link ckpt -> ckpt.step<N>/ of a
+sharded one, published by one atomic rename: `publish_sharded`), claimed by one run at a time (`claim_run_dir`:
+an flock on out_dir/.lock, dropped when the holder dies), cleaned of interrupted atomic writes, removed again
+when a fresh run is refused before it trained, and given a copy of the run's tokenizer.
 """
 import fcntl
 import os
@@ -8,11 +9,68 @@ import re
 import shutil
 import socket
 
-from data.atomic import atomic_dir
-from train.checkpoint import checkpoint_in
+from data.atomic import atomic_dir, atomic_link, usual_modes
 
 LOCK_NAME = ".lock"
+CKPT_NAME = "ckpt.pt"
+SHARDED_NAME, SHARDED_STATE = "ckpt", "state.pt"  # the sharded checkpoint (a link to its folder), its state file
 _TEMP = re.compile(r"^\..+\.(tmp|old)[^/]*$")  # atomic_file / atomic_dir leftovers
+
+
+def checkpoint_in(path):
+    """The checkpoint `path` names: a ckpt.pt, a sharded checkpoint's folder, or a run folder's (ckpt.pt or
+    the link ckpt, the newer where a crash left both); a run folder without one gives its ckpt.pt path (not
+    there)."""
+    if not os.path.isdir(path) or is_sharded(path):
+        return path
+    found = [os.path.join(path, n) for n in (CKPT_NAME, SHARDED_NAME) if os.path.lexists(os.path.join(path, n))]
+    return max(found, key=lambda p: os.lstat(p).st_mtime) if found else os.path.join(path, CKPT_NAME)
+
+
+def is_sharded(path):
+    """Whether `path` is a sharded checkpoint's folder (complete or not: its state.pt or DCP's .metadata)."""
+    return os.path.isdir(path) and any(os.path.lexists(os.path.join(path, n)) for n in (SHARDED_STATE, ".metadata"))
+
+
+def run_dir_of(path):
+    """The run folder of a checkpoint path: the folder itself, or the one holding the ckpt.pt / sharded
+    checkpoint."""
+    return path if os.path.isdir(path) and not is_sharded(path) else os.path.dirname(os.path.abspath(path))
+
+
+def publish_sharded(folder, out_dir, step):
+    """Rename `folder` to ckpt.step<step>/, point the link `ckpt` at it in one atomic rename, then delete
+    the previous checkpoint (its folder, or a ckpt.pt: a run folder holds one) and unpublished folders."""
+    final = os.path.join(out_dir, f"{SHARDED_NAME}.step{step}")
+    n = 1
+    while os.path.exists(final + (f".{n}" if n > 1 else "")):
+        n += 1
+    final += f".{n}" if n > 1 else ""
+    usual_modes(folder)  # (mkdtemp made it 0700)
+    os.rename(folder, final)
+    atomic_link(os.path.join(out_dir, SHARDED_NAME), os.path.basename(final))
+    _sweep_sharded_folders(out_dir, keep=final)
+    if os.path.exists(os.path.join(out_dir, CKPT_NAME)):
+        os.remove(os.path.join(out_dir, CKPT_NAME))
+
+
+def remove_sharded(out_dir):
+    """Delete a run folder's sharded checkpoints (after a ckpt.pt replaced them): the link, its folder, any
+    unpublished one, a copy that followed the link."""
+    link = os.path.join(out_dir, SHARDED_NAME)
+    if os.path.islink(link):
+        os.remove(link)
+    elif is_sharded(link):
+        shutil.rmtree(link)
+    _sweep_sharded_folders(out_dir)
+
+
+def _sweep_sharded_folders(out_dir, keep=None):
+    """Delete every ckpt.step* folder of out_dir but `keep` (older, unpublished or copied ones)."""
+    for name in os.listdir(out_dir):
+        path = os.path.join(out_dir, name)
+        if name.startswith(f"{SHARDED_NAME}.step") and path != keep:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def claim_run_dir(out_dir, resuming, overwrite, is_main):
@@ -71,3 +129,15 @@ def copy_tokenizer(src, dst):
             for name in TOKENIZER_FILES:
                 if os.path.isfile(os.path.join(src, name)):
                     shutil.copyfile(os.path.join(src, name), os.path.join(tmp, name))
+
+
+def run_tokenizer(ckpt_path, tokenizer_dir=None):
+    """(the tokenizer, its folder) of the run holding `ckpt_path` (a run folder, or a checkpoint file in one):
+    `tokenizer_dir` when given, else the run's tokenizer/. Raises FileNotFoundError naming the folder when it
+    holds no tokenizer.json, data/tokenizer.py's DataError when that cannot be loaded."""
+    from data.tokenizer import load_tokenizer
+    if tokenizer_dir is None:
+        tokenizer_dir = os.path.join(run_dir_of(ckpt_path), "tokenizer")
+    if not os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")):
+        raise FileNotFoundError(f"{tokenizer_dir}: tokenizer not found; pass --tokenizer")
+    return load_tokenizer(tokenizer_dir), tokenizer_dir
