@@ -446,7 +446,8 @@ KILLS = 8  # half during start-up, a quarter within two steps after a save, a qu
 
 def test_kill_9_loop_never_loses_work():
     """8 SIGKILLs at seeded random moments of a run saving every step: even kills at 0-120% of the time
-    a start takes to its first save (imports, data, the lock, the step-0 evaluation, step 1), odd kills
+    a start takes to its first save (imports, data, the lock, the step-0 evaluation, step 1; at the latest
+    as that save shows), odd kills
     after the restart's first save, within two steps or the moment a save's temp file shows. After each
     kill ckpt.pt (once there is one) loads with its checksum verified and its step never goes back; the
     next start removes the killed runs' temp files; the run then finishes, leaves no temp file, and its
@@ -468,8 +469,10 @@ def test_kill_9_loop_never_loses_work():
     for i in range(KILLS):
         before = _file_id(ckpt)
         proc = _start(["--resume", "--out_dir", out] if before else [*common, "--out_dir", out], log)
-        if i % 2 == 0:
-            time.sleep(rng.uniform(0, 1.2) * startup)
+        if i % 2 == 0:  # (at the latest when this start's first save shows: a fast start may finish the run)
+            deadline = time.time() + rng.uniform(0, 1.2) * startup
+            while time.time() < deadline and _file_id(ckpt) == before and proc.poll() is None:
+                time.sleep(0.002)
         else:
             startup = _wait_for_save(proc, ckpt, before)
             stale = pending & _temp_names(out)

@@ -338,7 +338,7 @@ def kill_worker(rank, world, argv, victim, where):
     import train.loop as loop
     from train.pretrain import parse_args, train
     calls = [0]
-    module, name = {"writing": (dcp, "save"), "publishing": (ckpt, "_publish"),
+    module, name = {"writing": (dcp, "save"), "publishing": (ckpt, "publish_sharded"),
                     "stepping": (loop, "clip_grad_norm_sharded")}[where]
     original = getattr(module, name)
 
