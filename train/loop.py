@@ -354,7 +354,7 @@ def setup(stage, args, ctx, device_type, log):
         check_same_on_all_ranks(ctx, "the model config", config.to_dict())
         check_same_on_all_ranks(ctx, "the training flags", {k: v for k, v in vars(args).items() if k != "device"})
         dtype = resolve_dtype(args, ctx, device_type, log)
-        threads = set_run_threads(args.threads, device_type, log)
+        threads = set_run_threads(args.threads, device_type, log, keep_freed=not sharded(args, ctx))
         if ctx.distributed:
             experts = (f" ({config.num_experts // ctx.ep_size} of the {config.num_experts} experts per rank)"
                        if config.use_moe and ctx.ep_size > 1 else "")

@@ -26,13 +26,15 @@ def keep_freed_memory():
         return False
 
 
-def set_run_threads(threads, device_type, log):
-    """On CPU: keep freed memory and set torch's thread count to `threads` (the flag's value: "auto" or a count
-    as text) for the rest of the process. Returns the count (an int; what the checkpoint records), or None on
-    CUDA, where the flag does nothing."""
+def set_run_threads(threads, device_type, log, keep_freed=True):
+    """On CPU: keep freed memory (with `keep_freed`; not where ranks hold parts of the model: there memory is
+    what they shard for, and freed blocks kept by glibc stay in every rank's RSS) and set torch's thread count
+    to `threads` (the flag's value: "auto" or a count as text) for the rest of the process. Returns the count
+    (an int; what the checkpoint records), or None on CUDA, where the flag does nothing."""
     if device_type != "cpu":
         return None
-    keep_freed_memory()
+    if keep_freed:
+        keep_freed_memory()
     count = torch.get_num_threads() if threads == "auto" else int(threads)
     torch.set_num_threads(count)
     log(f"threads: {count}{' (auto)' if threads == 'auto' else ''}, fixed for the run and kept on --resume")
