@@ -26,15 +26,30 @@ def keep_freed_memory():
         return False
 
 
+def return_freed_memory():
+    """Give freed memory back to the system (glibc's mmap threshold fixed at 1 MiB: each block of 1 MiB or more
+    mapped on its own, unmapped when freed), so the RSS follows what the process holds: glibc's default
+    threshold rises with the blocks freed, up to 32 MiB, and blocks below it stay in the heap, where the
+    transient gather / reduce buffers of FSDP2 left ~200 MB per rank. Returns False where glibc's mallopt is
+    unavailable."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        return bool(libc.mallopt(-3, 1 << 20))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
 def set_run_threads(threads, device_type, log, keep_freed=True):
-    """On CPU: keep freed memory (with `keep_freed`; not where ranks hold parts of the model: there memory is
-    what they shard for, and freed blocks kept by glibc stay in every rank's RSS) and set torch's thread count
-    to `threads` (the flag's value: "auto" or a count as text) for the rest of the process. Returns the count
-    (an int; what the checkpoint records), or None on CUDA, where the flag does nothing."""
+    """On CPU: set glibc's policy for freed memory (`keep_freed`: keep it, for speed; else give it back, where
+    ranks hold parts of the model: memory is what they shard for) and torch's thread count to `threads` (the
+    flag's value: "auto" or a count as text) for the rest of the process. Returns the count (an int; what the
+    checkpoint records), or None on CUDA, where the flag does nothing."""
     if device_type != "cpu":
         return None
     if keep_freed:
         keep_freed_memory()
+    else:
+        return_freed_memory()
     count = torch.get_num_threads() if threads == "auto" else int(threads)
     torch.set_num_threads(count)
     log(f"threads: {count}{' (auto)' if threads == 'auto' else ''}, fixed for the run and kept on --resume")
