@@ -14,42 +14,32 @@ import ctypes.util
 import torch
 
 
-def keep_freed_memory():
-    """Keep freed memory for reuse (glibc's mmap / trim thresholds raised to 1 / 2 GiB, as jemalloc and
-    tcmalloc behave by default): glibc would unmap each freed block over 32 MiB and page-fault it in again
-    at the next allocation, every step, for the largest activations (the MoE layer's [T*K, D] buffers).
-    Returns False where glibc's mallopt is unavailable."""
+def keep_freed_memory(keep=True):
+    """glibc's policy for freed memory (mallopt's mmap / trim thresholds). `keep` (one process, DDP: speed):
+    freed memory kept for reuse (thresholds 1 / 2 GiB, as jemalloc and tcmalloc behave by default): glibc would
+    unmap each freed block over 32 MiB and page-fault it in again at the next allocation, every step, for the
+    largest activations (the MoE layer's [T*K, D] buffers). Else (ranks holding parts of the model: memory is
+    what they shard for) given back, so the RSS follows what the process holds: blocks of 1 MiB or more mapped
+    on their own, the heap's free top trimmed past 64 MiB (glibc's default threshold rises with the blocks
+    freed, up to 32 MiB, and the heap keeps those below it: FSDP2's gather / reduce buffers left ~200 MB per
+    rank); the price, fresh pages for each large buffer (scripts/README.md: bench_parallel). Returns False
+    where glibc's mallopt is unavailable."""
+    mmap_threshold, trim_threshold = (1 << 30, 2**31 - 1) if keep else (1 << 20, 64 << 20)
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        return bool(libc.mallopt(-3, 1 << 30)) and bool(libc.mallopt(-1, 2**31 - 1))  # M_MMAP_, M_TRIM_THRESHOLD
-    except (OSError, AttributeError, TypeError):
-        return False
-
-
-def return_freed_memory():
-    """Give freed memory back to the system (glibc's mmap threshold fixed at 1 MiB: each block of 1 MiB or more
-    mapped on its own, unmapped when freed), so the RSS follows what the process holds: glibc's default
-    threshold rises with the blocks freed, up to 32 MiB, and blocks below it stay in the heap, where the
-    transient gather / reduce buffers of FSDP2 left ~200 MB per rank. Returns False where glibc's mallopt is
-    unavailable."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        return bool(libc.mallopt(-3, 1 << 20))  # M_MMAP_THRESHOLD
+        return bool(libc.mallopt(-3, mmap_threshold)) and bool(libc.mallopt(-1, trim_threshold))  # M_MMAP_, M_TRIM_
     except (OSError, AttributeError, TypeError):
         return False
 
 
 def set_run_threads(threads, device_type, log, keep_freed=True):
-    """On CPU: set glibc's policy for freed memory (`keep_freed`: keep it, for speed; else give it back, where
-    ranks hold parts of the model: memory is what they shard for) and torch's thread count to `threads` (the
-    flag's value: "auto" or a count as text) for the rest of the process. Returns the count (an int; what the
-    checkpoint records), or None on CUDA, where the flag does nothing."""
+    """On CPU: set glibc's policy for freed memory (`keep_freed_memory`: keep it, or give it back where ranks
+    hold parts of the model) and torch's thread count to `threads` (the flag's value: "auto" or a count as
+    text) for the rest of the process. Returns the count (an int; what the checkpoint records), or None on
+    CUDA, where the flag does nothing."""
     if device_type != "cpu":
         return None
-    if keep_freed:
-        keep_freed_memory()
-    else:
-        return_freed_memory()
+    keep_freed_memory(keep_freed)
     count = torch.get_num_threads() if threads == "auto" else int(threads)
     torch.set_num_threads(count)
     log(f"threads: {count}{' (auto)' if threads == 'auto' else ''}, fixed for the run and kept on --resume")
