@@ -3,11 +3,10 @@ helpers the kernels share.
 
 Triton runs on CUDA tensors, and on CPU ones when TRITON_INTERPRET=1 is set before triton is first
 imported (a numpy interpreter: slow, but CI tests the kernels without a GPU). Engines are chosen
-when the model is built (kernels/engines.py); `grouped_gemm.py: grouped_mm` / `grouped_swiglu` also
-take a `backend`, for tests and benchmarks.
+when the model is built (kernels/engines.py).
 """
 import os
-import warnings
+
 
 def _probe_triton() -> bool:
     try:
@@ -51,12 +50,3 @@ def cpu_values(t) -> list:
         raise ValueError(f"cpu_values: expected a CPU tensor, got one on {t.device} "
                          "(reading it would sync)")
     return t.numpy().tolist()
-
-
-_warned = set()
-
-
-def warn_once(key: str, message: str):
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, stacklevel=3)

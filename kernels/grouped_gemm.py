@@ -3,13 +3,12 @@ c[rows of e] = a[rows of e] @ b[e] for the row segments given by offsets (int32 
 
 The GPU engine of the fused MoE path (`GroupedSwiGLU`, run by kernels/experts.py: GROUPED_EXPERTS;
 on CPU with oneDNN the batched GEMMs of CPUExperts run instead). Backends (`GROUPED_OPS`, chosen
-when the model is built):
+when the model is built: kernels/experts.py: grouped_experts_for):
   "torch"     F.grouped_mm (or torch._grouped_mm): CPU in torch >= 2.9, CUDA bf16 on sm >= 8.0; no
               host sync.
   "triton"    our kernels (forward, input- and weight-grad) for what torch's cannot run (e.g. fp32 /
               fp16 on CUDA); also in the CPU interpreter for tests; no host sync.
   "reference" a Python loop of per-expert matmuls; reads the offsets to the host (one sync).
-  "auto"      "torch" where it supports the operands, else "triton" on CUDA, else "reference".
 Output rows at or past offsets[-1] (in no segment) are unspecified for "torch" (never read), zero
 otherwise.
 """
@@ -19,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from kernels.backend import triton_importable, triton_runs_on, warn_once
+from kernels.backend import triton_importable
 
 _TORCH_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -211,58 +210,11 @@ GROUPED_OPS = {"torch": GroupedOps("torch",
                "reference": GroupedOps("reference", grouped_mm_reference, _segment_outer_reference)}
 
 
-class _GroupedMM(torch.autograd.Function):
-    """Grouped GEMM with our own backward: grad_a = grad @ b^T per segment, grad_b[e] = a_e^T @
-    grad_e (torch's built-in backward rejects a stride-0 gradient, e.g. from
-    `.sum().backward()`)."""
-
-    @staticmethod
-    def forward(ctx, a_MK, b_EKN, offsets_E, ops):
-        ctx.ops = ops
-        ctx.save_for_backward(a_MK, b_EKN, offsets_E)
-        return ops.mm(a_MK, b_EKN, offsets_E)
-
-    @staticmethod
-    def backward(ctx, grad_MN):
-        a_MK, b_EKN, offsets_E = ctx.saved_tensors
-        grad_MN = grad_MN.contiguous()
-        grad_a = (ctx.ops.mm(grad_MN, b_EKN.transpose(1, 2), offsets_E) if ctx.needs_input_grad[0]
-                  else None)
-        grad_b = None
-        # b = W^T of a row-major W [E, N, K] (nn.Linear layout): made in W's layout
-        if ctx.needs_input_grad[1]:
-            grad_b = (ctx.ops.outer(grad_MN, a_MK, offsets_E).to(b_EKN.dtype).transpose(1, 2)
-                      if b_EKN.stride(1) == 1
-                      else ctx.ops.outer(a_MK, grad_MN, offsets_E).to(b_EKN.dtype))
-        return grad_a, grad_b, None, None
-
-
-def _aligned16(t):
-    size = t.element_size()
-    strides_ok = all((st * size) % 16 == 0 for n, st in zip(t.shape, t.stride())
-                     if n > 1 and st != 1)
-    # data_ptr() is not traceable; under torch.compile
-    # the base address is the allocator's (aligned) one
-    return strides_ok and (torch.compiler.is_compiling() or t.data_ptr() % 16 == 0)
-
-
-def torch_grouped_mm_supports(a, b) -> bool:
-    """Whether torch's grouped_mm runs these operands, forward and backward: CPU fp32/bf16, CUDA
-    bf16 on sm >= 8.0; non-unit strides, the output's row stride and base addresses multiples of 16
-    bytes (D, F % 4 fp32, % 8 bf16)."""
-    if (_TORCH_GROUPED_MM is None or not (_aligned16(a) and _aligned16(b))
-            or (b.shape[2] * a.element_size()) % 16 or (a.shape[1] * a.element_size()) % 16):
-        return False
-    if a.device.type == "cpu":
-        return a.dtype in (torch.float32, torch.bfloat16)
-    if a.is_cuda:
-        return a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (8, 0)
-    return False
-
-
 def torch_grouped_mm_fits(device, dtype, hidden_size, intermediate_size) -> bool:
-    """torch_grouped_mm_supports decided from the shapes, for an engine chosen before any tensor
-    exists (fresh allocations and the parameters are aligned)."""
+    """Whether torch's grouped_mm runs rows of `dtype` with these widths on `device`, forward and
+    backward, decided from the shapes when the engine is chosen (fresh allocations and the parameters
+    are 16-byte aligned): CPU fp32 / bf16, CUDA bf16 on sm >= 8.0; D and F times the element size
+    multiples of 16 bytes."""
     size = torch.empty((), dtype=dtype).element_size()
     if _TORCH_GROUPED_MM is None or (hidden_size * size) % 16 or (intermediate_size * size) % 16:
         return False
@@ -271,57 +223,6 @@ def torch_grouped_mm_fits(device, dtype, hidden_size, intermediate_size) -> bool
         return dtype in (torch.float32, torch.bfloat16)
     return (device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.is_available()
             and torch.cuda.get_device_capability(device) >= (8, 0))
-
-
-def resolve_backend(backend, a, b):
-    if backend not in ("auto", "torch", "triton", "reference"):
-        raise ValueError(f"grouped_mm backend must be auto, torch, triton or reference, "
-                         f"got {backend!r}")
-    if backend == "triton" and not triton_runs_on(a):
-        raise RuntimeError(f"grouped_mm: Triton cannot run on this {a.device.type} tensor "
-                           "(CPU needs TRITON_INTERPRET=1 before triton is imported); "
-                           "use backend='auto', 'torch' or 'reference'")
-    if backend == "torch" and not torch_grouped_mm_supports(a, b):
-        raise RuntimeError(f"grouped_mm: torch's grouped_mm cannot take {a.dtype} "
-                           f"{tuple(a.shape)} x {tuple(b.shape)} on {a.device.type} "
-                           "(dtype or 16-byte alignment); use backend='auto'")
-    if backend != "auto":
-        return backend
-    if torch_grouped_mm_supports(a, b):
-        return "torch"
-    if triton_runs_on(a) and a.is_cuda:
-        return "triton"
-    warn_once(f"grouped_mm-{a.device.type}-{a.dtype}-{a.shape[1]}-{b.shape[2]}",
-              f"grouped_mm: neither torch's grouped_mm nor Triton takes {a.dtype} {tuple(b.shape)} "
-              "here: the per-expert loop (one host read)")
-    return "reference"
-
-
-def grouped_mm(a_MK, b_EKN, offsets_E, backend="auto"):
-    """Differentiable c[offsets[e-1]:offsets[e]] = a[offsets[e-1]:offsets[e]] @ b[e] -> c [M, N] in
-    a's dtype. a_MK [M, K], b_EKN [E, K, N] (may be a transposed view) of one float dtype; offsets_E
-    int32/int64 [E], non-decreasing, <= M, on a's device (unchecked: a host read). Raises ValueError
-    for mismatched shapes / dtypes or an unknown backend, RuntimeError for a backend that cannot run
-    these operands."""
-    if (a_MK.dim() != 2 or b_EKN.dim() != 3 or a_MK.shape[1] != b_EKN.shape[1]
-            or offsets_E.shape[0] != b_EKN.shape[0]):
-        raise ValueError(f"grouped_mm: a {tuple(a_MK.shape)}, b {tuple(b_EKN.shape)}, offsets "
-                         f"{tuple(offsets_E.shape)} do not fit ([M, K], [E, K, N], [E])")
-    if a_MK.dtype != b_EKN.dtype or not a_MK.is_floating_point():
-        raise ValueError(f"grouped_mm: a and b must share one float dtype, "
-                         f"got {a_MK.dtype} and {b_EKN.dtype}")
-    if offsets_E.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"grouped_mm: offsets must be int32 or int64, got {offsets_E.dtype}")
-    backend = resolve_backend(backend, a_MK, b_EKN)
-    if backend in ("torch", "triton"):
-        return _GroupedMM.apply(a_MK, b_EKN, offsets_E.to(torch.int32), _ops(backend))
-    return grouped_mm_reference(a_MK, b_EKN, offsets_E)
-
-
-def _ops(backend):
-    """GROUPED_OPS of a resolved backend (torch's through the custom ops while compiling)."""
-    return GROUPED_OPS["torch_compiled" if backend == "torch" and torch.compiler.is_compiling()
-                       else backend]
 
 
 def scaled_swiglu_forward(gate_up_PF2, scale_P):
@@ -392,11 +293,3 @@ class GroupedSwiGLU(torch.autograd.Function):
         grad_w_gate_up = outer(grad_gate_up_PF2, x_PD, offsets_E) if need[1] else None
         grad_x = mm(grad_gate_up_PF2, w_gate_up_E2FD, offsets_E) if need[0] else None
         return grad_x, grad_w_gate_up, grad_w_down, None, grad_scale, None
-
-
-def grouped_swiglu(x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_scale_P, backend="auto"):
-    """GroupedSwiGLU on `backend` (as grouped_mm resolves it): y_PD [P, D] for x_PD [P, D],
-    w_gate_up_E2FD [E, 2F, D], w_down_EDF [E, D, F], offsets_E int32 [E], row_scale_P [P]."""
-    backend = resolve_backend(backend, x_PD, w_gate_up_E2FD.transpose(1, 2))
-    return GroupedSwiGLU.apply(x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E.to(torch.int32),
-                               row_scale_P, _ops(backend))

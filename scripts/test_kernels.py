@@ -27,8 +27,7 @@ from kernels.backend import cpu_values, interpreting, triton_importable, triton_
 from kernels.experts import GROUPED_EXPERTS, CPUExperts, cpu_experts, grouped_experts_for  # noqa: E402
 from kernels.cpu_linear import OneDNNLinear, linear, onednn_linear_fits, onednn_runs  # noqa: E402
 from kernels import linear_cross_entropy as lce  # noqa: E402
-from kernels.grouped_gemm import (GROUPED_OPS, GroupedSwiGLU, grouped_mm, grouped_swiglu,  # noqa: E402
-                                  resolve_backend, torch_grouped_mm_supports)
+from kernels.grouped_gemm import GROUPED_OPS, GroupedSwiGLU, torch_grouped_mm_fits  # noqa: E402
 from kernels.permute import gather_rows_triton, sum_rows_triton  # noqa: E402
 from kernels.engines import describe, engines_for, rebuilt  # noqa: E402
 from model.dispatch import (PLAIN_MOVERS, Combine, Permute, RowMovers, build_row_map,  # noqa: E402
@@ -229,97 +228,59 @@ GEMM_CASES = [  # segment lengths, K, N, rows past the last segment
 ]
 
 
-def test_grouped_mm_triton_forward_backward():
-    need_triton()
-    for dev in DEVICES:
+def ops_here(device, dtype, K, N):
+    """The GROUPED_OPS names that run rows of `dtype` and widths K, N on `device`: the reference, torch's
+    grouped_mm where `torch_grouped_mm_fits` (as kernels/experts.py: grouped_experts_for decides), Triton
+    where it runs (CUDA, or CPU in the interpreter)."""
+    names = ["reference"] + (["torch"] if torch_grouped_mm_fits(device, dtype, K, N) else [])
+    return names + (["triton"] if triton_runs_on(torch.empty(0, device=device)) else [])
+
+
+def segment_outer_reference(lhs, rhs, offsets):
+    """out[e] = lhs[rows of e]^T @ rhs[rows of e] in fp64."""
+    bounds = [0] + offsets.tolist()
+    return torch.stack([lhs[bounds[e]:bounds[e + 1]].double().t() @ rhs[bounds[e]:bounds[e + 1]].double()
+                        for e in range(len(offsets))])
+
+
+def test_grouped_ops_over_cases():
+    """Every GROUPED_OPS entry that runs here (`ops_here`), called as GroupedSwiGLU calls it: `mm` with b a
+    transposed view of a row-major weight [E, N, K] (the forward and the input gradient) and `outer` (the
+    weight gradient, in the weight's layout), against fp64 per-segment products over GEMM_CASES (empty
+    segments, M = 0 / 1, rows past the last segment, odd sizes), fp32 within 1e-5; rows in no segment zero
+    (torch's: unspecified, never read); torch's in bf16 within 2e-2."""
+    for dev in DEVICES or ["cpu"]:
         for lens, K, N, tail in GEMM_CASES:
             offsets = torch.tensor(lens, device=dev).cumsum(0).to(torch.int32)
-            M = sum(lens) + tail
-            a = torch.randn(M, K, device=dev, requires_grad=True)
-            b = torch.randn(len(lens), N, K, device=dev).transpose(1, 2).requires_grad_()  # a transposed view
-            c = grouped_mm(a, b, offsets, backend="triton")
-            want = grouped_reference(a.detach().cpu(), b.detach().cpu(), offsets.cpu())
-            close(c.cpu(), want, f"forward {lens}")
+            n, M = sum(lens), sum(lens) + tail
+            a, w = torch.randn(M, K, device=dev), torch.randn(len(lens), N, K, device=dev)
             g = torch.randn(M, N, device=dev)
-            ga, gb = torch.autograd.grad(c, (a, b), g)
-            a64, b64 = a.detach().cpu().double().requires_grad_(), b.detach().cpu().double().requires_grad_()
-            ra, rb = torch.autograd.grad(grouped_mm(a64, b64, offsets.cpu(), backend="reference"), (a64, b64), g.cpu().double())
-            n = sum(lens)
-            close(ga[:n].cpu(), ra[:n], f"grad a {lens}")
-            close(gb.cpu(), rb, f"grad b {lens}")
-            assert torch.equal(ga[n:], torch.zeros_like(ga[n:])), "rows past the segments get zero gradient"
-
-
-def test_grouped_mm_torch_backend_on_cpu():
-    """torch's grouped_mm (the CPU/bf16-CUDA path) against the reference, incl. a broadcast gradient."""
-    offsets = torch.tensor([5, 5, 12, 16], dtype=torch.int32)
-    a = torch.randn(16, 32, requires_grad=True)
-    b = torch.randn(4, 24, 32).transpose(1, 2).requires_grad_()
-    if not torch_grouped_mm_supports(a, b):
-        raise Skip("this torch has no CPU grouped_mm")
-    c = grouped_mm(a, b, offsets, backend="torch")
-    close(c, grouped_reference(a.detach(), b.detach(), offsets), "torch forward")
-    c.sum().backward()  # a stride-0 gradient: torch's own backward rejects it, ours must not
-    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
-    grouped_mm(a64, b64, offsets, backend="reference").sum().backward()
-    close(a.grad, a64.grad, "torch grad a")
-    close(b.grad, b64.grad, "torch grad b")
-    assert not torch_grouped_mm_supports(torch.randn(4, 33), torch.randn(2, 33, 8)), "misaligned strides"
-
-
-def test_grouped_mm_cpu_backends_over_cases():
-    """The CPU backends of the grouped GEMM (what the fused layer's grouped engine runs on CPU: torch's
-    grouped_mm where it takes the operands, else the per-segment reference loop; the oneDNN backend is
-    gone) against the fp64 reference: forward and both grads over the GEMM cases (empty segments,
-    M = 0 / 1, rows past the last segment, odd sizes), fp32 and bf16; "auto" picks torch exactly where it
-    is supported; a forced "torch" refuses what it cannot run (odd sizes, fp64)."""
-    import warnings
-    tried_torch = False
-    for lens, K, N, tail in GEMM_CASES:
-        offsets = torch.tensor(lens).cumsum(0).to(torch.int32)
-        M = sum(lens) + tail
-        a = torch.randn(M, K, requires_grad=True)
-        b = torch.randn(len(lens), N, K).transpose(1, 2).requires_grad_()
-        supported = torch_grouped_mm_supports(a, b)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            assert resolve_backend("auto", a, b) == ("torch" if supported else "reference"), (lens, K, N)
-        backends = ["reference"] + (["torch"] if supported else [])
-        if not supported:
-            try:
-                grouped_mm(a, b, offsets, backend="torch")
-            except RuntimeError as e:
-                assert "grouped_mm" in str(e)
-            else:
-                raise AssertionError(f"torch backend accepted unsupported operands {K} x {N}")
-        n = sum(lens)
-        for be in backends:
-            tried_torch |= be == "torch"
-            c = grouped_mm(a, b, offsets, backend=be)
-            close(c[:n], grouped_reference(a.detach(), b.detach(), offsets)[:n], f"{be} forward {lens}")
-            g = torch.randn(M, N)
-            ga, gb = torch.autograd.grad(c, (a, b), g)
-            a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
-            ra, rb = torch.autograd.grad(grouped_mm(a64, b64, offsets, backend="reference"), (a64, b64), g.double())
-            close(ga[:n], ra[:n], f"{be} grad a {lens}")
-            close(gb, rb, f"{be} grad b {lens}")
-            if be == "reference":
-                assert not ga[n:].any() and not c[n:].any(), "rows past the segments: zero output and gradient"
-    if not tried_torch:
-        raise Skip("this torch has no CPU grouped_mm (the reference backend passed)")
-    a, b = torch.randn(20, 32), torch.randn(3, 32, 16)
+            for name in ops_here(dev, torch.float32, K, N):
+                ops = GROUPED_OPS[name]
+                c = ops.mm(a, w.transpose(1, 2), offsets)
+                close(c[:n].cpu(), grouped_reference(a.cpu(), w.transpose(1, 2).cpu(), offsets.cpu())[:n],
+                      f"{name} mm {lens} on {dev}")
+                close(ops.outer(g, a, offsets).cpu(), segment_outer_reference(g.cpu(), a.cpu(), offsets.cpu()),
+                      f"{name} outer {lens} on {dev}")
+                if name != "torch":
+                    assert not c[n:].any(), f"{name}: rows past the segments are not zero"
+    a, w = torch.randn(20, 32), torch.randn(3, 16, 32)
     offsets = torch.tensor([7, 7, 20], dtype=torch.int32)
-    if torch_grouped_mm_supports(a.bfloat16(), b.bfloat16()):
-        got = grouped_mm(a.bfloat16(), b.bfloat16(), offsets, backend="torch").double()
-        want = grouped_reference(a.bfloat16().float(), b.bfloat16().float(), offsets)
-        assert (got - want).abs().max() <= 2e-2 * want.abs().max(), "bf16"
-    try:
-        grouped_mm(torch.randn(4, 4, dtype=torch.float64), torch.randn(1, 4, 4, dtype=torch.float64),
-                   torch.tensor([4], dtype=torch.int32), backend="torch")
-    except RuntimeError as e:
-        assert "grouped_mm" in str(e)
-    else:
-        raise AssertionError("fp64 accepted by the torch backend")
+    if "torch" not in ops_here("cpu", torch.bfloat16, 32, 16):
+        raise Skip("this torch has no CPU grouped_mm for bf16 (fp32 and the other ops passed)")
+    got = GROUPED_OPS["torch"].mm(a.bfloat16(), w.bfloat16().transpose(1, 2), offsets).double()
+    want = grouped_reference(a.bfloat16().float(), w.bfloat16().float().transpose(1, 2), offsets)
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max(), "bf16"
+
+
+def test_grouped_engine_choice():
+    """grouped_experts_for (the fused path's engine off the CPU GEMMs, chosen at build) takes torch's
+    grouped_mm exactly where `torch_grouped_mm_fits`, else the reference loop on CPU."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        for D, F_ in ((32, 24), (33, 17), (16, 12)):
+            want = "torch" if torch_grouped_mm_fits("cpu", dtype, D, F_) else "reference"
+            assert grouped_experts_for("cpu", dtype, D, F_) is GROUPED_EXPERTS[want], (dtype, D, F_)
+    assert not torch_grouped_mm_fits("cpu", torch.float64, 32, 32), "fp64 is the reference's"
 
 
 def test_embedding_bag_combine_is_the_reference():
@@ -574,9 +535,9 @@ def test_cpu_values_refuses_device_tensors():
 
 
 def test_grouped_swiglu_matches_per_expert_ffn():
-    """grouped_swiglu on every backend that runs here: with unit row scales the per-expert FFN, with
-    routing weights down(silu(gate) * up * w); gradients of the rows, both weight stacks and the scales
-    equal the reference backend's."""
+    """GroupedSwiGLU on every GROUPED_OPS entry that runs here: with unit row scales the per-expert FFN,
+    with routing weights down(silu(gate) * up * w); gradients of the rows, both weight stacks and the scales
+    equal the reference ops'; a stride-0 gradient (`.sum().backward()`) runs."""
     torch.manual_seed(0)
     lens, D, F_ = [6, 0, 9], 16, 12
     experts = [FeedForward(D, F_) for _ in lens]
@@ -590,43 +551,32 @@ def test_grouped_swiglu_matches_per_expert_ffn():
     h = [F.silu(experts[e].gate_proj(x[s:s + n])) * experts[e].up_proj(x[s:s + n]) * scale[s:s + n, None]
          for e, (s, n) in enumerate(zip(starts, lens))]
     want_scaled = torch.cat([experts[e].down_proj(h[e]) for e in range(len(lens))]).detach()
-    backends = ["reference"] + (["torch"] if torch_grouped_mm_supports(x, w_gu.transpose(1, 2)) else []) + (
-        ["triton"] if triton_runs_on(x) else [])
+    backends = ops_here("cpu", x.dtype, D, F_)
     g = torch.randn(sum(lens), D)
     grads = {}
     for be in backends:
-        close(grouped_swiglu(x, w_gu, w_d, offsets, torch.ones(sum(lens)), be), want, be)
+        ops = GROUPED_OPS[be]
+        close(GroupedSwiGLU.apply(x, w_gu, w_d, offsets, torch.ones(sum(lens)), ops), want, be)
         args = [t.clone().requires_grad_() for t in (x, w_gu, w_d, scale)]
-        y = grouped_swiglu(args[0], args[1], args[2], offsets, args[3], be)
+        y = GroupedSwiGLU.apply(args[0], args[1], args[2], offsets, args[3], ops)
         close(y, want_scaled, be + " scaled")
         grads[be] = torch.autograd.grad(y, args, g)
+        GroupedSwiGLU.apply(*args[:3], offsets, args[3], ops).sum().backward()  # a stride-0 gradient
     for be in backends[1:]:
         for i, (a, b) in enumerate(zip(grads[be], grads["reference"])):
             close(a, b, f"{be} grad {i}")
 
 
-def test_backend_choice_errors():
+def test_triton_movers_say_where_they_cannot_run():
     x = torch.randn(2, 2)
-    if not triton_runs_on(x):  # the Triton row movers say where they cannot run
-        try:
-            gather_rows_triton(x, torch.zeros(1, dtype=torch.int64))
-        except RuntimeError as e:
-            assert "Triton cannot run" in str(e)
-        else:
-            raise AssertionError("gather_rows_triton ran where Triton cannot")
+    if triton_runs_on(x):
+        raise Skip("Triton runs on CPU tensors here (the interpreter)")
     try:
-        grouped_mm(torch.randn(3, 4), torch.randn(2, 5, 4), torch.tensor([1, 3], dtype=torch.int32))
-    except ValueError as e:
-        assert "do not fit" in str(e)
+        gather_rows_triton(x, torch.zeros(1, dtype=torch.int64))
+    except RuntimeError as e:
+        assert "Triton cannot run" in str(e)
     else:
-        raise AssertionError("mismatched shapes accepted")
-    for bad in ("onednn", "cuda"):  # (the oneDNN grouped backend is gone: the CPU expert GEMMs replaced it)
-        try:
-            grouped_mm(torch.randn(3, 4), torch.randn(1, 4, 4), torch.tensor([3], dtype=torch.int32), backend=bad)
-        except ValueError as e:
-            assert "backend" in str(e)
-        else:
-            raise AssertionError(f"grouped_mm backend {bad!r} accepted")
+        raise AssertionError("gather_rows_triton ran where Triton cannot")
 
 
 def test_kernels_compile_for_hopper():
@@ -774,11 +724,12 @@ def test_linear_cross_entropy_matches_reference():
 
 TESTS = [test_linear_cross_entropy_matches_reference, test_onednn_linear_matches_fp64, test_onednn_linear_choices,
          test_row_map_layout, test_gather_rows_bitwise, test_combine_rows_bitwise, test_hole_free_fast_path_is_the_same,
-         test_permute_combine_autograd, test_grouped_mm_triton_forward_backward, test_grouped_mm_torch_backend_on_cpu,
-         test_grouped_mm_cpu_backends_over_cases, test_embedding_bag_combine_is_the_reference, test_scaled_swiglu_gradients,
+         test_permute_combine_autograd, test_grouped_ops_over_cases, test_grouped_engine_choice,
+         test_embedding_bag_combine_is_the_reference, test_scaled_swiglu_gradients,
          test_cpu_expert_gemms, test_fp64_experts_take_the_grouped_engine, test_cpu_experts_autograd_modes,
          test_cpu_values_refuses_device_tensors,
-         test_grouped_swiglu_matches_per_expert_ffn, test_backend_choice_errors, test_kernels_compile_for_hopper]
+         test_grouped_swiglu_matches_per_expert_ffn, test_triton_movers_say_where_they_cannot_run,
+         test_kernels_compile_for_hopper]
 
 if __name__ == "__main__":
     run(TESTS)

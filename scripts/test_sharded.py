@@ -203,11 +203,12 @@ def assert_identical(a, b, where=""):
 
 def test_resharding_keeps_every_bit():
     """Save in one layout, load in another, save again, with no step between (Megatron's resharding check,
-    beyond weights): 1 process -> 2 ranks -> 4 ranks -> 1 process, EP and EP + --fsdp; every tensor of the
-    model and the optimizer, the data position, the RNG state, the plan and the step equal to the bit."""
+    beyond weights): 1 process -> 2 ranks -> 4 ranks -> 2 ranks -> 1 process, EP and EP + --fsdp (the second
+    2: --fsdp alone); every tensor of the model and the optimizer, the data position, the RNG state, the plan
+    and the step equal to the bit."""
     needs_ranks(4)
-    for chain, layouts in (("ep", [(2, 2, False), (4, 4, False), (1, 1, False)]),
-                           ("fsdp", [(2, 2, True), (4, 2, True), (1, 1, False)])):
+    for chain, layouts in (("ep", [(2, 2, False), (4, 4, False), (2, 2, False), (1, 1, False)]),
+                           ("fsdp", [(2, 2, True), (4, 2, True), (2, 1, True), (1, 1, False)])):
         out = os.path.join(_TMP, f"resave_{chain}")
         train_in(out, 1, *COMMON, "--max_steps", "8", "--stop_after", "2", *layout(1))
         first = everything(out)
