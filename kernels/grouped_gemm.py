@@ -212,9 +212,9 @@ GROUPED_OPS = {"torch": GroupedOps("torch",
 
 def torch_grouped_mm_fits(device, dtype, hidden_size, intermediate_size) -> bool:
     """Whether torch's grouped_mm runs rows of `dtype` with these widths on `device`, forward and
-    backward, decided from the shapes when the engine is chosen (fresh allocations and the parameters
-    are 16-byte aligned): CPU fp32 / bf16, CUDA bf16 on sm >= 8.0; D and F times the element size
-    multiples of 16 bytes."""
+    backward, decided from the shapes when the engine is chosen (fresh allocations and the
+    parameters are 16-byte aligned): CPU fp32 / bf16, CUDA bf16 on sm >= 8.0; D and F times the
+    element size multiples of 16 bytes."""
     size = torch.empty((), dtype=dtype).element_size()
     if _TORCH_GROUPED_MM is None or (hidden_size * size) % 16 or (intermediate_size * size) % 16:
         return False
