@@ -1,3 +1,3 @@
 """Faster engines for the plain model in model/, each beside a plain-PyTorch reference;
-kernels/engines.py picks the ones a model is built with (see kernels/README.md). model/ never
+train/engines.py picks the ones a model is built with (see kernels/README.md). model/ never
 imports from here."""

@@ -1,5 +1,5 @@
 """Attention with the scores written out: the engine for the model's F.scaled_dot_product_attention
-where torch's fused CPU kernel is slow (under bf16 autocast at training lengths; kernels/engines.py
+where torch's fused CPU kernel is slow (under bf16 autocast at training lengths; train/engines.py
 decides)."""
 import torch
 import torch.nn.functional as F

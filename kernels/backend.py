@@ -3,7 +3,7 @@ helpers the kernels share.
 
 Triton runs on CUDA tensors, and on CPU ones when TRITON_INTERPRET=1 is set before triton is first
 imported (a numpy interpreter: slow, but CI tests the kernels without a GPU). Engines are chosen
-when the model is built (kernels/engines.py).
+when the model is built (train/engines.py).
 """
 import os
 

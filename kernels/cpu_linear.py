@@ -3,7 +3,7 @@ two transposed operands, by torch.mm): the engine for the model's bias-free line
 
 torch's fp32 CPU matmul goes through MKL, on some CPUs well below oneDNN
 (`scripts/bench/bench_step.py`); bf16 autocast already reaches oneDNN, so only the fp32 path
-changes. kernels/engines.py builds it into the attention projections, the LM head and the dense FFN
+changes. train/engines.py builds it into the attention projections, the LM head and the dense FFN
 (fixed row counts: each GEMM's kernel is built once), never into the sorted path's experts (their
 bitwise contract is nn.Linear's). fp32 results differ from `F.linear` by rounding only
 (`scripts/test_kernels.py`: within 1e-5 relative of fp64, forward and backward).
@@ -79,7 +79,7 @@ def linear(x_MK, weight_NK):
 
 
 class OneDNNLinear(nn.Linear):
-    """The engine for a bias-free nn.Linear (kernels/engines.py): same parameters, forward through
+    """The engine for a bias-free nn.Linear (train/engines.py): same parameters, forward through
     `linear`."""
 
     def forward(self, x):

@@ -1,7 +1,7 @@
 """What each swappable part of the model runs on, chosen when the model is built.
 
 `MiniMindForCausalLM(config, engines)` builds every part from an `Engines`: its defaults are the
-plain PyTorch of model/ (what the tests hold every engine against); kernels/engines.py:
+plain PyTorch of model/ (what the tests hold every engine against); train/engines.py:
 `engines_for(config, device, dtype)` picks the faster ones that pay on a device, and the trainer
 builds its model with them. An engine keeps the parameters and state_dict keys of the part it stands
 for (checkpoints and exports are the same either way), and `print(model)` names each one.

@@ -8,7 +8,7 @@ The block is the MiniMind-3 / Qwen3 block (pre-norm, q/k norm before RoPE, rotat
 embeddings) with HF parameter names: a checkpoint maps onto `Qwen3MoeForCausalLM` by renaming. Plain
 PyTorch by default; the engines of the linears, the attention kernel, the LM loss and the MoE
 experts and dispatch are chosen when the model is built (model/engines.py; the trainer's come from
-kernels/engines.py).
+train/engines.py).
 """
 from dataclasses import dataclass
 

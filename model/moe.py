@@ -14,7 +14,7 @@ reference in scripts/moe_reference.py) with one host sync per layer; "fused" bui
 the device (no host sync) and applies the routing weights inside the experts.
 What runs steps 3-5 is chosen when the layer is built: the experts' engine (`expert_loop` here; the
 kernels' in kernels/experts.py) and the fused path's permute / combine (model/dispatch.py's plain
-ones, or kernels/permute.py's); model/engines.py names them, kernels/engines.py picks the ones that
+ones, or kernels/permute.py's); model/engines.py names them, train/engines.py picks the ones that
 pay.
 Expert parallelism wraps the dispatcher (train/parallel.py).
 """

@@ -34,10 +34,11 @@ def routed(mod, x):
 
 
 def test_counts_within_capacity_and_sync_free():
-    """Sorted: one sync with capacity; the fused layer built with kernels.engines.engines_for's engines
+    """Sorted: one sync with capacity; the fused layer built with train.engines.engines_for's engines
     (the experts on cpu_experts where oneDNN runs, the rows moved by the plain permute / combine): no sync,
     the same per-expert counts (also with padding to capacity)."""
-    from kernels.engines import describe, engines_for, rebuilt
+    from train.engines import describe, engines_for
+    from testlib import rebuilt
     from model.moe import engine_name
     for cf in (0.25, 0.5, 1.0):
         for pad in (False, True):

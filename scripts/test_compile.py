@@ -11,14 +11,14 @@ Tolerance: 1e-5 absolute on values of size ~0.1-10 in fp32 (compiled graphs fuse
 differences of a few ulps, ~1e-7 measured). The models compile with backend="aot_eager" (the traced forward
 and backward graphs, where the 2.11 fault lies, without inductor's minute of code generation per model); the
 layer compiles with inductor, fullgraph. Everything compiled is built with the engines for torch.compile
-(kernels.engines.engines_for(..., compiled=True): the fused experts on a grouped engine, since the CPU experts
+(train.engines.engines_for(..., compiled=True): the fused experts on a grouped engine, since the CPU experts
 engine reads host values a fullgraph compile cannot hold).
 """
 import torch
 
 from testlib import Skip, run
 from test_moe_fused import ENGINE_FUNCTIONS, assert_bf16_as_close_as_sorted, assert_close, fwd_bwd, pair, with_engines
-from kernels.engines import engines_for
+from train.engines import engines_for
 from kernels.experts import grouped_experts_for
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 

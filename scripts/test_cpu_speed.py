@@ -13,18 +13,18 @@ import torch  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
 
-import kernels.engines as engines  # noqa: E402
+import train.engines as engines  # noqa: E402
 from kernels.attention import explicit_attention  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from train import loop  # noqa: E402
 
 
 def test_dtype_auto_on_cpu():
-    """--dtype auto on CPU is a pure function of the machine's facts (kernels.engines.bf16_pays of cpu_facts: the
+    """--dtype auto on CPU is a pure function of the machine's facts (train.engines.bf16_pays of cpu_facts: the
     same facts give the same dtype, whatever the load), with its reason logged: bf16 on AMX and on AMD's
     AVX512-BF16, fp32 on Intel's AVX512-BF16 without AMX, on AVX2-only CPUs and where oneDNN has no bf16; the
     attention the trainer builds the model with follows the dtype (explicit scores under bf16, SDPA in fp32:
-    kernels.engines.engines_for); an explicit --dtype is taken as given, and CUDA's auto is bf16."""
+    train.engines.engines_for); an explicit --dtype is taken as given, and CUDA's auto is bf16."""
     class Ctx:
         distributed = False
 

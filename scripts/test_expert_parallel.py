@@ -5,7 +5,7 @@
 The EP dispatcher (train/parallel.py: AllToAllDispatcher, `install`) wraps the layer's own dispatcher, so
 every expert engine runs under EP (ENGINES): "sorted" (moe_impl="sorted"), and moe_impl="fused" as the
 plain layer ("plain": the plain permute / combine and model/moe.py's expert_loop) and built with
-kernels.engines.engines_for's engines (what the trainer runs: "cpu", kernels/experts.py's cpu_experts with
+train.engines.engines_for's engines (what the trainer runs: "cpu", kernels/experts.py's cpu_experts with
 the plain permute / combine) or with the grouped-GEMM experts engine ("grouped",
 GROUPED_EXPERTS["torch"]). The trainer builds the layers with their engines, then installs EP; so do these
 tests. Gradients are compared per expert, under the state_dict's names (`named_grads`).
@@ -38,7 +38,8 @@ def make(e, k, engine, seed=0, **kw):
     if engine in ("cpu", "grouped"):
         import dataclasses
 
-        from kernels.engines import describe, engines_for, rebuilt
+        from train.engines import describe, engines_for
+        from testlib import rebuilt
         from kernels.experts import GROUPED_EXPERTS, cpu_experts
         engines = engines_for(mod.config, "cpu", torch.float32)
         if engine == "cpu" and engines.experts is not cpu_experts:

@@ -106,10 +106,10 @@ def test_routed_scaling_factor_goes_into_the_down_projections():
 
 def test_logits_parity_fp32():
     """Our plain model, and the same weights in the model built with the trainer's CPU fp32 engines
-    (kernels.engines.engines_for: OneDNNLinear, the chunked LM loss, the fused MoE engines), give
+    (train.engines.engines_for: OneDNNLinear, the chunked LM loss, the fused MoE engines), give
     transformers' logits."""
     from kernels.cpu_linear import onednn_runs
-    from kernels.engines import describe, engines_for
+    from train.engines import describe, engines_for
     for use_moe, tie, k in CASES:
         ours, run_dir = tiny_run(use_moe, tie, k)
         hf, _, _ = load_hf_quietly(export(run_dir))
@@ -135,7 +135,8 @@ def test_greedy_generation_identical():
     """Greedy ids: ours (with and without the KV cache, plain and built with the trainer's CPU engines)
     equal transformers'."""
     from transformers import GenerationConfig
-    from kernels.engines import engines_for, rebuilt
+    from train.engines import engines_for
+    from testlib import rebuilt
     for use_moe, tie, k in CASES:
         ours, run_dir = tiny_run(use_moe, tie, k)
         hf, _, _ = load_hf_quietly(export(run_dir))
@@ -191,7 +192,7 @@ def test_layout_ambiguous_shapes_and_no_expert_left_at_init():
     transformers' logits equal ours, the trainer's engines' too; an export then an import brings back every
     expert tensor to the bit, drops none, and leaves none at its initial value (a fresh model of the same
     seed: what a converter that skipped the experts would give, as Megatron-Bridge PR 4706)."""
-    from kernels.engines import engines_for
+    from train.engines import engines_for
     for width in (32, 64):
         ours, run_dir = tiny_run(True, True, 2, expert_width=width)
         hf, _, _ = load_hf_quietly(export(run_dir))

@@ -29,7 +29,8 @@ from kernels.cpu_linear import OneDNNLinear, linear, onednn_linear_fits, onednn_
 from kernels import linear_cross_entropy as lce  # noqa: E402
 from kernels.grouped_gemm import GROUPED_OPS, GroupedSwiGLU, torch_grouped_mm_fits  # noqa: E402
 from kernels.permute import gather_rows_triton, sum_rows_triton  # noqa: E402
-from kernels.engines import describe, engines_for, rebuilt  # noqa: E402
+from train.engines import describe, engines_for  # noqa: E402
+from testlib import rebuilt  # noqa: E402
 from model.dispatch import (PLAIN_MOVERS, Combine, Permute, RowMovers, build_row_map,  # noqa: E402
                             gather_rows, sum_rows)  # (the row maps the permute kernels read; the reference)
 from model.moe import Experts, FeedForward, expert_loop  # noqa: E402

@@ -12,7 +12,7 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, MOEFeedFor
 
 
 def tiny(cpu_engines=False, **kw):
-    """A tiny model; cpu_engines=True: built with the CPU fp32 engines of kernels.engines.engines_for (what
+    """A tiny model; cpu_engines=True: built with the CPU fp32 engines of train.engines.engines_for (what
     the trainer runs: OneDNNLinear, the chunked LM loss, the fused MoE engines); the same weights either way."""
     cfg = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=128)
@@ -20,7 +20,7 @@ def tiny(cpu_engines=False, **kw):
     config = MiniMindConfig(**cfg)
     torch.manual_seed(0)
     if cpu_engines:
-        from kernels.engines import engines_for
+        from train.engines import engines_for
         return MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float32))
     return MiniMindForCausalLM(config)
 
@@ -57,12 +57,12 @@ def test_config_errors_name_the_field():
 
 def test_checkpoint_roundtrip():
     """save_checkpoint -> load_checkpoint -> model_from_checkpoint (how every tool builds a model) gives the
-    trainer's engines (kernels/engines.py: engines_for) and the same logits, bitwise (the RoPE tables are
+    trainer's engines (train/engines.py: engines_for) and the same logits, bitwise (the RoPE tables are
     rebuilt, not read from the file), for the sorted and the fused MoE path; attention_mask must have the
     batch shape."""
     import tempfile
 
-    from kernels.engines import describe, engines_for
+    from train.engines import describe, engines_for
     from train.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
     for impl in ("sorted", "fused"):
         torch.manual_seed(0)
@@ -124,7 +124,7 @@ def test_experts_load_and_pickle_edge_cases():
     a model on the grouped experts engine pickles; a stack frozen in half round-trips its optimizer state."""
     import io
 
-    from kernels.engines import engines_for
+    from train.engines import engines_for
     from testlib import optimizer_state_per_expert
     from train.legacy_checkpoint import optimizer_state_stacked
     layer = MOEFeedForward(MiniMindConfig(hidden_size=32, num_experts=4, num_experts_per_tok=2,
@@ -183,7 +183,8 @@ def test_no_expert_weight_copy_per_forward():
     CPU engines makes no tensor the shape or size of the experts' weights, whole or one expert's (no per-step
     concatenation, stack or copy); under bf16 autocast the one pass over them is the cast, one `_to_copy` per
     stacked tensor. Also the sorted layer's loop (views, no copy). Prints the bytes the layer's forward makes."""
-    from kernels.engines import engines_for, rebuilt
+    from train.engines import engines_for
+    from testlib import rebuilt
     E, D, F = 6, 40, 24
     plain = MOEFeedForward(MiniMindConfig(hidden_size=D, num_experts=E, num_experts_per_tok=2, moe_intermediate_size=F,
                                           moe_impl="fused")).train()
@@ -245,7 +246,7 @@ def test_forward_loss_and_aux():
 
 
 def test_chunked_lm_loss_is_the_torch_loss():
-    """The model built with the engines kernels.engines.engines_for picks on CPU fp32 (the chunked LM loss
+    """The model built with the engines train.engines.engines_for picks on CPU fp32 (the chunked LM loss
     linear_cross_entropy, OneDNNLinear where oneDNN runs) gives the plain model's F.cross_entropy loss and
     gradients (fp32: within 1e-5 relative to the largest value, rounding of the GEMM and softmax order) with
     ignored labels, tied and untied heads, and returns no logits; without labels the logits are there. The
@@ -254,7 +255,7 @@ def test_chunked_lm_loss_is_the_torch_loss():
     import dataclasses
 
     from kernels.cpu_linear import OneDNNLinear, onednn_runs
-    from kernels.engines import describe, engines_for
+    from train.engines import describe, engines_for
     from kernels.linear_cross_entropy import linear_cross_entropy
     from model.engines import PLAIN
     ids = torch.randint(0, 97, (3, 17))
@@ -399,7 +400,7 @@ def _padded(prompts, side):
 def test_attention_mask_hides_left_and_right_padding():
     """A padded batch: every real token's logits equal those of its sequence alone (1e-5), whichever side
     the padding is on, for the dense model and both MoE paths, the fused one also built with the trainer's
-    CPU engines (kernels.engines: GroupedExperts, KernelRowMapDispatcher) (positions count real tokens only)."""
+    CPU engines (train.engines: GroupedExperts, KernelRowMapDispatcher) (positions count real tokens only)."""
     for kw in (dict(use_moe=False), dict(moe_impl="sorted"), dict(moe_impl="fused"), dict(moe_impl="fused", cpu_engines=True)):
         model = tiny(**kw).eval()
         g = torch.Generator().manual_seed(1)

@@ -4,11 +4,11 @@
 
 The fused layer is MOEFeedForward with a RowMapDispatcher (model/dispatch.py). Its experts (model/moe.py:
 Experts) run on the engine chosen when the layer is built, three ways, and every equivalence test runs all
-three (ENGINES), each on a layer of its own with the same weights (kernels.engines.rebuilt: `engine_layers`):
+three (ENGINES), each on a layer of its own with the same weights (train.engines.rebuilt: `engine_layers`):
   "plain"    the layer built with the plain engines (model/engines.py: PLAIN): model/moe.py's expert_loop,
              one nn.Linear-style chain per expert (reads the counts to the host, so it is not the zero-sync
              path), and model/dispatch.py's permute_rows / combine_rows;
-  "cpu"      the layer built with kernels.engines.engines_for's engines: kernels/experts.py's cpu_experts (the
+  "cpu"      the layer built with train.engines.engines_for's engines: kernels/experts.py's cpu_experts (the
              CPU expert GEMMs, CPUExperts: what engines_for picks on CPU where oneDNN runs the dtype) and
              the permute / combine engines_for picks (on CPU model/dispatch.py's plain ones, on CUDA
              permute_triton / combine_triton: kernels/permute.py's row movers);
@@ -36,7 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from testlib import Skip, run  # noqa: F401
 from sync_count import SyncCounter, count_syncs
 from kernels.cpu_linear import onednn_runs
-from kernels.engines import describe, engines_for, rebuilt
+from train.engines import describe, engines_for
+from testlib import rebuilt
 from kernels.experts import GROUPED_EXPERTS, CPUExperts, GroupedSwiGLU, cpu_experts, grouped_experts_for
 from model.dispatch import RowLayout, RowMapDispatcher, SortedDispatcher
 from model.model_minimind import MiniMindConfig, MOEFeedForward
@@ -55,7 +56,7 @@ def fused_engines(experts_engine, n=1, device="cpu"):
 
 
 def with_engines(fused, device="cpu", dtype=torch.float32, experts=None, compiled=False):
-    """A copy of the plain fused layer built with the engines kernels/engines.py picks for `device`, autocast
+    """A copy of the plain fused layer built with the engines train/engines.py picks for `device`, autocast
     `dtype` and `compiled` (with the experts engine `experts` in their place when given): same weights and
     buffers, same train/eval mode. The build's initialisation draws are kept off the caller's random
     stream, so a test's inputs do not depend on how its layers are made."""

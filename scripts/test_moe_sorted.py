@@ -268,10 +268,11 @@ def test_masked_layer_equals_sorted():
 
 
 def test_trainer_engines_keep_sorted_layer():
-    """kernels.engines.engines_for gives the sorted layer its plain experts engine (model/moe.py: expert_loop)
+    """train.engines.engines_for gives the sorted layer its plain experts engine (model/moe.py: expert_loop)
     and dispatcher on CPU under fp32 and bf16: the layer the trainer builds is still bitwise the masked
     reference, with one sync."""
-    from kernels.engines import engines_for, rebuilt
+    from train.engines import engines_for
+    from testlib import rebuilt
     from model.dispatch import SortedDispatcher
     from model.moe import expert_loop
     plain = build(seed=3, num_experts=8, num_experts_per_tok=2).train()

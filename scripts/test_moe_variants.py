@@ -5,7 +5,7 @@
 Shared experts (config n_shared_experts / shared_expert_intermediate_size): the layer's output is the routed
 layer's plus a plain FeedForward of the same weights, bitwise on the sorted and masked paths (the same ops
 in the same order; x's gradient within 1e-6: autograd sums its three branches in its own order) and
-within 1e-6 on the fused path, plain and built with kernels.engines.engines_for's CPU engines (the shared
+within 1e-6 on the fused path, plain and built with train.engines.engines_for's CPU engines (the shared
 FFN's GEMMs run on oneDNN there, and its sum with the routed output rounds once more); under EP on 2 ranks
 training equals one process. routed_scaling_factor s: the layer equals the unscaled layer with every
 expert's down projection times s (within 1e-6: one product rounds in another place), sorted == masked stays
@@ -21,7 +21,8 @@ import torch
 import testlib
 from testlib import run, spawn_ranks  # noqa: F401
 from kernels.cpu_linear import OneDNNLinear, onednn_runs
-from kernels.engines import engines_for, rebuilt
+from train.engines import engines_for
+from testlib import rebuilt
 from kernels.experts import cpu_experts
 from model.hf_adapter import ExportError, check_exportable
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, MOEFeedForward

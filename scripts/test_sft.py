@@ -124,7 +124,7 @@ def test_labels_shift_and_masked_labels_do_not_matter():
         want = ids[t + 1] if mask[t + 1] and not last_of_conv else IGNORE_INDEX
         assert y[0, t] == want, (t, int(y[0, t]), want)
     assert (y[0, len(ids) - 1:] == IGNORE_INDEX).all() and (seg[0, len(ids):] == -1).all()
-    for cpu_engines in (False, True):  # the plain model and the trainer's (chunked LM loss: kernels/engines.py)
+    for cpu_engines in (False, True):  # the plain model and the trainer's (chunked LM loss: train/engines.py)
         model = _model(vocab=len(tok), cpu_engines=cpu_engines)
         loss = model(x, labels=y, segment_ids=seg).ce_loss
         y_full = torch.cat([x[:, 1:], x[:, -1:]], dim=1)
@@ -142,13 +142,13 @@ def _conversations(tok, convs):
 
 def _model(vocab=300, use_moe=False, cpu_engines=False):
     """A tiny dense (or MoE) model; cpu_engines=True: built with the engines the trainer builds it with on
-    CPU fp32 (kernels.engines.engines_for: the chunked LM loss, OneDNNLinear); the same weights either way."""
+    CPU fp32 (train.engines.engines_for: the chunked LM loss, OneDNNLinear); the same weights either way."""
     config = MiniMindConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                             num_key_value_heads=1, use_moe=use_moe, num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=32)
     torch.manual_seed(0)
     if cpu_engines:
-        from kernels.engines import engines_for
+        from train.engines import engines_for
         return MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float32))
     return MiniMindForCausalLM(config)
 

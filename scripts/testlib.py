@@ -231,3 +231,23 @@ def spawn_ranks(fn, world, *args, init_group=True):
         mp.start_processes(_rank_entry, args=(world, free_port(), fn, out_dir, args, init_group), nprocs=world,
                            join=True, start_method="forkserver")
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def rebuilt(module, engines):
+    """A copy of `module` (a MiniMindForCausalLM or an MOEFeedForward) built with `engines` and
+    holding its weights and buffers (load_state_dict, strict): how the tests and benchmarks put a
+    plain model's weights onto other engines."""
+    from model.model_minimind import MiniMindForCausalLM
+    from model.moe import MOEFeedForward
+    if isinstance(module, MiniMindForCausalLM):
+        twin = MiniMindForCausalLM(module.config, engines)
+    elif isinstance(module, MOEFeedForward):
+        twin = MOEFeedForward(module.config, engines.experts, engines.permute,
+                              engines.combine, engines.linear)
+    else:
+        raise ValueError(f"rebuilt: a MiniMindForCausalLM or MOEFeedForward, "
+                         f"got {type(module).__name__}")
+    param = next(module.parameters())
+    twin = twin.to(device=param.device, dtype=param.dtype)
+    twin.load_state_dict(module.state_dict(), strict=True)
+    return twin.train(module.training)

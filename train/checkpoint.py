@@ -225,9 +225,9 @@ def check_weights_fit_config(ckpt, path):
 
 def model_from_checkpoint(ckpt, device="cpu", dtype=torch.float32):
     """MiniMindForCausalLM of a checkpoint's config with its weights (loaded strictly), built with the engines
-    the trainer builds for `device` under autocast `dtype` (kernels/engines.py: engines_for): every tool runs
+    the trainer builds for `device` under autocast `dtype` (train/engines.py: engines_for): every tool runs
     what trained. The tools pass fp32 on CPU (scripts/generate.py: load_model says why)."""
-    from kernels.engines import engines_for
+    from train.engines import engines_for
     from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
     config = MiniMindConfig.from_dict(ckpt["config"])
     model = MiniMindForCausalLM(config, engines_for(config, device, dtype))

@@ -2,7 +2,7 @@
 nanochat's base_train.py):
 
     1. setup     device, run folder, checkpoint (read once), data, config (built once), model (built with
-                 the engines that pay here: kernels/engines.py), EP (a rank keeps its experts) -> DDP or FSDP,
+                 the engines that pay here: train/engines.py), EP (a rank keeps its experts) -> DDP or FSDP,
                  optimizer, restore, compile (torchtitan's order)
     2. loop      train_step: micro-steps -> gradient reduction -> clip -> optimizer -> router update
                  after_step: log, evaluate, save a checkpoint, stop
@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from data.atomic import atomic_write_text
 from data.dataset import IGNORE_INDEX, DataError
 from data.tokenizer import stop_token_ids, token_byte_lengths
-from kernels.engines import describe as describe_engines, bf16_pays, cpu_facts, engines_for
+from train.engines import describe as describe_engines, bf16_pays, cpu_facts, engines_for
 from model.model_minimind import MiniMindForCausalLM
 from train import flags
 from train.checkpoint import load_checkpoint, load_into, save_run

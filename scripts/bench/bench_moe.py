@@ -7,7 +7,7 @@
 Implementations:
   masked      MiniMind's per-expert masked loop (scripts/moe_reference.py), the bitwise reference
   sorted      ours, moe_impl="sorted": one host sync per layer, bitwise equal to masked
-  fused       ours, moe_impl="fused" built with kernels/engines.py's engines (the experts engine and the
+  fused       ours, moe_impl="fused" built with train/engines.py's engines (the experts engine and the
               kernels' permute / combine): zero syncs, grouped GEMM and Triton permute/combine on CUDA; on CPU
               its experts run as oneDNN expert GEMMs (kernels/experts.py: CPUExperts)
   fused-grouped
@@ -47,7 +47,7 @@ import torch  # noqa: E402
 from moe_reference import reference_masked_forward  # noqa: E402
 from sync_count import count_syncs  # noqa: E402
 from kernels.cpu_linear import _OneDNNLinear, onednn_runs  # noqa: E402  (the oneDNN linear, forward + backward)
-from kernels.engines import engines_for  # noqa: E402
+from train.engines import engines_for  # noqa: E402
 from kernels.experts import cpu_experts, grouped_experts_for  # noqa: E402
 from train.threads import keep_freed_memory  # noqa: E402
 from model.model_minimind import FeedForward, MiniMindConfig, MOEFeedForward  # noqa: E402

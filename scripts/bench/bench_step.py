@@ -11,7 +11,7 @@ Engines mode: the main job's model (D=256, 4 layers, E=4 top-2, F=384, batch 16 
 is a freshly built model with the same weights, run in rounds (`--rounds` x `--steps` steps per variant
 per round) so that machine drift hits all alike; tokens/s = total tokens / total time of the timed rounds.
 Variants: the plain model (nn.Linear on MKL, SDPA) in fp32, with the oneDNN linears, the plain model
-under bf16 autocast, then adding kernels/engines.py's engines one by one (each variant built with an
+under bf16 autocast, then adding train/engines.py's engines one by one (each variant built with an
 Engines holding only the chosen ones: written-out attention, chunked LM-head loss, fused MoE engines) and
 torch's fused AdamW: the last is what the trainer runs.
 
@@ -45,13 +45,13 @@ import torch  # noqa: E402
 
 from kernels.attention import explicit_attention  # noqa: E402
 from kernels.cpu_linear import OneDNNLinear  # noqa: E402
-from kernels.engines import bf16_pays, cpu_facts, engines_for  # noqa: E402
+from train.engines import bf16_pays, cpu_facts, engines_for  # noqa: E402
 from kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from model.engines import PLAIN  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from train.threads import keep_freed_memory  # noqa: E402
 
-# name: (autocast bf16, the engines of kernels/engines.py built in, fused AdamW); the last is what the trainer runs
+# name: (autocast bf16, the engines of train/engines.py built in, fused AdamW); the last is what the trainer runs
 VARIANTS = {
     "plain PyTorch, fp32": (False, (), False),
     "fp32, oneDNN linears": (False, ("linear",), False),
@@ -64,7 +64,7 @@ VARIANTS = {
 
 
 def chosen_engines(config, chosen):
-    """Plain engines but the chosen ones of kernels/engines.py (engines_for picks all that pay): "linear"
+    """Plain engines but the chosen ones of train/engines.py (engines_for picks all that pay): "linear"
     OneDNNLinear, "attention" explicit_attention, "loss" the chunked LM loss, "moe" (moe_impl "fused" only)
     the CPU or grouped experts engine and the kernels' permute / combine."""
     fused = engines_for(config, "cpu", torch.bfloat16)

@@ -11,7 +11,7 @@ Rows (--rows picks them; the first is the one the others are divided by):
   masked   the sorted model with each MoE layer run by scripts/moe_reference.py's masked_layer_forward
            (MiniMind's per-expert loop; the same routing and aux loss)
   sorted   moe_impl "sorted" (one host sync per layer, bitwise the masked loop)
-  fused    moe_impl "fused" with the engines kernels/engines.py picks: what the trainer runs
+  fused    moe_impl "fused" with the engines train/engines.py picks: what the trainer runs
   dense    the dense model of equal active width: a SwiGLU FFN of width k*F in every layer
   hf       transformers' Qwen3MoeForCausalLM with the same config and weights (experts fused into its
            gate_up_proj / down_proj layout, routed scaling folded into down_proj), its grouped_mm experts and
@@ -39,7 +39,7 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  
 
 import torch  # noqa: E402
 
-from kernels.engines import engines_for  # noqa: E402
+from train.engines import engines_for  # noqa: E402
 from train.threads import keep_freed_memory  # noqa: E402
 from model.config import trained_config  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402

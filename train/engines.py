@@ -7,14 +7,14 @@ them and logs `describe(model)`. Each engine keeps the parameters and state_dict
 part, so checkpoints and exports are the same either way. The rules (measured ones, not the CPU's
 name):
 
-    Engines.linear        OneDNNLinear (cpu_linear.py)              CPU fp32 where oneDNN runs (it beats MKL)
-    Engines.attend        explicit_attention (attention.py)         CPU under bf16 autocast
-    Engines.lm_loss       linear_cross_entropy (chunked, no logits) CPU
-    Engines.experts       CPUExperts (experts.py: cpu_experts)      moe_impl "fused", CPU with oneDNN, eager
-                          grouped_experts_for (experts.py)          moe_impl "fused" elsewhere, or compiled
-    Engines.permute       permute_triton, combine_triton: the       CUDA with Triton (moe_impl "fused"; on
-      and .combine        fused path's Permute / Combine on         CPU model/dispatch.py's plain ones,
-                          permute.py's Triton row movers            also the reference)
+    Engines.linear     OneDNNLinear (kernels/cpu_linear.py)         CPU fp32 where oneDNN runs (it beats MKL)
+    Engines.attend     explicit_attention (kernels/attention.py)    CPU under bf16 autocast
+    Engines.lm_loss    linear_cross_entropy (chunked, no logits)    CPU
+    Engines.experts    CPUExperts (kernels/experts.py)              moe_impl "fused", CPU with oneDNN, eager
+                       grouped_experts_for (kernels/experts.py)     moe_impl "fused" elsewhere, or compiled
+    Engines.permute    permute_triton, combine_triton: the fused    CUDA with Triton (moe_impl "fused"; on
+      and .combine     path's Permute / Combine on the row movers   CPU model/dispatch.py's plain ones, also
+                       of kernels/permute.py                        the reference)
 
 moe_impl "sorted" keeps the plain expert_loop of nn.Linear-style chains: its contract is bitwise
 equality with the masked loop. Tolerances of each engine against the plain part:
@@ -122,22 +122,3 @@ def describe(model):
             counts[n] = counts.get(n, 0) + 1
     return "engines: " + (", ".join(f"{name} x{n}" for name, n in counts.items()) if counts
                           else "plain PyTorch")
-
-
-def rebuilt(module, engines):
-    """A copy of `module` (a MiniMindForCausalLM or an MOEFeedForward) built with `engines` and
-    holding its weights and buffers (load_state_dict, strict): how the tests and benchmarks put a
-    plain model's weights onto other engines."""
-    from model.model_minimind import MiniMindForCausalLM
-    if isinstance(module, MiniMindForCausalLM):
-        twin = MiniMindForCausalLM(module.config, engines)
-    elif isinstance(module, MOEFeedForward):
-        twin = MOEFeedForward(module.config, engines.experts, engines.permute,
-                              engines.combine, engines.linear)
-    else:
-        raise ValueError(f"rebuilt: a MiniMindForCausalLM or MOEFeedForward, "
-                         f"got {type(module).__name__}")
-    param = next(module.parameters())
-    twin = twin.to(device=param.device, dtype=param.dtype)
-    twin.load_state_dict(module.state_dict(), strict=True)
-    return twin.train(module.training)
