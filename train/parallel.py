@@ -254,9 +254,8 @@ def install(model, ep_mesh, num_experts):
             whole = getattr(moe.experts, name)
             if isinstance(whole, DTensor):  # (built on this rank's share: build_on_meta)
                 continue
-            mine = whole.detach().to(ep_mesh.device_type).chunk(ep_mesh.size(), dim=0)[rank].clone()
-            setattr(moe.experts, name, nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False),
-                                                    requires_grad=whole.requires_grad))
+            mine = whole.detach().chunk(ep_mesh.size(), dim=0)[rank].clone()
+            setattr(moe.experts, name, nn.Parameter(experts_shard(mine, ep_mesh), requires_grad=whole.requires_grad))
     return ep_dispatchers(model)
 
 
@@ -264,7 +263,7 @@ class InitCalls(TorchFunctionMode):
     """Within (and within `torch.device("meta")`), records in order each call that gives a meta tensor
     values: in-place initialisers (`normal_`, `fill_`, `nn.init.kaiming_uniform_`, ...) on a tensor or a
     view of one, and factories other than `empty` (`ones`, `zeros`, ...). `calls`: (function, target, args,
-    kwargs), target the meta tensor written (a view: its storage, offset and strides say where)."""
+    kwargs, in_place), target the meta tensor written (a view: its storage, offset and strides say where)."""
 
     def __init__(self):
         super().__init__()
@@ -278,10 +277,10 @@ class InitCalls(TorchFunctionMode):
             args, kwargs = (kwargs["tensor"],), {k: v for k, v in kwargs.items() if k != "tensor"}
         first = args[0] if args else None
         if name.endswith("_") and not name.endswith("__") and isinstance(first, torch.Tensor) and first.is_meta:
-            self.calls.append((func, first, args[1:], kwargs))
+            self.calls.append((func, first, args[1:], kwargs, True))
         elif (isinstance(out, torch.Tensor) and out.is_meta and not name.startswith("empty")
               and not any(isinstance(a, torch.Tensor) for a in args)):
-            self.calls.append((func, out, args, kwargs))
+            self.calls.append((func, out, args, kwargs, False))
         return out
 
 
@@ -313,8 +312,8 @@ def build_on_meta(build, ep_mesh):
             first, last = (numel // ranks * rank, numel // ranks * (rank + 1)) if key in stacked else (0, numel)
             kept[key] = (torch.empty(last - first, dtype=meta.dtype), first)
         return kept[key]
-    for func, target, args, kwargs in log.calls:
-        if func.__name__.endswith("_"):  # (in place)
+    for func, target, args, kwargs, in_place in log.calls:
+        if in_place:
             value = torch.empty(target.shape, dtype=target.dtype)
             func(value, *args, **kwargs)
         else:
@@ -332,8 +331,7 @@ def build_on_meta(build, ep_mesh):
         if id(meta) not in real:
             part, first = kept_part(meta)
             if storage_key(meta) in stacked:
-                local = part.view(-1, *meta.shape[1:]).to(ep_mesh.device_type)
-                value = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+                value = experts_shard(part.view(-1, *meta.shape[1:]), ep_mesh)
             else:
                 value = part.as_strided(meta.shape, meta.stride(), meta.storage_offset())
             real[id(meta)] = nn.Parameter(value, meta.requires_grad) if isinstance(meta, nn.Parameter) else value
@@ -344,6 +342,12 @@ def build_on_meta(build, ep_mesh):
                 if isinstance(value, torch.Tensor) and value.is_meta:
                     table[name] = materialised(value)
     return model
+
+
+def experts_shard(local, ep_mesh):
+    """This rank's rows `local` of a stacked expert weight as the DTensor sharded on the expert dimension
+    over `ep_mesh` (moved to the mesh's device first)."""
+    return DTensor.from_local(local.to(ep_mesh.device_type), ep_mesh, [Shard(0)], run_check=False)
 
 
 def ep_dispatchers(model):
