@@ -3,7 +3,6 @@ gathered on demand: nothing here holds a copy of the corpus."""
 import numpy as np
 import torch
 
-from data.shards import entropy
 from data.sources import DataError  # noqa: F401  (re-exported for train/ and scripts)
 
 # A label that predicts nothing (F.cross_entropy's default ignore_index): the loss mask travels in the labels
@@ -67,7 +66,3 @@ def fixed_windows(tokens, seq_len, max_tokens):
     t = torch.from_numpy(np.asarray(tokens[: n * seq_len + 1], dtype=np.int64))
     return t.unfold(0, seq_len + 1, seq_len)[:n].contiguous()
 
-
-def unigram_entropy(tokens):
-    """Entropy of the empirical token distribution, in nats: the loss of the best context-free model."""
-    return entropy(np.bincount(np.asarray(tokens)))

@@ -34,14 +34,6 @@ def triton_runs_on(tensor) -> bool:
                                     or (interpreting() and tensor.device.type == "cpu"))
 
 
-def cast(t, dtype):
-    """t in `dtype`: t itself, with no `.to()` call, when it has that dtype already. The kernels'
-    autograd Functions return through this: torch 2.11's compile (aot_eager too) gives a wrong
-    gradient, zero or partial, for a Function whose forward returns a no-op `.to()` or the result of
-    an in-place op; 2.13 does not."""
-    return t if t.dtype == dtype else t.to(dtype)
-
-
 def cpu_values(t) -> list:
     """A CPU tensor's values as a list (a host read, not a sync: callers stay sync-free), for CPU
     kernels that loop over segment bounds. Raises ValueError on any other device, where it would be

@@ -1,10 +1,10 @@
 """The experts engines of the fused MoE path: functions with model/moe.py: expert_loop's interface
 that run all experts at once on their stacked weights (model/moe.py: Experts), read as they are.
 
-    cpu_experts              CPU (fp32 on MKL, bf16 on oneDNN): the batched expert GEMMs below
+    cpu_experts_for(dtype)   CPU where oneDNN runs, eager: the batched expert GEMMs below (CPUExperts),
+                             the rows in place (fp32, MKL) or bucketed (bf16, oneDNN)
     GROUPED_EXPERTS[backend] elsewhere (CUDA; CPU under torch.compile): kernels/grouped_gemm.py's
-                             GroupedSwiGLU on torch's grouped_mm, our Triton kernels or the
-                             reference loop
+                             GroupedSwiGLU on torch's grouped_mm or our Triton kernels
 
 No host read of the counts on either; the only pass over the weights is the cast to the rows' dtype
 under autocast (none in fp32).
@@ -35,9 +35,9 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from kernels.backend import cast, cpu_values, triton_importable
+from kernels.backend import cpu_values
 from kernels.grouped_gemm import (GROUPED_OPS, GroupedSwiGLU, scaled_swiglu_backward,
-                                  scaled_swiglu_forward, torch_grouped_mm_fits)
+                                  scaled_swiglu_forward)
 
 
 def _bucket(rows):
@@ -113,20 +113,22 @@ class CPULayout:
 
 
 class CPUExperts(torch.autograd.Function):
-    """The CPU engine (module doc): `cpu_experts = CPUExperts.apply`, model/moe.py: expert_loop's
-    interface: rows_PD [P, D] (expert-sorted; padding included, real rows first), tokens_per_expert
-    int64 [E'] on the CPU, row_weight_P [P] or None (= 1), the stacked weights -> [P, D] in the
-    rows' dtype, zero rows outside the segments. The routing weight is applied before the down
-    projection. Differentiable in rows, row weights and weights; runs outside autocast, in the rows'
-    dtype (the weights cast to it once)."""
+    """The CPU engine (module doc), run as `cpu_experts_for(dtype)`: model/moe.py: expert_loop's
+    interface plus the layout: rows_PD [P, D] (expert-sorted; padding included, real rows first),
+    tokens_per_expert int64 [E'] on the CPU, row_weight_P [P] or None (= 1), the stacked weights,
+    layout_of(counts, P) -> CPULayout (rows_in_place, rows_bucketed) -> [P, D] in the rows' dtype,
+    zero rows outside the segments. The routing weight is applied before the down projection.
+    Differentiable in rows, row weights and weights; runs outside autocast, in the rows' dtype (the
+    weights cast to it once)."""
 
     @staticmethod
-    def forward(ctx, rows_PD, tokens_per_expert, row_weight_P, w_gate_up_E2FD, w_down_EDF):
+    def forward(ctx, rows_PD, tokens_per_expert, row_weight_P, w_gate_up_E2FD, w_down_EDF,
+                layout_of):
         (P, D), dtype = rows_PD.shape, rows_PD.dtype
-        layout = _cpu_layout(cpu_values(tokens_per_expert), dtype, P)
+        layout = layout_of(cpu_values(tokens_per_expert), P)
         scale_P = row_weight_P if row_weight_P is not None else rows_PD.new_ones(P)
         with torch.autocast("cpu", enabled=False):
-            w_gu, w_down = cast(w_gate_up_E2FD, dtype), cast(w_down_EDF, dtype)
+            w_gu, w_down = w_gate_up_E2FD.to(dtype), w_down_EDF.to(dtype)
             x_RD = layout.to_buffer(rows_PD)
             scale_R = layout.row_weights(scale_P.to(dtype))
             gu_R2F, out_RD = layout.empty(rows_PD, w_gu.shape[1]), layout.empty(rows_PD, D)
@@ -167,20 +169,27 @@ class CPUExperts(torch.autograd.Function):
                 torch.bmm(ggu, w_gu[group.experts], out=group.rows(gx_RD))
         grad_x = layout.from_buffer(gx_RD, P) if need_x else None
         grad_scale = layout.from_buffer(gscale_R, P).to(ctx.scale_dtype) if need_scale else None
-        return (grad_x, None, grad_scale, cast(gw_gu, ctx.weight_dtype),
-                cast(gw_down, ctx.weight_dtype))
+        return (grad_x, None, grad_scale, gw_gu.to(ctx.weight_dtype), gw_down.to(ctx.weight_dtype),
+                None)
 
 
-def _cpu_layout(counts, dtype, P):
-    """The CPULayout of host row counts per expert (a list of ints) for P dispatched rows of
-    `dtype`."""
+def rows_in_place(counts, P):
+    """The CPULayout for MKL (fp32), which builds no kernel per GEMM shape: each expert's rows where
+    the dispatcher put them, one GEMM per expert. counts: host row counts per expert; P dispatched
+    rows."""
+    starts = itertools.accumulate(counts, initial=0)
+    groups = [ExpertGroup(e, e + 1, start, n)
+              for e, (start, n) in enumerate(zip(starts, counts)) if n]
+    idle = [e for e, n in enumerate(counts) if n == 0]
+    return CPULayout(groups, P, sum(counts), None, None, None, idle)
+
+
+def rows_bucketed(counts, P):
+    """The CPULayout for oneDNN (bf16), which builds a kernel per GEMM shape: the rows copied into
+    segments padded to bucket sizes, neighbouring experts batched in groups (module doc). counts:
+    host row counts per expert; P dispatched rows."""
     E, routed = len(counts), sum(counts)
     idle = [e for e, n in enumerate(counts) if n == 0]
-    if dtype == torch.float32:  # MKL: no kernel per shape, so each expert's rows stay in place
-        starts = itertools.accumulate(counts, initial=0)
-        groups = [ExpertGroup(e, e + 1, start, n)
-                  for e, (start, n) in enumerate(zip(starts, counts)) if n]
-        return CPULayout(groups, P, routed, None, None, None, idle)
     # Batched GEMMs of up to E // 4 experts beat one small GEMM per expert despite the padding; a
     # group takes neighbouring experts while the smallest count is >= 2/3 of the padded largest,
     # so a skewed routing cannot multiply the padded rows.
@@ -206,7 +215,26 @@ def _cpu_layout(counts, dtype, P):
     return CPULayout(groups, padded_rows, padded_rows, dst_N, src_R, real_R, idle)
 
 
-cpu_experts = CPUExperts.apply
+def _cpu_engine(layout_of):
+    """The experts engine of CPUExperts on `layout_of` (rows_in_place or rows_bucketed)."""
+    def engine(rows_PD, tokens_per_expert, row_weight_P, w_gate_up_E2FD, w_down_EDF):
+        return CPUExperts.apply(rows_PD, tokens_per_expert, row_weight_P, w_gate_up_E2FD,
+                                w_down_EDF, layout_of)
+    engine.__name__ = engine.__qualname__ = f"cpu_experts_{layout_of.__name__}"
+    engine.__doc__ = CPUExperts.__doc__
+    return engine
+
+
+# each engine a module attribute under its name: pickle finds a function by name (a model holding
+# one pickles)
+cpu_experts_rows_in_place = _cpu_engine(rows_in_place)
+cpu_experts_rows_bucketed = _cpu_engine(rows_bucketed)
+
+
+def cpu_experts_for(dtype):
+    """The CPU experts engine for rows of `dtype`: in place for MKL's fp32, bucketed for oneDNN's
+    kernels per shape (bf16, fp16)."""
+    return cpu_experts_rows_in_place if dtype == torch.float32 else cpu_experts_rows_bucketed
 
 
 def _grouped_engine(ops):
@@ -221,27 +249,13 @@ def _grouped_engine(ops):
         dtype = rows_PD.dtype
         with torch.autocast(rows_PD.device.type, enabled=False):
             offsets_E = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
-            return GroupedSwiGLU.apply(rows_PD, cast(w_gate_up_E2FD, dtype),
-                                       cast(w_down_EDF, dtype), offsets_E,
-                                       row_weight_P.to(dtype), ops)
+            return GroupedSwiGLU.apply(rows_PD, w_gate_up_E2FD.to(dtype), w_down_EDF.to(dtype),
+                                       offsets_E, row_weight_P.to(dtype), ops)
     engine.__name__ = engine.__qualname__ = f"grouped_experts_{ops.name}"
     engine.__doc__ = _grouped_engine.__doc__
     return engine
 
 
 GROUPED_EXPERTS = {name: _grouped_engine(ops) for name, ops in GROUPED_OPS.items()}
-# each also a module attribute under its name: pickle finds a function by name (a model holding one
-# pickles)
-(grouped_experts_torch, grouped_experts_torch_compiled, grouped_experts_triton,
- grouped_experts_reference) = GROUPED_EXPERTS.values()
-
-
-def grouped_experts_for(device, dtype, hidden_size, intermediate_size, compiled=False):
-    """The grouped experts engine for rows of `dtype` on `device`: torch's grouped_mm where it takes
-    them (through custom ops when `compiled`), else our Triton kernels on CUDA, else the per-expert
-    reference loop."""
-    if torch_grouped_mm_fits(device, dtype, hidden_size, intermediate_size):
-        return GROUPED_EXPERTS["torch_compiled" if compiled else "torch"]
-    if torch.device(device).type == "cuda" and triton_importable():
-        return GROUPED_EXPERTS["triton"]
-    return GROUPED_EXPERTS["reference"]
+grouped_experts_torch, grouped_experts_torch_compiled, grouped_experts_triton = (
+    GROUPED_EXPERTS.values())

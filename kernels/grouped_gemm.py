@@ -3,14 +3,13 @@ c[rows of e] = a[rows of e] @ b[e] for the row segments given by offsets (int32 
 
 The GPU engine of the fused MoE path (`GroupedSwiGLU`, run by kernels/experts.py: GROUPED_EXPERTS;
 on CPU with oneDNN the batched GEMMs of CPUExperts run instead). Backends (`GROUPED_OPS`, chosen
-when the model is built: kernels/experts.py: grouped_experts_for):
+when the model is built: train/engines.py: grouped_experts_for):
   "torch"     F.grouped_mm (or torch._grouped_mm): CPU in torch >= 2.9, CUDA bf16 on sm >= 8.0; no
               host sync.
   "triton"    our kernels (forward, input- and weight-grad) for what torch's cannot run (e.g. fp32 /
               fp16 on CUDA); also in the CPU interpreter for tests; no host sync.
-  "reference" a Python loop of per-expert matmuls; reads the offsets to the host (one sync).
-Output rows at or past offsets[-1] (in no segment) are unspecified for "torch" (never read), zero
-otherwise.
+Where neither runs, the plain per-expert loop (model/moe.py: expert_loop) is the engine. Output rows
+at or past offsets[-1] (in no segment) are unspecified for "torch" (never read), zero for "triton".
 """
 from typing import Callable, NamedTuple
 
@@ -143,16 +142,6 @@ def grouped_wgrad_triton(a_MK, g_MN, offsets_E):
     return out
 
 
-def grouped_mm_reference(a_MK, b_EKN, offsets_E):
-    """Per-segment matmuls in a Python loop (differentiable through autograd). One host read of
-    offsets."""
-    bounds = _bounds(offsets_E).tolist()
-    M, N = a_MK.shape[0], b_EKN.shape[2]
-    chunks = [a_MK[bounds[e]:bounds[e + 1]] @ b_EKN[e] for e in range(b_EKN.shape[0])]
-    chunks.append(a_MK.new_zeros(M - bounds[-1], N))
-    return torch.cat(chunks)
-
-
 # torch's grouped_mm and the per-segment weight-gradient, as opaque custom ops: torch.compile sees
 # single nodes with known output shapes instead of tracing into them (grouped_mm's compile support
 # covers bf16 only).
@@ -183,14 +172,6 @@ def _(lhs_MX, rhs_MY, offsets_E):
     return lhs_MX.new_empty(offsets_E.shape[0], lhs_MX.shape[1], rhs_MY.shape[1])
 
 
-def _segment_outer_reference(lhs_MX, rhs_MY, offsets_E):
-    """out[e] = lhs[rows of e]^T @ rhs[rows of e] -> [E, X, Y] by a per-segment loop (one host
-    read)."""
-    bounds = _bounds(offsets_E).tolist()
-    return torch.stack([lhs_MX[bounds[e]:bounds[e + 1]].t() @ rhs_MY[bounds[e]:bounds[e + 1]]
-                        for e in range(offsets_E.shape[0])])
-
-
 class GroupedOps(NamedTuple):
     """One backend's two grouped GEMMs: mm(a [M, K], b [E, K, N], offsets) -> [M, N] per segment;
     outer(lhs [M, X], rhs [M, Y], offsets) -> [E, X, Y], lhs_e^T @ rhs_e."""
@@ -206,8 +187,7 @@ GROUPED_OPS = {"torch": GroupedOps("torch",
                                    getattr(torch, "_grouped_mm", None) or _TORCH_GROUPED_MM,
                                    _segment_outer),
                "torch_compiled": GroupedOps("torch_compiled", _grouped_mm_op, _segment_outer_op),
-               "triton": GroupedOps("triton", grouped_mm_triton, grouped_wgrad_triton),
-               "reference": GroupedOps("reference", grouped_mm_reference, _segment_outer_reference)}
+               "triton": GroupedOps("triton", grouped_mm_triton, grouped_wgrad_triton)}
 
 
 def torch_grouped_mm_fits(device, dtype, hidden_size, intermediate_size) -> bool:
@@ -234,7 +214,7 @@ def scaled_swiglu_forward(gate_up_PF2, scale_P):
     acc = torch.promote_types(gate_up_PF2.dtype, scale_P.dtype)
     if acc != h_PF.dtype:
         return (h_PF.to(acc) * scale_P.to(acc).unsqueeze(1)).to(gate_up_PF2.dtype), silu_PF
-    if torch.compiler.is_compiling():  # out of place: see kernels/backend.py: cast (torch 2.11)
+    if torch.compiler.is_compiling():  # (out of place: torch 2.11's compile drops the grad)
         return h_PF * scale_P.unsqueeze(1), silu_PF
     return h_PF.mul_(scale_P.unsqueeze(1)), silu_PF
 

@@ -322,13 +322,15 @@ def sum_rows(h_PD, row_TK, out_dtype=None, has_holes=True):
 
 
 class RowMovers(NamedTuple):
-    """The two row movers the permute and the combine run, forward and backward: gather (as
-    `gather_rows`) and sum (as `sum_rows`). PLAIN_MOVERS here; kernels/permute.py's Triton ones."""
+    """The two row movers the fused path's Permute and Combine run, forward and backward: gather (as
+    `gather_rows`) and sum (as `sum_rows`). PLAIN_MOVERS here (the reference); train/engines.py:
+    TRITON_MOVERS, kernels/permute.py's kernels, on CUDA."""
+    name: str
     gather: Callable
     sum: Callable
 
 
-PLAIN_MOVERS = RowMovers(gather_rows, sum_rows)
+PLAIN_MOVERS = RowMovers("plain", gather_rows, sum_rows)
 
 
 class Permute(torch.autograd.Function):
@@ -365,22 +367,6 @@ class Combine(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def permute_rows(x_TD, rm, movers=PLAIN_MOVERS):
-    """The fused path's permute: rows_PD = x[token_of_row] ([P, D], x's dtype) with zero rows where
-    token_of_row < 0 (rm: a RowMap), differentiable (`Permute`) on `movers`."""
-    with torch.autocast(x_TD.device.type, enabled=False):  # the movers take explicit dtypes
-        return Permute.apply(x_TD, rm.token_of_row_P, rm.row_of_pair_TK, rm.has_holes, movers)
-
-
-def combine_rows(rows_PD, rm, movers=PLAIN_MOVERS):
-    """The fused path's combine: y[t] = sum over j = 0..K-1 with row[t, j] >= 0 of rows[row[t, j]]
-    -> [T, D] fp32 (fp64 for fp64 rows), j ascending (rm: a RowMap), differentiable (`Combine`) on
-    `movers`."""
-    with torch.autocast(rows_PD.device.type, enabled=False):
-        return Combine.apply(rows_PD, rm.token_of_row_P, rm.row_of_pair_TK, rm.has_holes, movers,
-                             torch.promote_types(rows_PD.dtype, torch.float32))
-
-
 @dataclass
 class RowMapDispatcher:
     """Zero-sync dispatch: a device-side RowMap, one permute, one combine; every shape static.
@@ -389,13 +375,12 @@ class RowMapDispatcher:
     tokens_per_expert int64 [E] on the device, row_weight_P each row's routing weight (0 for
     padding), state a RowMapState. combine(rows_out_PD, d) -> y_TD [T, D] in x's dtype: each token's
     K rows summed in fp32, slots in ascending expert id, from the first slot's term.
-    permute(x_TD, rm) -> rows_PD and combine_rows(rows_PD, rm) -> y_TD fp32 are the engines chosen
-    when the layer is built: `permute_rows` / `combine_rows` above, or kernels/permute.py's (Triton,
-    gather backward passes).
+    movers: the permute's and the combine's row movers, chosen when the layer is built (a RowMovers:
+    PLAIN_MOVERS, or on CUDA kernels/permute.py's Triton ones); both run outside autocast, in the
+    dtypes they are given.
     """
     num_experts: int
-    permute: Callable = permute_rows
-    combine_rows: Callable = combine_rows
+    movers: RowMovers = PLAIN_MOVERS
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, layout=RowLayout(),
                  host_tokens_per_expert=None):
@@ -411,14 +396,20 @@ class RowMapDispatcher:
             row_weight_P = torch.where(rm.pair_of_row_P >= 0, row_weight_P, 0.0)
         if not w_N.numel():
             row_weight_P = row_weight_P + w_N.sum()
-        rows_PD = self.permute(x_TD.to(compute_dtype(x_TD)), rm)
+        x_in_compute_dtype_TD = x_TD.to(compute_dtype(x_TD))
+        with torch.autocast(x_TD.device.type, enabled=False):  # (the movers take explicit dtypes)
+            rows_PD = Permute.apply(x_in_compute_dtype_TD, rm.token_of_row_P, rm.row_of_pair_TK,
+                                    rm.has_holes, self.movers)
         return Dispatched(rows_PD=rows_PD, tokens_per_expert=rm.padded_E, row_weight_P=row_weight_P,
                           routed_E=rm.routed_E, padded=layout.pads,
                           state=RowMapState(rm, x_TD.dtype))
 
     def combine(self, rows_out_PD, dispatched):
-        return self.combine_rows(rows_out_PD, dispatched.state.row_map).to(dispatched.state.dtype)
+        rm, out_dtype = dispatched.state.row_map, dispatched.state.dtype
+        with torch.autocast(rows_out_PD.device.type, enabled=False):
+            y_TD = Combine.apply(rows_out_PD, rm.token_of_row_P, rm.row_of_pair_TK, rm.has_holes,
+                                 self.movers, torch.promote_types(rows_out_PD.dtype, torch.float32))
+        return y_TD.to(out_dtype)
 
     def __repr__(self):
-        return (f"RowMapDispatcher(permute={self.permute.__name__}, "
-                f"combine={self.combine_rows.__name__})")
+        return f"RowMapDispatcher(movers={self.movers.name})"

@@ -12,7 +12,7 @@ from typing import Callable
 import torch.nn.functional as F
 from torch import nn
 
-from model.dispatch import combine_rows, permute_rows
+from model.dispatch import PLAIN_MOVERS, RowMovers
 from model.moe import expert_loop
 
 
@@ -23,14 +23,13 @@ class Engines:
     called as F.scaled_dot_product_attention; lm_loss: (h_ND, lm_head weight_VD, labels_N int64) ->
     mean cross-entropy over labels != -100 in fp32, without logits, or None (logits, then
     F.cross_entropy); experts: the function that runs the routed experts on their stacked weights
-    (model/moe.py: expert_loop's interface); permute / combine: the fused path's permute and combine
-    (model/dispatch.py: permute_rows / combine_rows' interfaces)."""
+    (model/moe.py: expert_loop's interface); movers: the row movers of the fused path's permute and
+    combine (model/dispatch.py: RowMovers)."""
     linear: type = nn.Linear
     attend: Callable = F.scaled_dot_product_attention
     lm_loss: Callable | None = None
     experts: Callable = expert_loop
-    permute: Callable = permute_rows
-    combine: Callable = combine_rows
+    movers: RowMovers = PLAIN_MOVERS
 
 
 PLAIN = Engines()

@@ -110,8 +110,7 @@ class MiniMindBlock(nn.Module):
         self.self_attn = Attention(config, engines.linear, engines.attend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = (MOEFeedForward(config, engines.experts, engines.permute, engines.combine,
-                                   engines.linear)
+        self.mlp = (MOEFeedForward(config, engines.experts, engines.movers, engines.linear)
                     if config.use_moe
                     else FeedForward(config.hidden_size, config.intermediate_size, engines.linear))
         self.mlp_dropout = nn.Dropout(config.dropout)

@@ -13,14 +13,13 @@ moe_impl "sorted" (the default) is bitwise the per-expert masked loop (MiniMind'
 reference in scripts/moe_reference.py) with one host sync per layer; "fused" builds the layout on
 the device (no host sync) and applies the routing weights inside the experts.
 What runs steps 3-5 is chosen when the layer is built: the experts' engine (`expert_loop` here; the
-kernels' in kernels/experts.py) and the fused path's permute / combine (model/dispatch.py's plain
-ones, or kernels/permute.py's); model/engines.py names them, train/engines.py picks the ones that
-pay.
+kernels' in kernels/experts.py) and the fused path's row movers (model/dispatch.py's plain ones, or
+kernels/permute.py's); model/engines.py names them, train/engines.py picks the ones that pay.
 Expert parallelism wraps the dispatcher (train/parallel.py).
 """
 import contextlib
+import functools
 import math
-import operator
 import threading
 import warnings
 from dataclasses import dataclass
@@ -29,8 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.dispatch import (RowMapDispatcher, SortedDispatcher, combine_rows, drop_and_pad,
-                            permute_rows)
+from model.dispatch import PLAIN_MOVERS, RowMapDispatcher, SortedDispatcher, drop_and_pad
 from model.router import expert_bias_update, router_losses, tokens_per_expert
 
 _warned_no_router_grad = False  # the k=1 warning below is given once per process
@@ -68,6 +66,9 @@ def expert_loop(rows_PD, tokens_per_expert, row_weight_P, w_gate_up_E2FD, w_down
     must match the masked loop's gathers bit for bit) and on weight views at the offsets `Expert`
     uses. An expert without rows still runs (on zero rows) while autograd records, so the gradient
     is the same whatever the routing."""
+    # in the rows' dtype (a no-op but where a fused layer's rows come in autocast's dtype and the
+    # weights in another than fp32, which autocast would leave as they are)
+    w_gate_up_E2FD, w_down_EDF = w_gate_up_E2FD.to(rows_PD.dtype), w_down_EDF.to(rows_PD.dtype)
     w_gate_EFD, w_up_EFD = w_gate_up_E2FD.unflatten(1, (2, -1)).unbind(1)
     # unbind: the backward stacks the E experts' gradients once (a select per expert would add E
     # full-size zero tensors)
@@ -84,15 +85,19 @@ def expert_loop(rows_PD, tokens_per_expert, row_weight_P, w_gate_up_E2FD, w_down
             h_nF = h_nF * row_weight_P[start:start + n, None].to(h_nF.dtype)
         outs.append(F.linear(h_nF, w_down))
         start += n
+    if start < rows_PD.shape[0]:  # rows of no expert (the fused path's holes): zero, as elsewhere
+        like = outs[-1] if outs else rows_PD
+        outs.append(like.new_zeros(rows_PD.shape[0] - start, rows_PD.shape[1]))
     return torch.cat(outs) if outs else rows_PD[:0].clone()
 
 
 class Expert(nn.Module):
-    """Expert e of an `Experts` as a module of its own (what `experts[e]` gives; the masked
-    reference loop iterates and calls these): forward(x [..., D]) -> [..., D] the SwiGLU FFN on
-    views into the stacked weights, so gradients flow into them; parameters() yields the views gate
-    [F, D], up [F, D], down [D, F]. It holds no parameter of its own: the weights stay the
-    stack's (train, clip or freeze the stack, `Experts.parameters()`: the views are no leaves)."""
+    """Expert e of an `Experts` as a module of its own, what iterating the Experts gives (the masked
+    reference loop of the user's acceptance test iterates and calls these): forward(x [..., D]) ->
+    [..., D] the SwiGLU FFN on views into the stacked weights, so gradients flow into them;
+    parameters() yields the views gate [F, D], up [F, D], down [D, F]. It holds no parameter of its
+    own: the weights stay the stack's (train, clip or freeze the stack, `Experts.parameters()`: the
+    views are no leaves)."""
 
     def __init__(self, experts, index):
         super().__init__()
@@ -124,11 +129,12 @@ class Experts(nn.Module):
     forward(rows_PD [P, D], tokens_per_expert int64 [E'], row_weight_P [P] or None) -> [P, D]: the
     stack's experts (E' = all, or under expert parallelism the rank's) on their rows in order, as
     `expert_loop` documents. Under expert parallelism (train/parallel.py) the stacked weights are
-    DTensors sharded on the expert dimension and the engine reads this rank's shard. As a sequence,
-    `experts[e]` is an `Expert` module. state_dict: one entry per expert and projection,
-    `{e}.{gate,up,down}_proj.weight` (views into the stack): the keys of E separate FeedForward
-    modules (HF's layout); `stacked_names()` keeps the stacked ones (checkpoints); load_state_dict
-    takes either. Initialised as E FeedForwards would be (the same draws, in the same order)."""
+    DTensors sharded on the expert dimension and the engine reads this rank's shard. Iterated, it
+    gives one `Expert` module per expert (global ids). state_dict: one entry per expert and
+    projection, `{e}.{gate,up,down}_proj.weight` (views into the stack): the keys of E separate
+    FeedForward modules (HF's layout); `stacked_names()` keeps the stacked ones (checkpoints);
+    load_state_dict takes either. Initialised as E FeedForwards would be (the same draws, in the
+    same order)."""
 
     def __init__(self, num_experts, hidden_size, intermediate_size, engine=expert_loop):
         super().__init__()
@@ -143,12 +149,6 @@ class Experts(nn.Module):
 
     def __len__(self):
         return self.gate_up_proj.shape[0]
-
-    def __getitem__(self, index):
-        index = operator.index(index)  # (an int: a slice of experts is no module)
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"expert {index} of {len(self)}")
-        return Expert(self, index % len(self))
 
     def __iter__(self):
         return (Expert(self, e) for e in range(len(self)))
@@ -167,7 +167,7 @@ class Experts(nn.Module):
 
     def extra_repr(self):
         (E, F2, D) = self.gate_up_proj.shape
-        return f"{E} x SwiGLU({D} -> {F2 // 2} -> {D}), engine={engine_name(self.engine)}"
+        return f"{E} x SwiGLU({D} -> {F2 // 2} -> {D}), engine={self.engine.__name__}"
 
 
 def local_shard(weight):
@@ -188,13 +188,6 @@ def stacked_names():
         yield
     finally:
         _names.stacked = False
-
-
-def engine_name(engine):
-    """An engine's name for print(model): a function's, or for an autograd Function's `apply` its
-    class's."""
-    owner = getattr(engine, "__self__", None)
-    return owner.__name__ if isinstance(owner, type) else engine.__name__
 
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -223,42 +216,36 @@ def _per_expert_state_dict(module, state_dict, prefix, local_metadata):
 
 def _stacked_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys,
                         unexpected_keys, error_msgs):
-    """Experts' load_state_dict pre-hook: per-expert entries -> the stacked tensors. A misshapen
-    entry is a size-mismatch error naming its key; with some experts' entries absent the others
-    load into the current stack and the absent keys are reported missing (strict: an error)."""
-    (E, F2, D) = module.gate_up_proj.shape
-    F_ = F2 // 2
-    shapes = dict(zip(PROJECTIONS, ((F_, D), (F_, D), (D, F_))))
-    keys = [[f"{prefix}{e}.{name}.weight" for name in PROJECTIONS] for e in range(E)]
-    present = [k for ks in keys for k in ks if k in state_dict]
-    if not present:
-        return
-    misshapen = [k for k in present if tuple(state_dict[k].shape) != shapes[k.split(".")[-2]]]
-    for k in misshapen:
-        error_msgs.append(f"size mismatch for {k}: copying a param with shape "
-                          f"{tuple(state_dict[k].shape)} from checkpoint, the shape in current "
-                          f"model is {shapes[k.split('.')[-2]]}.")
-    if misshapen:  # (only these errors: nothing loads, nothing else is reported)
-        for k in present:
-            state_dict.pop(k)
-        state_dict[prefix + "gate_up_proj"] = module.gate_up_proj.detach()
-        state_dict[prefix + "down_proj"] = module.down_proj.detach()
-        return
-    if len(present) == 3 * E:
-        per_expert = [[state_dict.pop(k) for k in ks] for ks in keys]
-        state_dict[prefix + "gate_up_proj"] = torch.stack([torch.cat([gate, up])
-                                                           for gate, up, _ in per_expert])
-        state_dict[prefix + "down_proj"] = torch.stack([down for _, _, down in per_expert])
-        return
-    gate_up, down = module.gate_up_proj.detach().clone(), module.down_proj.detach().clone()
-    for e, (gate_key, up_key, down_key) in enumerate(keys):
-        targets = ((gate_key, gate_up[e, :F_]), (up_key, gate_up[e, F_:]), (down_key, down[e]))
-        for key, target in targets:
-            if key in state_dict:
-                target.copy_(state_dict.pop(key))
-            else:
-                missing_keys.append(key)
-    state_dict[prefix + "gate_up_proj"], state_dict[prefix + "down_proj"] = gate_up, down
+    """Experts' load_state_dict pre-hook: per-expert entries -> the stacked tensors, each entry
+    copied into its place: in a new stack of the entries' (promoted) dtype when all are given and
+    fit (what assign=True takes), else in a copy of the current one. A misshapen entry is a
+    size-mismatch error naming its key (the others load into the copy, as torch loads the tensors
+    that fit); absent experts' keys are reported missing (strict: an error): their weights stay."""
+    current = {name: getattr(module, name) for name in ("gate_up_proj", "down_proj")}
+    # key -> (its entry, the shape the entry must have)
+    given = {key: (state_dict.pop(key), current[name][index].shape)
+             for key, name, index in per_expert_entries(module, prefix) if key in state_dict}
+    if not given:
+        return  # (the stacked tensors themselves, or nothing of this module)
+    whole = len(given) == 3 * len(module) and all(t.shape == must for t, must in given.values())
+    # the entries' promoted dtype, as torch.cat would give
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t, _ in given.values()])
+    device = next(iter(given.values()))[0].device
+    stacked = {name: (torch.empty(t.shape, dtype=dtype, device=device) if whole
+                      else t.detach().clone()) for name, t in current.items()}
+    for key, name, index in per_expert_entries(module, prefix):
+        if key not in given:
+            missing_keys.append(key)
+            continue
+        tensor, shape = given[key]
+        if tensor.shape != shape:
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                              f"{tuple(tensor.shape)} from checkpoint, the shape in current model "
+                              f"is {tuple(shape)}.")
+        else:
+            stacked[name][index].copy_(tensor)
+    for name, value in stacked.items():
+        state_dict[prefix + name] = value
 
 
 @dataclass
@@ -290,8 +277,7 @@ class MOEFeedForward(nn.Module):
     The router's choices per expert (real tokens, before capacity) add up until `pop_load()`.
     """
 
-    def __init__(self, config, experts=expert_loop, permute=permute_rows, combine=combine_rows,
-                 linear=nn.Linear):
+    def __init__(self, config, experts=expert_loop, movers=PLAIN_MOVERS, linear=nn.Linear):
         super().__init__()
         self.config = config
         E = config.num_experts
@@ -304,7 +290,7 @@ class MOEFeedForward(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
         else:
             self.expert_bias = None
-        self.dispatcher = (RowMapDispatcher(E, permute, combine) if config.moe_impl == "fused"
+        self.dispatcher = (RowMapDispatcher(E, movers) if config.moe_impl == "fused"
                            else SortedDispatcher(E))
         self.aux_loss = torch.zeros(())
         self.stats = MoEStats()

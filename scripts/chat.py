@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from data.chat import tokenize_conversation  # noqa: E402
 from data.tokenizer import stop_token_ids  # noqa: E402
 from generate import RANGES, load_model  # noqa: E402
-from train.flags import Parser, check_ranges, run_tool, show_ranges, utf8_text  # noqa: E402
+from train.flags import Parser, run_tool, utf8_text  # noqa: E402
 
 
 class Chat:
@@ -80,9 +80,7 @@ def main(argv=None):
     p.add_argument("--top_p", type=float, default=0.95, help="nucleus sampling mass (1.0 = off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    show_ranges(p, RANGES)
-    args = p.parse_args(argv)
-    check_ranges(p, args, RANGES)
+    args = p.parse_args(argv, ranges=RANGES)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(p, args, device)
     if not tokenizer.chat_template:

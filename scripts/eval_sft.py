@@ -75,7 +75,7 @@ def answer(model, tok, prompt_ids, max_new_tokens):
 
 
 def main(argv=None):
-    from train.flags import AT_LEAST_0, AT_LEAST_1, Parser, check_ranges, show_ranges
+    from train.flags import AT_LEAST_0, AT_LEAST_1, Parser
     p = Parser(description=__doc__)
     p.add_argument("--base", default="checkpoints/pretrain", help="the pretrained run (or its export)")
     p.add_argument("--sft", default="checkpoints/sft", help="the fine-tuned run (or its export)")
@@ -83,9 +83,7 @@ def main(argv=None):
     p.add_argument("--examples", type=int, default=3, help="answers to print")
     p.add_argument("--max_new_tokens", type=int, default=60, help="longest answer")
     ranges = {"n": AT_LEAST_1, "examples": AT_LEAST_0, "max_new_tokens": AT_LEAST_1}
-    show_ranges(p, ranges)
-    args = p.parse_args(argv)
-    check_ranges(p, args, ranges)
+    args = p.parse_args(argv, ranges=ranges)
     try:
         (base, base_tok), (sft, sft_tok) = load(args.base), load(args.sft)
     except (DataError, FileNotFoundError, ValueError) as e:

@@ -108,11 +108,7 @@ def main(argv=None):
     p.add_argument("--no_verify", action="store_true", help="skip the load-back logit comparison")
     p.add_argument("--force", action="store_true", help="replace an earlier export at --out")
     args = p.parse_args(argv)
-    try:
-        export(args.ckpt, args.out, args.dtype, args.tokenizer, verify=not args.no_verify, force=args.force)
-    except (ExportError, OSError, ValueError) as e:  # (OSError: a folder that cannot be written, ...)
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    export(args.ckpt, args.out, args.dtype, args.tokenizer, verify=not args.no_verify, force=args.force)
 
 
 if __name__ == "__main__":

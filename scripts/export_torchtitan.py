@@ -8,10 +8,12 @@ The folder holds hf/ (export_hf.py's Qwen3 / Qwen3-MoE export, logits checked, w
 transformers' {% generation %} tags, which torchtitan's tokenizer rejects), minimind_tt.py (the model as a
 torchtitan Qwen3 flavor: tied embeddings, q/k norm, RoPE theta, softmax top-k with norm_topk_prob as
 route_norm, the routed scaling already folded into the experts' down projections by the export; and the
-trainer configs `minimind_pretrain` / `minimind_sft`, which load hf/ at step 0 and save in HF format), and
-COMMAND.txt. Routing balance: torchtitan's learned routing bias (load_balance_coeff) is off, since a Qwen3-MoE
-folder cannot hold it (its exports would route otherwise than it trained); --load_balance_coeff turns it on.
-torchtitan has none of our router losses or capacity limits: those the run used are named in a warning.
+trainer configs `minimind_pretrain` / `minimind_sft`, which load hf/ at step 0 and save in HF format; built
+from torchtitan's public config builders, their steps, checkpoint interval and dataset from --steps,
+--sft_steps, --checkpoint_interval and --dataset), and COMMAND.txt. Routing balance: torchtitan's learned
+routing bias (load_balance_coeff) is off, since a Qwen3-MoE folder cannot hold it (its exports would route
+otherwise than it trained); --load_balance_coeff turns it on. torchtitan has none of our router losses or
+capacity limits: those the run used are named in a warning.
 Back again: torchtitan's last checkpoint (HF format, in its dump folder) -> scripts/import_hf.py (the chat
 template then lacks the generation tags; train/sft.py masks by its own ChatML rule). torchtitan's SFT loader
 takes one exchange per row: minimind_sft trains on each conversation's last.
@@ -29,7 +31,7 @@ from model.config import MiniMindConfig  # noqa: E402
 from model.hf_adapter import ExportError, check_exportable  # noqa: E402
 from train.checkpoint import load_checkpoint  # noqa: E402
 from train.run_dir import run_tokenizer  # noqa: E402
-from train.flags import Parser, run_tool  # noqa: E402
+from train.flags import AT_LEAST_1, Parser, run_tool  # noqa: E402
 
 TORCHTITAN_EPS = 1e-6  # torchtitan's Qwen3 RMSNorm eps (models/qwen3: _EPS), fixed
 
@@ -64,35 +66,30 @@ def untrained_settings(config):
     return [f"{name}={value}" for name, value in active.items() if config.use_moe and value]
 
 
-def flavor_module(config, args_of_run, source, load_balance_coeff):
-    """The text of minimind_tt.py for `config` (a MiniMindConfig) and the run's flags (lr, seq_len, batch)."""
-    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
-    layers = (f"_build_qwen3_moe_layers(n_layers={config.num_hidden_layers}, dim=DIM, n_heads="
-              f"{config.num_attention_heads}, n_kv_heads={config.num_key_value_heads}, head_dim=HEAD_DIM,\n"
-              f"            moe_hidden_dim={config.moe_intermediate_size}, num_experts={config.num_experts}, "
-              f"top_k={config.num_experts_per_tok}, attn_backend=attn_backend,\n"
-              f"            moe_comm_backend=\"standard\", rope=rope)" if config.use_moe else
-              f"_build_qwen3_layers(n_layers={config.num_hidden_layers}, dim=DIM, n_heads="
-              f"{config.num_attention_heads}, n_kv_heads={config.num_key_value_heads}, head_dim=HEAD_DIM,\n"
-              f"            hidden_dim={config.intermediate_size}, attn_backend=attn_backend, rope=rope)")
-    moe_settings = (f"    for layer in cfg.layers:\n"
-                    f"        layer.moe.router.route_norm = {bool(config.norm_topk_prob)}  # norm_topk_prob\n"
-                    f"        layer.moe.load_balance_coeff = {load_balance_coeff!r}  # (see COMMAND.txt)\n"
-                    if config.use_moe else "")
+def flavor_module(config, args_of_run, source, load_balance_coeff, schedule):
+    """The text of minimind_tt.py for `config` (a MiniMindConfig), the run's flags (lr, seq_len, batch, warmup)
+    and `schedule` (dict: steps, sft_steps, checkpoint_interval, dataset)."""
     return TEMPLATE.format(
-        source=source, dim=config.hidden_size, head_dim=head_dim, vocab=config.vocab_size,
-        tie=bool(config.tie_word_embeddings), max_seq=config.max_position_embeddings, theta=float(config.rope_theta),
-        layers=layers, moe_settings=moe_settings, lb_hook="register_moe_load_balancing_hook" if config.use_moe
-        else "None", lr=args_of_run.get("learning_rate", 1e-4), seq_len=args_of_run.get("seq_len", 512),
-        batch=args_of_run.get("batch_size", 8), warmup=args_of_run.get("warmup_steps", 50))
+        source=source, dim=config.hidden_size, vocab=config.vocab_size, layers=config.num_hidden_layers,
+        head_dim=config.head_dim or config.hidden_size // config.num_attention_heads, heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads, tie=bool(config.tie_word_embeddings),
+        max_seq=config.max_position_embeddings, theta=float(config.rope_theta), moe=bool(config.use_moe),
+        experts=config.num_experts, top_k=config.num_experts_per_tok, route_norm=bool(config.norm_topk_prob),
+        lb=load_balance_coeff,
+        ffn=config.moe_intermediate_size if config.use_moe else config.intermediate_size,
+        lr=args_of_run.get("learning_rate", 1e-4), seq_len=args_of_run.get("seq_len", 512),
+        batch=args_of_run.get("batch_size", 8), warmup=args_of_run.get("warmup_steps", 50), **schedule)
 
 
+# (torchtitan's public config builders; its Qwen3 flavors' own helpers are private)
 TEMPLATE = '''"""torchtitan 0.3.0 flavor of a minimind-moe run ({source}), written by scripts/export_torchtitan.py.
-Configs: minimind_pretrain (torchtitan's registered "c4", streamed from the HF hub; other text through its
+Configs: minimind_pretrain (a dataset torchtitan registers, streamed from the HF hub; other text through its
 --dataloader.dataset / --dataloader.dataset_path), minimind_sft (MINIMIND_SFT_JSONL: our chat jsonl,
 {{"conversations": [...]}} or {{"messages": [...]}} per line, each row's last exchange). Both load hf/ at step 0."""
 import os
+from functools import partial
 
+from torch import nn
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import default_adamw, LRSchedulersContainer, register_moe_load_balancing_hook
@@ -100,31 +97,59 @@ from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan.hf_datasets.text_datasets import ChatDataLoader, HuggingFaceTextDataLoader
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-from torchtitan.models.qwen3 import (_EMBEDDING_SKIP_INIT, _LINEAR_INIT, _build_qwen3_layers, _build_qwen3_moe_layers,
-                                     _qwen3_norm, parallelize_qwen3)
-from torchtitan.models.qwen3.model import Qwen3Model
+from torchtitan.models.common.config_utils import (get_attention_config, make_ffn_config, make_gqa_config,
+                                                   make_moe_config, make_routed_experts_config, make_router_config)
+from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.models.common.param_init import skip_param_init
+from torchtitan.models.qwen3 import parallelize_qwen3
+from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
 HF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf")
-DIM, HEAD_DIM, VOCAB = {dim}, {head_dim}, {vocab}
+DIM, HEAD_DIM, VOCAB, FFN = {dim}, {head_dim}, {vocab}, {ffn}
+NORMAL = {{"weight": partial(nn.init.normal_, std=0.02)}}  # (every weight is then loaded from hf/)
+
+
+def norm(dim):
+    return RMSNorm.Config(normalized_shape=dim, eps=1e-6, param_init={{"weight": nn.init.ones_}})
+
+
+def block(attn_backend, rope):
+    """One decoder block: Qwen3's GQA with q/k norm, then the MoE (or, for a dense run, the SwiGLU)."""
+    attention = make_gqa_config(dim=DIM, n_heads={heads}, n_kv_heads={kv_heads}, head_dim=HEAD_DIM, fuse_qkv=True,
+                                wqkv_param_init=NORMAL, wo_param_init=NORMAL, rope=rope, qk_norm=norm(HEAD_DIM),
+                                inner_attention=get_attention_config(attn_backend))
+    if not {moe}:
+        return Qwen3TransformerBlock.Config(attention_norm=norm(DIM), ffn_norm=norm(DIM), attention=attention,
+                                            feed_forward=make_ffn_config(dim=DIM, hidden_dim=FFN, w1_param_init=NORMAL,
+                                                                         w2w3_param_init=NORMAL))
+    router = make_router_config(dim=DIM, num_experts={experts}, gate_param_init=NORMAL, top_k={top_k},
+                                score_func="softmax", route_norm={route_norm})  # route_norm: norm_topk_prob
+    experts = make_routed_experts_config(dim=DIM, hidden_dim=FFN, num_experts={experts}, top_k={top_k},
+                                         comm_backend="standard",
+                                         param_init=dict.fromkeys(("w1_EFD", "w2_EDF", "w3_EFD"), NORMAL["weight"]))
+    moe = make_moe_config(num_experts={experts}, router=router, routed_experts=experts,
+                          load_balance_coeff={lb!r})  # (see COMMAND.txt)
+    return Qwen3TransformerBlock.Config(attention_norm=norm(DIM), ffn_norm=norm(DIM), attention=attention, moe=moe)
 
 
 def minimind_model_config(attn_backend="flex"):
     rope = CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len={max_seq}, theta={theta})
-    cfg = Qwen3Model.Config(
-        vocab_size=VOCAB, dim=DIM, norm=_qwen3_norm(DIM), enable_weight_tying={tie},
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_SKIP_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_LINEAR_INIT),
-        layers={layers})
-{moe_settings}    return cfg
+    return Qwen3Model.Config(
+        vocab_size=VOCAB, dim=DIM, norm=norm(DIM), enable_weight_tying={tie},
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
+                                        param_init={{"weight": skip_param_init}}),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=NORMAL),
+        layers=[block(attn_backend, rope) for _ in range({layers})])
 
 
 def minimind_model_spec(attn_backend="flex"):
     return ModelSpec(name="qwen3", flavor="minimind", model=minimind_model_config(attn_backend),
                      parallelize_fn=parallelize_qwen3, pipelining_fn=pipeline_llm,
-                     post_optimizer_build_fn={lb_hook}, state_dict_adapter=Qwen3StateDictAdapter)
+                     post_optimizer_build_fn=register_moe_load_balancing_hook if {moe} else None,
+                     state_dict_adapter=Qwen3StateDictAdapter)
 
 
 def _trainer(dataloader, steps):
@@ -137,11 +162,12 @@ def _trainer(dataloader, steps):
         training=TrainingConfig(local_batch_size={batch}, seq_len={seq_len}, steps=steps),
         parallelism=ParallelismConfig(data_parallel_shard_degree=-1, expert_parallel_degree=1),
         checkpoint=CheckpointManager.Config(enable=True, initial_load_path=HF, initial_load_in_hf=True,
-                                            initial_load_model_only=True, last_save_in_hf=True, interval=500))
+                                            initial_load_model_only=True, last_save_in_hf=True,
+                                            interval={checkpoint_interval}))
 
 
 def minimind_pretrain():
-    return _trainer(HuggingFaceTextDataLoader.Config(dataset="c4"), steps=1000)
+    return _trainer(HuggingFaceTextDataLoader.Config(dataset={dataset!r}), steps={steps})
 
 
 def last_exchange(row):
@@ -153,8 +179,9 @@ def last_exchange(row):
 
 def minimind_sft():
     data = os.environ.get("MINIMIND_SFT_JSONL", "sft.jsonl")
-    return _trainer(ChatDataLoader.Config(dataset_path="json", load_dataset_kwargs={{"data_files": data, "split": "train"}},
-                                          sample_processor=last_exchange), steps=300)
+    return _trainer(ChatDataLoader.Config(dataset_path="json",
+                                          load_dataset_kwargs={{"data_files": data, "split": "train"}},
+                                          sample_processor=last_exchange), steps={sft_steps})
 '''
 
 
@@ -169,9 +196,14 @@ def command(config_name, ep, fsdp):
 OWN_FILES = {"hf", "minimind_tt.py", "COMMAND.txt", "__pycache__"}  # (torchtitan writes outputs/ beside them)
 
 
-def export(ckpt_path, out_dir, ep=1, fsdp=1, load_balance_coeff=None, tokenizer_dir=None, log=print, force=False):
-    """Write the torchtitan folder at out_dir. Raises ExportError / ValueError / FileNotFoundError (one line)
-    before anything is written."""
+SCHEDULE = dict(steps=1000, sft_steps=300, checkpoint_interval=500, dataset="c4")  # the flags' defaults
+
+
+def export(ckpt_path, out_dir, ep=1, fsdp=1, load_balance_coeff=None, tokenizer_dir=None, log=print, force=False,
+           schedule=SCHEDULE):
+    """Write the torchtitan folder at out_dir; `schedule` as SCHEDULE (the configs' steps, checkpoint interval
+    and pretraining dataset). Raises ExportError / ValueError / FileNotFoundError (one line) before anything is
+    written."""
     from export_hf import check_out, export as export_hf
     ckpt = load_checkpoint(ckpt_path, weights=False)
     config = MiniMindConfig.from_dict(ckpt["config"])
@@ -192,7 +224,8 @@ def export(ckpt_path, out_dir, ep=1, fsdp=1, load_balance_coeff=None, tokenizer_
             with open(template, "w", encoding="utf-8") as f:
                 f.write(text)
         with open(os.path.join(tmp, "minimind_tt.py"), "w", encoding="utf-8") as f:
-            f.write(flavor_module(config, ckpt.get("args") or {}, os.path.abspath(ckpt_path), load_balance_coeff))
+            f.write(flavor_module(config, ckpt.get("args") or {}, os.path.abspath(ckpt_path), load_balance_coeff,
+                                  schedule))
         with open(os.path.join(tmp, "COMMAND.txt"), "w", encoding="utf-8") as f:
             f.write(f"# in this folder, with torchtitan==0.3.0 installed, on {fsdp} GPUs:\n"
                     f"{command('minimind_pretrain', ep, fsdp)}\n"
@@ -214,12 +247,16 @@ def main(argv=None):
                    "(default off: a Qwen3-MoE export cannot hold the bias)")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: tokenizer/ next to the checkpoint)")
     p.add_argument("--force", action="store_true", help="replace an earlier export at --out")
-    args = p.parse_args(argv)
-    try:
-        export(args.ckpt, args.out, args.ep, args.fsdp, args.load_balance_coeff, args.tokenizer, force=args.force)
-    except (ExportError, OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    p.add_argument("--steps", type=int, default=SCHEDULE["steps"], help="minimind_pretrain's training steps")
+    p.add_argument("--sft_steps", type=int, default=SCHEDULE["sft_steps"], help="minimind_sft's training steps")
+    p.add_argument("--checkpoint_interval", type=int, default=SCHEDULE["checkpoint_interval"],
+                   help="steps between torchtitan's checkpoints (both configs)")
+    p.add_argument("--dataset", default=SCHEDULE["dataset"], choices=("c4", "c4_test", "c4_validation"),
+                   help="minimind_pretrain's dataset, one torchtitan 0.3.0 registers (other text: its "
+                   "--dataloader.dataset / --dataloader.dataset_path at launch)")
+    args = p.parse_args(argv, ranges=dict.fromkeys(("steps", "sft_steps", "checkpoint_interval"), AT_LEAST_1))
+    export(args.ckpt, args.out, args.ep, args.fsdp, args.load_balance_coeff, args.tokenizer, force=args.force,
+           schedule={k: getattr(args, k) for k in SCHEDULE})
 
 
 if __name__ == "__main__":

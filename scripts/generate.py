@@ -21,7 +21,7 @@ from model.hf_adapter import is_hf_folder  # noqa: E402
 from train.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
 from train.hf_folder import load_hf_checked  # noqa: E402
 from train.run_dir import run_tokenizer  # noqa: E402
-from train.flags import Parser, Range, check_ranges, run_tool, show_ranges, utf8_text  # noqa: E402
+from train.flags import Parser, Range, run_tool, utf8_text  # noqa: E402
 
 RANGES = {"max_new_tokens": Range(1), "num_samples": Range(1), "temperature": Range(0), "top_k": Range(0),
           "top_p": Range(0, 1, lo_open=True), "seed": Range(0, 2**32 - 1)}
@@ -52,9 +52,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--no_cache", action="store_true", help="recompute the prefix each step (no KV cache)")
-    show_ranges(p, RANGES)
-    args = p.parse_args(argv)
-    check_ranges(p, args, RANGES)
+    args = p.parse_args(argv, ranges=RANGES)
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():

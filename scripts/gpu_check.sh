@@ -69,7 +69,7 @@ if [ -f "$SHARED_DIR/acceptance/test_moe_sorted.py" ]; then
 else
     section "acceptance test: $SHARED_DIR/acceptance/test_moe_sorted.py not found, skipped"
 fi
-start_test test_kernels env TRITON_INTERPRET=0 $PY scripts/test_kernels.py rows_bitwise permute_combine grouped_mm_triton \
+start_test test_kernels env TRITON_INTERPRET=0 $PY scripts/test_kernels.py rows_bitwise permute_combine grouped_ops \
     grouped_swiglu  # (compiled Triton on CUDA)
 start_test test_moe_sorted $PY scripts/test_moe_sorted.py cuda
 start_test test_moe_fused $PY scripts/test_moe_fused.py cuda

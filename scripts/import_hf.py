@@ -19,7 +19,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from model.hf_adapter import ExportError  # noqa: E402
 from data.atomic import atomic_dir, atomic_write_text  # noqa: E402
 from train.checkpoint import save_checkpoint  # noqa: E402
 from train.hf_folder import load_hf_checked  # noqa: E402
@@ -55,11 +54,7 @@ def main(argv=None):
     p.add_argument("--hf", required=True, help="HF folder (config.json + *.safetensors)")
     p.add_argument("--out", required=True, help="run directory to write (must not exist, or be empty)")
     args = p.parse_args(argv)
-    try:
-        import_hf(args.hf, args.out)
-    except (ExportError, FileNotFoundError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    import_hf(args.hf, args.out)
 
 
 if __name__ == "__main__":

@@ -35,11 +35,10 @@ def routed(mod, x):
 
 def test_counts_within_capacity_and_sync_free():
     """Sorted: one sync with capacity; the fused layer built with train.engines.engines_for's engines
-    (the experts on cpu_experts where oneDNN runs, the rows moved by the plain permute / combine): no sync,
+    (the experts on the CPU expert GEMMs where oneDNN runs, the rows moved by the plain row movers): no sync,
     the same per-expert counts (also with padding to capacity)."""
     from train.engines import describe, engines_for
     from testlib import rebuilt
-    from model.moe import engine_name
     for cf in (0.25, 0.5, 1.0):
         for pad in (False, True):
             mod = build(capacity_factor=cf, moe_pad_to_capacity=pad)
@@ -51,7 +50,7 @@ def test_counts_within_capacity_and_sync_free():
             fused = build(capacity_factor=cf, moe_pad_to_capacity=pad, moe_impl="fused")
             engines = engines_for(fused.config, "cpu", torch.float32)
             fused = rebuilt(fused, engines)
-            want = f"engines: {engine_name(engines.experts)} x1"
+            want = f"engines: {engines.experts.__name__} x1"
             assert fused.experts.engine is engines.experts and describe(fused) == want, describe(fused)
             _, n = count_syncs(fused, x)
             assert n == 0, f"fused: {n} syncs with capacity"

@@ -10,9 +10,10 @@ import os
 import re
 import sys
 
-import torch
+os.environ.setdefault("TRITON_INTERPRET", "1")  # (before triton is imported: the CUDA movers' chain, on CPU)
+import torch  # noqa: E402
 
-from testlib import ROOT, run
+from testlib import ROOT, Skip, run
 
 MAX_FUNCTION_LINES = 80   # any function in train/ and in the MoE layer's files
 # which top-level folders each folder may import from (the arrows run down: scripts -> train -> kernels,
@@ -70,7 +71,7 @@ def _moe_path_to_gemm(moe_impl, experts=None):
     torch.manual_seed(0)
     config = MiniMindConfig(hidden_size=32, num_experts=4, moe_intermediate_size=16, moe_impl=moe_impl)
     engines = engines_for(config, "cpu", torch.float32)
-    layer = MOEFeedForward(config, experts or engines.experts, engines.permute, engines.combine, engines.linear).train()
+    layer = MOEFeedForward(config, experts or engines.experts, engines.movers, engines.linear).train()
     chains = []
 
     def profile(frame, event, arg):
@@ -109,6 +110,61 @@ def test_moe_call_path_is_short():
         assert len(chain) <= most_calls and {f for f, _ in chain} <= files, f"{moe_impl}: {len(chain)} frames: {chain}"
 
 
+def test_cuda_mover_chains_are_short():
+    """The fused path's permute and combine as the trainer builds them on CUDA (train/engines.py:
+    TRITON_MOVERS; here in Triton's CPU interpreter): from MOEFeedForward.forward (backward: from the autograd
+    Function) to kernels/permute.py's mover at most 5 frames of ours, never back into model/ once in kernels/."""
+    from kernels.backend import triton_runs_on
+    from model.config import MiniMindConfig
+    from model.moe import MOEFeedForward
+    from train.engines import TRITON_MOVERS, engines_for
+    if not triton_runs_on(torch.zeros(1)):
+        raise Skip("Triton runs on no device here (not installed, or TRITON_INTERPRET=0 without CUDA)")
+    try:  # (some Triton versions' interpreters cannot run the combine kernel: then nothing here can be traced)
+        TRITON_MOVERS.sum(torch.zeros(2, 4), torch.zeros(1, 2, dtype=torch.int64))
+    except Exception as e:
+        raise Skip(f"this Triton's interpreter cannot run the movers ({type(e).__name__}: {e})") from None
+    config = MiniMindConfig(hidden_size=32, num_experts=4, moe_intermediate_size=16, moe_impl="fused")
+    torch.manual_seed(0)
+    layer = MOEFeedForward(config, engines_for(config, "cpu", torch.float32).experts, TRITON_MOVERS).train()
+    movers = {TRITON_MOVERS.gather.__code__, TRITON_MOVERS.sum.__code__}
+    chains = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code in movers:
+            chain, f = [], frame
+            while f is not None:
+                path = os.path.relpath(os.path.abspath(f.f_code.co_filename), ROOT)
+                if path.split(os.sep)[0] in ALLOWED_IMPORTS:
+                    chain.append((path, f.f_code.co_name))
+                f = f.f_back
+            chains.append(chain[::-1])
+
+    sys.setprofile(profile)
+    try:
+        layer(torch.randn(2, 8, 32, requires_grad=True)).sum().backward()
+    finally:
+        sys.setprofile(None)
+    assert len(chains) == 4, chains  # permute, combine; their backward passes
+    for chain in chains:
+        folders = [path.split(os.sep)[0] for path, _ in chain]
+        assert len(chain) <= 5 and folders[-1] == "kernels" and "model" not in folders[folders.index("kernels"):], chain
+        assert chain[0] in (("model/moe.py", "forward"), ("model/dispatch.py", "backward")), chain
+
+
+def test_gpu_check_runs_the_tests_it_names():
+    """Each test filter scripts/gpu_check.sh passes a test script matches one of its tests (a renamed test would
+    drop out of the GPU check unseen)."""
+    text = open(os.path.join(ROOT, "scripts", "gpu_check.sh"), encoding="utf-8").read().replace("\\\n", " ")
+    checked = []
+    for match in re.finditer(r"scripts/(test_\w+)\.py((?: +[a-z_][a-z_0-9]*)*)", text):
+        script, filters = match.group(1), match.group(2).split()
+        tree = ast.parse(open(os.path.join(ROOT, "scripts", script + ".py"), encoding="utf-8").read())
+        names = [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")]
+        checked += [(script, f) for f in filters if not any(f in name for name in names)]
+    assert not checked, f"gpu_check.sh filters that match no test: {checked}"
+
+
 def test_kernels_are_a_library():
     """kernels/ holds functions and autograd Functions on tensors that the model's engines call: no class of
     kernels/ derives from one of model/, and none imports model/ or train/ (the glue that builds a model with
@@ -145,7 +201,7 @@ def test_no_class_swaps():
 
 # The MoE core, where a reader most needs names that say what they hold
 MOE_CORE = ("model/moe.py", "model/dispatch.py", "model/router.py", "model/engines.py", "model/config.py",
-            "kernels/experts.py", "train/engines.py", "kernels/permute.py", "train/parallel.py", "train/flags.py",
+            "kernels/experts.py", "train/engines.py", "kernels/permute.py", "train/parallel.py", "train/distributed.py", "train/flags.py",
             "train/init_weights.py")
 ONE_LETTER_NAMES_ALLOWED = {"x", "e"}  # a module's input (nn.Module's convention); an exception
 
@@ -259,6 +315,7 @@ def test_readmes_name_every_source_file():
 
 
 TESTS = [test_imports_run_down_the_layers, test_model_is_plain_pytorch, test_moe_call_path_is_short,
+         test_cuda_mover_chains_are_short, test_gpu_check_runs_the_tests_it_names,
          test_kernels_are_a_library, test_main_job_model_named_once, test_no_class_swaps,
          test_names_say_what_they_hold, test_one_loop_file, test_functions_fit_on_a_screen, test_one_atomic_write_helper,
          test_no_machine_timings_in_docstrings, test_readmes_name_every_source_file,

@@ -18,8 +18,7 @@ import torch
 
 from testlib import Skip, run
 from test_moe_fused import ENGINE_FUNCTIONS, assert_bf16_as_close_as_sorted, assert_close, fwd_bwd, pair, with_engines
-from train.engines import engines_for
-from kernels.experts import grouped_experts_for
+from train.engines import engines_for, grouped_experts_for
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 
 

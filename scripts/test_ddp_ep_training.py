@@ -26,16 +26,16 @@ def data_file():
 
 
 def _train_rank(rank, world, argvs):
-    """train/pretrain.py's command line (train.stage.main) on this rank: {"ok": True}, or the exit code
+    """train/pretrain.py's command line (its parse_args, then train.loop.run_cli) on this rank: {"ok": True}, or the exit code
     and what it wrote to stderr (a refusal: the one "error:" line, or a peer's note)."""
     import contextlib
     import io
-    from train.stage import main
-    from train.pretrain import STAGE
+    from train.loop import run_cli
+    from train.pretrain import STAGE, parse_args
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            main(STAGE, argvs[rank], log=lambda *_: None)
+            run_cli(STAGE, parse_args(argvs[rank]), log=lambda *_: None)
         return {"ok": True}
     except SystemExit as e:
         return {"ok": False, "error": err.getvalue(), "exit": e.code}

@@ -5,7 +5,7 @@
 The EP dispatcher (train/parallel.py: AllToAllDispatcher, `install`) wraps the layer's own dispatcher, so
 every expert engine runs under EP (ENGINES): "sorted" (moe_impl="sorted"), and moe_impl="fused" as the
 plain layer ("plain": the plain permute / combine and model/moe.py's expert_loop) and built with
-train.engines.engines_for's engines (what the trainer runs: "cpu", kernels/experts.py's cpu_experts with
+train.engines.engines_for's engines (what the trainer runs: "cpu", kernels/experts.py's CPU expert GEMMs with
 the plain permute / combine) or with the grouped-GEMM experts engine ("grouped",
 GROUPED_EXPERTS["torch"]). The trainer builds the layers with their engines, then installs EP; so do these
 tests. Gradients are compared per expert, under the state_dict's names (`named_grads`).
@@ -40,14 +40,14 @@ def make(e, k, engine, seed=0, **kw):
 
         from train.engines import describe, engines_for
         from testlib import rebuilt
-        from kernels.experts import GROUPED_EXPERTS, cpu_experts
+        from kernels.experts import GROUPED_EXPERTS, cpu_experts_rows_in_place
         engines = engines_for(mod.config, "cpu", torch.float32)
-        if engine == "cpu" and engines.experts is not cpu_experts:
+        if engine == "cpu" and engines.experts is not cpu_experts_rows_in_place:
             raise Skip("the CPU expert GEMMs do not run here (no oneDNN)")
         if engine == "grouped":
             engines = dataclasses.replace(engines, experts=GROUPED_EXPERTS["torch"])
         mod = rebuilt(mod, engines)
-        want = "CPUExperts" if engine == "cpu" else "grouped_experts_torch"
+        want = "cpu_experts_rows_in_place" if engine == "cpu" else "grouped_experts_torch"
         assert describe(mod) == f"engines: {want} x1", describe(mod)
     return mod
 
@@ -357,7 +357,7 @@ def fused_worker(rank, world, cases):
                 y, xg, grads = run_layer(mod, x, torch.linspace(-1, 1, x.numel()).view_as(x))
             d = mod.dispatcher
             owned = {n: g for n, g in grads.items()
-                     if n.startswith("experts.") and d.owns(int(n.split(".")[1]))}
+                     if n.startswith("experts.") and d.first_expert <= int(n.split(".")[1]) < d.first_expert + d.experts_per_rank}
             out[engine, name, e, k] = dict(y=y, xg=xg, gate=grads["gate.weight"], owned=owned)
     return out
 
@@ -377,7 +377,7 @@ def per_batch_worker(rank, world, cases, engines):
                 y, xg, grads = run_layer(mod, x, torch.linspace(-1, 1, x.numel()).view_as(x))
             d = mod.dispatcher
             out[engine, i] = dict(y=y, xg=xg, grads=grads, tpe=mod.stats.tokens_per_expert.clone(),
-                                  owned=[n for n in grads if n.startswith("experts.") and d.owns(int(n.split(".")[1]))])
+                                  owned=[n for n in grads if n.startswith("experts.") and d.first_expert <= int(n.split(".")[1]) < d.first_expert + d.experts_per_rank])
     return out
 
 

@@ -5,7 +5,7 @@ this runs in CI without a GPU; on a CUDA machine the same checks also run on the
 
 permute / combine: bitwise (both are gathers plus the same fp32 add sequence); so is the CPU
 embedding_bag combine inside the reference (a fused gather-and-sum that adds each bag's rows in index order).
-grouped GEMM (Triton, torch, reference) and the CPU expert GEMMs (kernels/experts.py: cpu_experts): fp32
+grouped GEMM (Triton, torch, reference) and the CPU expert GEMMs (kernels/experts.py: cpu_experts_for): fp32
 within 1e-5 relative to the largest |value|: each accumulates dot products in another order than the
 reference's matmul (reassociation only; inputs are exact); bf16 within 2e-2 relative (8 mantissa bits,
 rounded at different points).
@@ -24,14 +24,15 @@ import torch.nn.functional as F  # noqa: E402
 
 from testlib import Skip, run  # noqa: E402,F401
 from kernels.backend import cpu_values, interpreting, triton_importable, triton_runs_on  # noqa: E402
-from kernels.experts import GROUPED_EXPERTS, CPUExperts, cpu_experts, grouped_experts_for  # noqa: E402
+from kernels.experts import (GROUPED_EXPERTS, CPUExperts, cpu_experts_for, cpu_experts_rows_bucketed,  # noqa: E402
+                             cpu_experts_rows_in_place)
 from kernels.cpu_linear import OneDNNLinear, linear, onednn_linear_fits, onednn_runs  # noqa: E402
 from kernels import linear_cross_entropy as lce  # noqa: E402
-from kernels.grouped_gemm import GROUPED_OPS, GroupedSwiGLU, torch_grouped_mm_fits  # noqa: E402
+from kernels.grouped_gemm import GROUPED_OPS, GroupedOps, GroupedSwiGLU, torch_grouped_mm_fits  # noqa: E402
 from kernels.permute import gather_rows_triton, sum_rows_triton  # noqa: E402
-from train.engines import describe, engines_for  # noqa: E402
+from train.engines import TRITON_MOVERS, describe, engines_for, grouped_experts_for  # noqa: E402
 from testlib import rebuilt  # noqa: E402
-from model.dispatch import (PLAIN_MOVERS, Combine, Permute, RowMovers, build_row_map,  # noqa: E402
+from model.dispatch import (PLAIN_MOVERS, Combine, Permute, build_row_map,  # noqa: E402
                             gather_rows, sum_rows)  # (the row maps the permute kernels read; the reference)
 from model.moe import Experts, FeedForward, expert_loop  # noqa: E402
 
@@ -165,7 +166,7 @@ def test_hole_free_fast_path_is_the_same():
         assert bits_equal(sum_rows(hd, rm.row_of_pair_TK, has_holes=False), sum_rows(hd, rm.row_of_pair_TK))
 
 
-MOVERS = {"reference": PLAIN_MOVERS, "triton": RowMovers(gather_rows_triton, sum_rows_triton)}
+MOVERS = {"reference": PLAIN_MOVERS, "triton": TRITON_MOVERS}  # (the tables the layer is built with)
 
 
 def permute(x, rm, backend):
@@ -213,6 +214,24 @@ def grouped_reference(a, b, offsets):
     return out
 
 
+def grouped_mm_loop(a_MK, b_EKN, offsets_E):
+    """GROUPED_OPS' `mm` as per-segment matmuls (autograd's own backward), rows past the segments zero."""
+    bounds = [0] + offsets_E.tolist()
+    chunks = [a_MK[bounds[e]:bounds[e + 1]] @ b_EKN[e] for e in range(b_EKN.shape[0])]
+    return torch.cat(chunks + [a_MK.new_zeros(a_MK.shape[0] - bounds[-1], b_EKN.shape[2])])
+
+
+def segment_outer_loop(lhs_MX, rhs_MY, offsets_E):
+    """GROUPED_OPS' `outer` as per-segment products."""
+    bounds = [0] + offsets_E.tolist()
+    return torch.stack([lhs_MX[bounds[e]:bounds[e + 1]].t() @ rhs_MY[bounds[e]:bounds[e + 1]]
+                        for e in range(offsets_E.shape[0])])
+
+
+# the reference the grouped ops are held to, in GroupedSwiGLU too
+GROUPED_OPS_HERE = {**GROUPED_OPS, "reference": GroupedOps("reference", grouped_mm_loop, segment_outer_loop)}
+
+
 def close(got, want, what):
     scale = max(want.abs().max().item(), 1.0) if want.numel() else 1.0
     err = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
@@ -231,7 +250,7 @@ GEMM_CASES = [  # segment lengths, K, N, rows past the last segment
 
 def ops_here(device, dtype, K, N):
     """The GROUPED_OPS names that run rows of `dtype` and widths K, N on `device`: the reference, torch's
-    grouped_mm where `torch_grouped_mm_fits` (as kernels/experts.py: grouped_experts_for decides), Triton
+    grouped_mm where `torch_grouped_mm_fits` (as train/engines.py: grouped_experts_for decides), Triton
     where it runs (CUDA, or CPU in the interpreter)."""
     names = ["reference"] + (["torch"] if torch_grouped_mm_fits(device, dtype, K, N) else [])
     return names + (["triton"] if triton_runs_on(torch.empty(0, device=device)) else [])
@@ -257,7 +276,7 @@ def test_grouped_ops_over_cases():
             a, w = torch.randn(M, K, device=dev), torch.randn(len(lens), N, K, device=dev)
             g = torch.randn(M, N, device=dev)
             for name in ops_here(dev, torch.float32, K, N):
-                ops = GROUPED_OPS[name]
+                ops = GROUPED_OPS_HERE[name]
                 c = ops.mm(a, w.transpose(1, 2), offsets)
                 close(c[:n].cpu(), grouped_reference(a.cpu(), w.transpose(1, 2).cpu(), offsets.cpu())[:n],
                       f"{name} mm {lens} on {dev}")
@@ -276,11 +295,11 @@ def test_grouped_ops_over_cases():
 
 def test_grouped_engine_choice():
     """grouped_experts_for (the fused path's engine off the CPU GEMMs, chosen at build) takes torch's
-    grouped_mm exactly where `torch_grouped_mm_fits`, else the reference loop on CPU."""
+    grouped_mm exactly where `torch_grouped_mm_fits`, else the plain expert_loop on CPU."""
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         for D, F_ in ((32, 24), (33, 17), (16, 12)):
-            want = "torch" if torch_grouped_mm_fits("cpu", dtype, D, F_) else "reference"
-            assert grouped_experts_for("cpu", dtype, D, F_) is GROUPED_EXPERTS[want], (dtype, D, F_)
+            want = GROUPED_EXPERTS["torch"] if torch_grouped_mm_fits("cpu", dtype, D, F_) else expert_loop
+            assert grouped_experts_for("cpu", dtype, D, F_) is want, (dtype, D, F_)
     assert not torch_grouped_mm_fits("cpu", torch.float64, 32, 32), "fp64 is the reference's"
 
 
@@ -336,7 +355,7 @@ def test_scaled_swiglu_gradients():
     x, w_gu, w_down = (torch.randn(*shape, dtype=torch.float64, requires_grad=True)
                        for shape in ((9, 5), (3, 8, 5), (3, 5, 4)))
     offsets = torch.tensor([4, 4, 9], dtype=torch.int32)  # an expert without rows among them
-    assert torch.autograd.gradcheck(lambda *a: GroupedSwiGLU.apply(*a[:3], offsets, a[3], GROUPED_OPS["reference"]),
+    assert torch.autograd.gradcheck(lambda *a: GroupedSwiGLU.apply(*a[:3], offsets, a[3], GROUPED_OPS_HERE["reference"]),
                                     (x, w_gu, w_down, s))
     want = F.silu(gu[:, :4]) * gu[:, 4:] * s[:, None]
     assert torch.allclose(scaled_swiglu_forward(gu.detach().clone(), s.detach())[0], want)
@@ -373,8 +392,8 @@ def expert_gemms_reference(experts, rows_PD, tokens_per_expert_E, row_weight_P):
     segment give zero rows."""
     out = torch.zeros(rows_PD.shape, dtype=torch.float64)
     start = 0
-    for e, n in enumerate(tokens_per_expert_E.tolist()):
-        w_gate, w_up, w_down = (w.double() for w in experts[e].weights())
+    for expert, n in zip(experts, tokens_per_expert_E.tolist()):
+        w_gate, w_up, w_down = (w.double() for w in expert.weights())
         x = rows_PD[start:start + n].double()
         h = F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)
         out = out.index_add(0, torch.arange(start, start + n),
@@ -386,7 +405,7 @@ def expert_gemms_reference(experts, rows_PD, tokens_per_expert_E, row_weight_P):
 @contextlib.contextmanager
 def engine_calls():
     """Counts the runs of the two experts engines' Functions while inside: {"cpu": the CPU expert GEMMs
-    (kernels.experts.CPUExperts: cpu_experts), "grouped": the grouped GEMMs (kernels.grouped_gemm.GroupedSwiGLU:
+    (kernels.experts.CPUExperts: cpu_experts_for), "grouped": the grouped GEMMs (kernels.grouped_gemm.GroupedSwiGLU:
     GROUPED_EXPERTS)}."""
     calls = {"cpu": 0, "grouped": 0}
 
@@ -403,27 +422,27 @@ def engine_calls():
 
 
 def cpu_expert_gemms(experts, rows_PD, tokens_per_expert_E, row_weight_P):
-    """`experts` (a model/moe.py Experts built with engine cpu_experts) on these rows, checked to run the CPU
+    """`experts` (a model/moe.py Experts built with a CPU experts engine) on these rows, checked to run the CPU
     expert GEMMs."""
-    assert experts.engine is cpu_experts, experts
+    assert experts.engine in (cpu_experts_rows_in_place, cpu_experts_rows_bucketed), experts
     with engine_calls() as calls:
         out = experts(rows_PD, tokens_per_expert_E, row_weight_P)
-    assert calls == {"cpu": 1, "grouped": 0}, f"cpu_experts did not run the CPU expert GEMMs: {calls}"
+    assert calls == {"cpu": 1, "grouped": 0}, f"{experts.engine.__name__} did not run the CPU expert GEMMs: {calls}"
     return out
 
 
 def test_cpu_expert_gemms():
-    """kernels.experts.cpu_experts (the fused layer's CPU experts engine: MKL's GEMMs in fp32, oneDNN's in bf16, on the
+    """kernels.experts.cpu_experts_for (the fused layer's CPU experts engines: MKL's GEMMs in fp32, oneDNN's in bf16, on the
     expert-sorted rows of the dispatch and the stacked weights) against a per-expert autograd reference:
     output, grad of the rows, of the row weights and of both weight stacks; over the row-map cases (idle
     experts get zero weight grads, padding rows and rows past the segments give zero output), fp32 and bf16;
-    two runs bitwise identical; the plain expert_loop (nn.Linear-style per expert) agrees too. (Rows it has no
+    two runs bitwise identical; fp32 rows on the bucketed layout too; the plain expert_loop (nn.Linear-style per expert) agrees too. (Rows it has no
     CPU GEMMs for: test_fp64_experts_take_the_grouped_engine.)"""
     if not onednn_runs("cpu", torch.float32):
         raise Skip("this torch has no oneDNN CPU matmul")
     for T, K, E, drop, idle, pad_to, align in CASES + [(200, 2, 3, 0.1, (), None, 1)]:  # rows > a bucket
         torch.manual_seed(T + K + E)
-        experts = Experts(E, 12, 20, cpu_experts)
+        experts = Experts(E, 12, 20, cpu_experts_for(torch.float32))
         rows0, counts, weight0 = expert_rows(T, K, E, drop, idle, pad_to, align, 12, seed=T + E)
         rows, weight = rows0.clone().requires_grad_(), weight0.clone().requires_grad_()
         g = torch.randn(rows.shape)
@@ -446,20 +465,22 @@ def test_cpu_expert_gemms():
             y_plain = expert_loop(rows, counts, weight, experts.gate_up_proj, experts.down_proj)
         assert calls == {"cpu": 0, "grouped": 0}, f"{what}: the plain expert_loop ran an engine: {calls}"
         close(y_plain[:end], ref.detach()[:end], what + " plain expert_loop")
+        experts.engine = cpu_experts_rows_bucketed
+        close(cpu_expert_gemms(experts, rows, counts, weight), ref.detach(), what + " bucketed layout")
     if onednn_runs("cpu", torch.bfloat16):
-        experts = Experts(4, 16, 32, cpu_experts).bfloat16()
+        experts = Experts(4, 16, 32, cpu_experts_for(torch.bfloat16)).bfloat16()
         rows, counts, weight = expert_rows(40, 2, 4, 0.0, (), None, 1, 16)
         got = cpu_expert_gemms(experts, rows.bfloat16(), counts, weight).double()
         want = expert_gemms_reference(experts, rows.bfloat16(), counts, weight)
         assert (got - want).abs().max() <= 2e-2 * want.abs().max(), "bf16"
-        master = Experts(4, 16, 32, cpu_experts)  # fp32 weights, bf16 rows (autocast)
+        master = Experts(4, 16, 32, cpu_experts_for(torch.bfloat16))  # fp32 weights, bf16 rows (autocast)
         got = cpu_expert_gemms(master, rows.bfloat16(), counts, weight)
         assert got.dtype == torch.bfloat16
         want = expert_gemms_reference(master, rows.bfloat16(), counts, weight)
         assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max(), "bf16 rows, fp32 weights"
         # 16 experts: batched GEMMs over groups of neighbouring experts, an idle expert among them; then a
         # skewed routing (groups cut where a count falls below 2/3 of the group's padded largest)
-        master = Experts(16, 16, 32, cpu_experts)
+        master = Experts(16, 16, 32, cpu_experts_for(torch.bfloat16))
         skewed = torch.tensor([3, 40, 9, 8, 0, 7, 5, 30, 2, 2, 1, 0, 0, 1, 6, 6])
         for rows, counts, weight in (expert_rows(60, 4, 16, 0.0, (3,), None, 1, 16),
                                      (torch.randn(150, 16), skewed, torch.rand(150))):
@@ -474,34 +495,34 @@ def test_cpu_expert_gemms():
 
 
 def test_fp64_experts_take_the_grouped_engine():
-    """For fp64 rows (no oneDNN GEMMs for them) engines_for picks not the CPU expert GEMMs but the grouped engine,
-    on the per-expert reference loop (torch's grouped_mm takes no fp64 either); it agrees with the reference."""
+    """For fp64 rows (no oneDNN GEMMs for them, and torch's grouped_mm takes no fp64 either) engines_for picks
+    neither the CPU expert GEMMs nor a grouped engine but the plain expert_loop; it agrees with the reference."""
     assert not onednn_runs("cpu", torch.float64)
     from model.model_minimind import MiniMindConfig
     config = MiniMindConfig(hidden_size=12, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True,
                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=20, moe_impl="fused")
     engine = engines_for(config, "cpu", torch.float64).experts
-    assert engine is grouped_experts_for("cpu", torch.float64, 12, 20) is GROUPED_EXPERTS["reference"], engine
+    assert engine is grouped_experts_for("cpu", torch.float64, 12, 20) is expert_loop, engine
     experts = Experts(4, 12, 20, engine).double()
     rows, counts, weight = expert_rows(13, 2, 4, 0.0, (), None, 1, 12)
     rows, weight = rows.double(), weight.double()
     with engine_calls() as calls, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (in case the reference loop warns about fp64)
         got = experts(rows, counts, weight)
-    assert calls == {"cpu": 0, "grouped": 1}, f"fp64: {calls}"
+    assert calls == {"cpu": 0, "grouped": 0}, f"fp64: {calls}"
     assert got.dtype == torch.float64
     close(got, expert_gemms_reference(experts, rows, counts, weight).detach(), "fp64 fallback")
 
 
 def test_cpu_experts_autograd_modes():
-    """The CPU expert GEMMs (cpu_experts): backward twice with retain_graph, frozen experts (no weight grads
+    """The CPU expert GEMMs (cpu_experts_for): backward twice with retain_graph, frozen experts (no weight grads
     computed), no_grad (nothing kept), and double backward refused with a clear error."""
     if not onednn_runs("cpu", torch.float32):
         raise Skip("this torch has no oneDNN CPU matmul")
     from kernels.experts import _bucket
     assert [_bucket(n) for n in (0, 1, 16, 17, 100, 512, 513, 1000)] == [0, 1, 16, 24, 104, 512, 544, 1024]
     torch.manual_seed(0)
-    experts = Experts(3, 8, 12, cpu_experts)
+    experts = Experts(3, 8, 12, cpu_experts_for(torch.float32))
     rows0, counts, weight0 = expert_rows(50, 2, 3, 0.0, (), None, 1, 8)
     x, scale = rows0.requires_grad_(), weight0.requires_grad_()
     y = cpu_expert_gemms(experts, x, counts, scale)
@@ -556,7 +577,7 @@ def test_grouped_swiglu_matches_per_expert_ffn():
     g = torch.randn(sum(lens), D)
     grads = {}
     for be in backends:
-        ops = GROUPED_OPS[be]
+        ops = GROUPED_OPS_HERE[be]
         close(GroupedSwiGLU.apply(x, w_gu, w_d, offsets, torch.ones(sum(lens)), ops), want, be)
         args = [t.clone().requires_grad_() for t in (x, w_gu, w_d, scale)]
         y = GroupedSwiGLU.apply(args[0], args[1], args[2], offsets, args[3], ops)

@@ -120,7 +120,8 @@ def test_checkpoint_layout_and_the_per_expert_one_converted():
 
 def test_experts_load_and_pickle_edge_cases():
     """Per-expert loading: a misshapen entry is a size-mismatch error naming its key (a wrong gate / up
-    split too), absent experts are reported missing by their own keys while the rest load (strict=False);
+    split too) whose slot keeps its weights while the entries that fit load, absent experts are reported missing by their own keys while
+    the rest load (strict=False), entries of mixed dtypes load exactly;
     a model on the grouped experts engine pickles; a stack frozen in half round-trips its optimizer state."""
     import io
 
@@ -142,6 +143,16 @@ def test_experts_load_and_pickle_edge_cases():
     result = other.load_state_dict(partial, strict=False)
     assert result.missing_keys == ["experts.3.down_proj.weight"] and not result.unexpected_keys, result
     assert torch.equal(other.experts.gate_up_proj, layer.experts.gate_up_proj)
+    other.experts.gate_up_proj.data[2, 16:] = 7.0  # all given, one misshapen: it keeps its weights, the rest load
+    try:
+        other.load_state_dict({**state, "experts.2.up_proj.weight": torch.zeros(5, 32)}, strict=False)
+    except RuntimeError as e:
+        assert "size mismatch for experts.2.up_proj.weight" in str(e), e
+    assert (other.experts.gate_up_proj[2, 16:] == 7.0).all()
+    assert torch.equal(other.experts.down_proj, layer.experts.down_proj)
+    mixed = {**state, "experts.0.gate_proj.weight": state["experts.0.gate_proj.weight"].bfloat16()}
+    other.load_state_dict(mixed)  # one bf16 entry: the others load exactly (the stack promotes, as torch.cat would)
+    assert torch.equal(other.experts.gate_up_proj[1:], layer.experts.gate_up_proj[1:])
     config = MiniMindConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                             num_key_value_heads=1, num_experts=4, moe_intermediate_size=16, moe_impl="fused")
     torch.save(MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float32, compiled=True)), io.BytesIO())

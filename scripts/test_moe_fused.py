@@ -7,14 +7,14 @@ Experts) run on the engine chosen when the layer is built, three ways, and every
 three (ENGINES), each on a layer of its own with the same weights (train.engines.rebuilt: `engine_layers`):
   "plain"    the layer built with the plain engines (model/engines.py: PLAIN): model/moe.py's expert_loop,
              one nn.Linear-style chain per expert (reads the counts to the host, so it is not the zero-sync
-             path), and model/dispatch.py's permute_rows / combine_rows;
-  "cpu"      the layer built with train.engines.engines_for's engines: kernels/experts.py's cpu_experts (the
+             path), and model/dispatch.py's PLAIN_MOVERS;
+  "cpu"      the layer built with train.engines.engines_for's engines: kernels/experts.py's cpu_experts_for (the
              CPU expert GEMMs, CPUExperts: what engines_for picks on CPU where oneDNN runs the dtype) and
-             the permute / combine engines_for picks (on CPU model/dispatch.py's plain ones, on CUDA
-             permute_triton / combine_triton: kernels/permute.py's row movers);
+             the row movers engines_for picks (on CPU model/dispatch.py's PLAIN_MOVERS, on CUDA
+             TRITON_MOVERS: kernels/permute.py's row movers);
   "grouped"  the same engines with the grouped-GEMM experts engine grouped_experts_for picks for the CPU
              (kernels/experts.py: GROUPED_EXPERTS, kernels/grouped_gemm.py: GroupedSwiGLU on torch's
-             grouped_mm where it takes the sizes, else on the per-expert reference loop): the GPU's engine.
+             grouped_mm where it takes the sizes, else model/moe.py: expert_loop): the GPU's engine.
 Each engine run checks which experts engine the layer holds and which one actually ran (`engine`).
 
 Tolerance, fp32: forward and every gradient within 1e-5 absolute on outputs of size ~0.1-1 (the grouped
@@ -36,23 +36,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from testlib import Skip, run  # noqa: F401
 from sync_count import SyncCounter, count_syncs
 from kernels.cpu_linear import onednn_runs
-from train.engines import describe, engines_for
+from train.engines import describe, engines_for, grouped_experts_for
 from testlib import rebuilt
-from kernels.experts import GROUPED_EXPERTS, CPUExperts, GroupedSwiGLU, cpu_experts, grouped_experts_for
+from kernels.experts import (GROUPED_EXPERTS, CPUExperts, GroupedSwiGLU, cpu_experts_rows_bucketed,
+                             cpu_experts_rows_in_place)
 from model.dispatch import RowLayout, RowMapDispatcher, SortedDispatcher
-from model.model_minimind import MiniMindConfig, MOEFeedForward
-from model.moe import engine_name, expert_loop
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, MOEFeedForward
+from model.moe import expert_loop
 
 D = 32
 ENGINES = ("plain", "cpu", "grouped")
-ENGINE_FUNCTIONS = {"plain": (expert_loop,), "cpu": (cpu_experts,), "grouped": tuple(GROUPED_EXPERTS.values())}
+ENGINE_FUNCTIONS = {"plain": (expert_loop,), "cpu": (cpu_experts_rows_in_place, cpu_experts_rows_bucketed),
+                    "grouped": (*GROUPED_EXPERTS.values(), expert_loop)}
 
 
 def fused_engines(experts_engine, n=1, device="cpu"):
     """describe() of n engine-built fused layers on `device` whose experts run `experts_engine` (the permute /
     combine are named where they are the Triton ones, on CUDA)."""
-    triton = f"permute_triton/combine_triton x{n}, " if device == "cuda" else ""
-    return f"engines: {triton}{engine_name(experts_engine)} x{n}"
+    names = ([f"triton row movers x{n}"] if device == "cuda" else []) + (
+        [f"{experts_engine.__name__} x{n}"] if experts_engine is not expert_loop else [])
+    return "engines: " + (", ".join(names) or "plain PyTorch")
 
 
 def with_engines(fused, device="cpu", dtype=torch.float32, experts=None, compiled=False):
@@ -67,7 +70,7 @@ def with_engines(fused, device="cpu", dtype=torch.float32, experts=None, compile
         layer = rebuilt(fused, engines)
     assert type(layer) is MOEFeedForward and layer.training == fused.training
     assert layer.experts.engine is engines.experts and type(layer.dispatcher) is RowMapDispatcher
-    assert layer.dispatcher.permute is engines.permute and layer.dispatcher.combine_rows is engines.combine
+    assert layer.dispatcher.movers is engines.movers
     assert describe(layer) == fused_engines(engines.experts, device=device), describe(layer)
     return layer
 
@@ -79,7 +82,7 @@ def engines_here(dtype=torch.float32):
 
 def engine_layers(fused, dtype=torch.float32):
     """{name: layer} for the ENGINES that run here under compute `dtype`: the plain fused layer, and copies
-    built for the CPU with engines_for's engines (cpu_experts) and with the grouped engine in their place."""
+    built for the CPU with engines_for's engines (cpu_experts_for) and with the grouped engine in their place."""
     layers = {"plain": fused}
     if "cpu" in engines_here(dtype):
         layers["cpu"] = with_engines(fused, "cpu", dtype)
@@ -103,13 +106,13 @@ def counting(function, calls):
 def engine(layers, name):
     """Run the fused layer with experts engine `name` (ENGINES): layers from engine_layers. Checks that the
     layer holds that engine, yields it; on leaving checks that the intended experts engine (and no other)
-    ran: the CPU expert GEMMs (kernels.experts.CPUExperts: cpu_experts) or the grouped GEMMs
+    ran: the CPU expert GEMMs (kernels.experts.CPUExperts: cpu_experts_for) or the grouped GEMMs
     (kernels.grouped_gemm.GroupedSwiGLU)."""
     if name not in ENGINES:
         raise ValueError(name)
     layer = layers[name]
     engine_ = layer.experts.engine
-    assert engine_ in ENGINE_FUNCTIONS[name], f"engine {name}: the layer runs {engine_name(engine_)}"
+    assert engine_ in ENGINE_FUNCTIONS[name], f"engine {name}: the layer runs {engine_.__name__}"
     calls = {"CPUExperts": 0, "GroupedSwiGLU": 0}
     with counting(CPUExperts, calls), counting(GroupedSwiGLU, calls):
         yield layer
@@ -281,14 +284,14 @@ def test_zero_syncs():
     plain_tree = torch.nn.Sequential(MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused")),
                                      MOEFeedForward(MiniMindConfig(**cfg, moe_impl="fused", capacity_factor=1.0)))
     engines = engines_for(plain_tree[0].config, "cpu", torch.float32)
-    assert engines.experts is (cpu_experts if onednn_runs("cpu", torch.float32) else
+    assert engines.experts is (cpu_experts_rows_in_place if onednn_runs("cpu", torch.float32) else
                                grouped_experts_for("cpu", torch.float32, D, 24))
     tree = torch.nn.Sequential(*(rebuilt(m, engines_for(m.config, "cpu", torch.float32)) for m in plain_tree))
     assert describe(tree) == fused_engines(engines.experts, 2), describe(tree)
     assert describe(plain_tree) == "engines: plain PyTorch", describe(plain_tree)
     again = rebuilt(tree[0], engines_for(tree[0].config, "cpu", torch.float32))
     assert again.experts.engine is engines.experts and type(again.dispatcher) is RowMapDispatcher
-    assert again.dispatcher.permute is engines.permute and again.dispatcher.combine_rows is engines.combine
+    assert again.dispatcher.movers is engines.movers
     assert list(again.state_dict()) == list(tree[0].state_dict()) and all(
         torch.equal(a, b) for a, b in zip(again.state_dict().values(), tree[0].state_dict().values()))
     x = torch.randn(2, 30, D)
@@ -299,8 +302,7 @@ def test_zero_syncs():
     from model.model_minimind import MiniMindForCausalLM
     config = MiniMindConfig(**cfg, moe_impl="fused", num_hidden_layers=3, vocab_size=64)
     model = MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float32))
-    assert all(b.mlp.experts.engine is engines.experts and b.mlp.dispatcher.permute is engines.permute
-               and b.mlp.dispatcher.combine_rows is engines.combine for b in model.model.layers)
+    assert all(b.mlp.experts.engine is engines.experts and b.mlp.dispatcher.movers is engines.movers for b in model.model.layers)
     assert fused_engines(engines.experts, 3)[len("engines: "):] in describe(model), describe(model)
     # a sorted layer keeps the plain experts and dispatcher
     sorted_config = MiniMindConfig(**cfg)
@@ -366,7 +368,7 @@ def test_state_dict_and_engines():
     ref.load_state_dict(layer.state_dict())
     assert_close(layer(x), ref(x), 1e-5, "after an optimizer step")
     layer.to(torch.bfloat16)
-    assert layer.experts.gate_up_proj.dtype == layer.experts[0].weights()[0].dtype == torch.bfloat16
+    assert layer.experts.gate_up_proj.dtype == next(iter(layer.experts)).weights()[0].dtype == torch.bfloat16
     layer.to(torch.float32)
     fused.load_state_dict(ref.state_dict())
     layer.load_state_dict(ref.state_dict())
@@ -377,8 +379,7 @@ def test_state_dict_and_engines():
     with torch.inference_mode():
         assert_close(layer(x), want, 1e-5, "inference_mode")
     twin = copy.deepcopy(layer)
-    # (== rather than is: an autograd Function's apply, as cpu_experts is, deep-copies to a new bound method)
-    assert twin.experts.engine == layer.experts.engine and twin.dispatcher.permute is layer.dispatcher.permute
+    assert twin.experts.engine is layer.experts.engine and twin.dispatcher.movers == layer.dispatcher.movers
     assert_close(twin(x), want, 1e-5, "deepcopy")
     assert_close(fused(x), want, 1e-5, "plain fused layer")
 
@@ -394,13 +395,13 @@ def test_engine_built_layers_in_float64():
         layer = layers[impl].to(torch.float64)
         if impl == "grouped":  # an engine decided at build for fp32 rows: build for fp64 instead
             layer = rebuilt(layer, engines_for(layer.config, "cpu", torch.float64))
-        assert layer.experts.gate_up_proj.dtype == layer.experts[0].weights()[2].dtype == torch.float64
+        assert layer.experts.gate_up_proj.dtype == next(iter(layer.experts)).weights()[2].dtype == torch.float64
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 assert_close(layer(x), want, 1e-5, f"{impl} float64")
         except Exception as e:  # noqa: BLE001 (collected, raised below)
-            failures.append(f"{impl} ({engine_name(layer.experts.engine)}): {type(e).__name__}: "
+            failures.append(f"{impl} ({layer.experts.engine.__name__}): {type(e).__name__}: "
                             f"{str(e).splitlines()[0]}")
     assert not failures, f"{len(failures)} engines failed in float64:\n  " + "\n  ".join(failures)
 
@@ -439,7 +440,7 @@ def test_odd_sizes_fall_back():
                           (100, 64, torch.bfloat16)):
         ref, fused = sorted_and_fused(D_, F_)
         layers = engine_layers(fused, dtype or torch.float32)
-        assert layers["grouped"].experts.engine is GROUPED_EXPERTS["reference"], (D_, F_, dtype)
+        assert layers["grouped"].experts.engine is expert_loop, (D_, F_, dtype)
         x, g = torch.randn(2, 11, D_), torch.randn(2, 11, D_)
         tol = 1e-5 if dtype is None else 5e-2
         for variant in engines_here(dtype or torch.float32):
@@ -452,6 +453,27 @@ def test_odd_sizes_fall_back():
             assert_close(a[1], b[1], tol, what + " grad x")
             for n in a[2]:
                 assert_close(a[2][n], b[2][n], tol, f"{what} grad {n}")
+
+
+def test_plain_engine_on_the_fused_path():
+    """Where engines_for gives the fused path the plain expert_loop (fp64; fp16 on this CPU), the layer runs
+    every input the other engines run: all tokens masked or dropped (expert_loop returns zero rows for the
+    holes), fp64 weights under bf16 autocast (the weights cast to the rows' dtype), fp16 autocast."""
+    config = MiniMindConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                            vocab_size=300, use_moe=True, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=16, moe_impl="fused")
+    ids, none = torch.randint(0, 300, (2, 8)), torch.zeros(2, 8, dtype=torch.long)
+    model = MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float64)).double()
+    assert model.model.layers[0].mlp.experts.engine is expert_loop
+    for mask in (None, none):
+        assert torch.isfinite(model(ids, attention_mask=mask).logits).all(), mask
+    model(ids, labels=ids).loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.isfinite(model(ids).logits).all()
+    half = MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float16))
+    with torch.autocast("cpu", dtype=torch.float16):
+        for mask in (None, none):
+            assert torch.isfinite(half(ids, attention_mask=mask).logits).all(), half.model.layers[0].mlp.experts.engine
 
 
 def test_layout_ambiguous_shapes():
@@ -548,7 +570,8 @@ def test_cuda_matches_sorted():
 
 TESTS = [test_matches_sorted_fp32, test_idle_experts_get_zero_grads, test_deterministic, test_zero_syncs,
          test_empty_and_tiny_inputs, test_state_dict_and_engines,
-         test_engine_built_layers_in_float64, test_bf16_autocast_cpu, test_odd_sizes_fall_back, test_layout_ambiguous_shapes,
+         test_engine_built_layers_in_float64, test_bf16_autocast_cpu, test_odd_sizes_fall_back, test_plain_engine_on_the_fused_path,
+         test_layout_ambiguous_shapes,
          test_direct_call_with_dropped_pairs, test_layer_op_count, test_cuda_matches_sorted]
 
 if __name__ == "__main__":

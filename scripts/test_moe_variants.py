@@ -23,7 +23,7 @@ from testlib import run, spawn_ranks  # noqa: F401
 from kernels.cpu_linear import OneDNNLinear, onednn_runs
 from train.engines import engines_for
 from testlib import rebuilt
-from kernels.experts import cpu_experts
+from kernels.experts import cpu_experts_rows_in_place
 from model.hf_adapter import ExportError, check_exportable
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, MOEFeedForward
 from model.moe import FeedForward
@@ -59,9 +59,9 @@ def test_shared_expert_is_the_routed_layer_plus_a_plain_ffn():
     x, dy = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
     for impl in ("sorted", "masked", "fused", "fused+engines"):
         layer = _layer(impl).train()
-        if impl.endswith("engines"):  # cpu_experts, and OneDNNLinear in the shared FFN, only where oneDNN runs
+        if impl.endswith("engines"):  # the CPU expert GEMMs, and OneDNNLinear in the shared FFN, only where oneDNN runs
             assert layer.experts.engine is engines_for(layer.config, "cpu", torch.float32).experts, layer
-            assert (layer.experts.engine is cpu_experts) == onednn_runs("cpu", torch.float32), layer
+            assert (layer.experts.engine is cpu_experts_rows_in_place) == onednn_runs("cpu", torch.float32), layer
             onednn = {n for n, m in layer.named_modules() if type(m) is OneDNNLinear}
             assert onednn == ({f"shared_experts.{p}_proj" for p in ("gate", "up", "down")}
                               if onednn_runs("cpu", torch.float32) else set()), onednn

@@ -395,6 +395,24 @@ def test_bench_quality_smoke_run():
     assert open(os.path.join(out_dir, "results.md")).read().startswith("| row | model |")
 
 
+def test_benchmarks_run_at_toy_sizes():
+    """bench_step.py (its engines, split and busy modes), bench_moe.py and bench_train.py end to end at toy sizes,
+    in this process: each ends normally and prints its figures (not checked here)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "bench"))  # (a script's own folder, as `python script` has it)
+    sizes = ["--hidden_size", "32", "--num_layers", "1", "--batch_size", "2", "--seq_len", "16"]
+    runs = {"scripts/bench/bench_step.py": [[*sizes, "--steps", "1", "--rounds", "1"],
+                                            [*sizes, "--steps", "1", "--rounds", "1", "--split"],
+                                            [*sizes, "--steps", "1", "--rounds", "1", "--busy", "1"]],
+            "scripts/bench/bench_moe.py": [["--quick", "--tokens", "64", "--repeats", "1"]],
+            "scripts/bench/bench_train.py": [[*sizes, "--rows", "dense,sorted,fused", "--steps", "1", "--rounds", "1",
+                                              "--warmup", "1", "--moe_intermediate_size", "32", "--num_heads", "2",
+                                              "--num_kv_heads", "1"]]}
+    for script, argvs in runs.items():
+        for argv in argvs:
+            r = testlib.run_script(script, *argv)
+            assert r.returncode == 0 and r.stdout.strip(), (script, argv, r.stdout[-2000:], r.stderr[-3000:])
+
+
 def _refused(parse, argv):
     """(exit code, stderr lines) of an in-process parse that must be refused."""
     import contextlib
@@ -469,15 +487,16 @@ def test_parse_errors_are_one_line_naming_the_flag_as_typed():
 
 
 def _setup_refused(argv):
-    """(exit code, stdout, stderr lines) of train/pretrain.py's entry point (train.stage.main) in this process, which must refuse."""
+    """(exit code, stdout, stderr lines) of train/pretrain.py's entry point (its parse_args, then
+    train.loop.run_cli) in this process, which must refuse."""
     import contextlib
     import io
-    from train.stage import main
-    from train.pretrain import STAGE
+    from train.loop import run_cli
+    from train.pretrain import STAGE, parse_args
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            main(STAGE, argv)
+            run_cli(STAGE, parse_args(argv))
         except SystemExit as e:
             return e.code, out.getvalue(), err.getvalue().splitlines()
     raise AssertionError(f"{argv}: accepted")
@@ -687,7 +706,7 @@ def test_short_validation_split_is_announced():
     assert not any(line.startswith("note:") for line in lines), lines
 
 
-TESTS = [test_resume_with_more_steps_or_budget_continues_the_run, test_init_from_with_another_tokenizer_is_warned, test_plan_follows_the_speed_and_never_jumps, test_plan_holds_still_under_noise, test_tiny_run_learns_and_checkpoint_reloads, test_fused_impl_trains_like_sorted_and_switches_on_resume,
+TESTS = [test_benchmarks_run_at_toy_sizes, test_resume_with_more_steps_or_budget_continues_the_run, test_init_from_with_another_tokenizer_is_warned, test_plan_follows_the_speed_and_never_jumps, test_plan_holds_still_under_noise, test_tiny_run_learns_and_checkpoint_reloads, test_fused_impl_trains_like_sorted_and_switches_on_resume,
          test_dense_model_trains_and_resume_keeps_a_damaged_log,
          test_resume_equals_continuous_run, test_bad_inputs_fail_fast_with_clear_messages, test_resume_refuses_a_changed_data_order,
          test_corrupt_checkpoint_is_refused, test_help_shows_every_default_range_and_output_file,

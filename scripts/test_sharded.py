@@ -159,7 +159,7 @@ def test_fsdp_matches_one_process():
 def resave_worker(rank, world, argv):
     """Resume `argv`'s run on this rank's layout and save it again at once, without a step."""
     import train.loop as loop
-    from train.parallel import init_distributed, shutdown
+    from train.distributed import init_distributed, shutdown
     from train.pretrain import STAGE, parse_args
     args = parse_args(argv)
     ctx = init_distributed(args.ep_size, "cpu", args.fsdp)

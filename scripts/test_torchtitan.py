@@ -179,6 +179,39 @@ def test_command_parses_and_the_mesh_builds():
     assert r.returncode == 0 and said and int(said[0].split()[-1]) >= 1, r.stdout[-1000:] + r.stderr[-3000:]
 
 
+SCHEDULE = r'''
+import sys
+sys.path.insert(0, sys.argv[1])
+import minimind_tt
+pre, sft = minimind_tt.minimind_pretrain(), minimind_tt.minimind_sft()
+print("schedule", pre.training.steps, sft.training.steps, pre.checkpoint.interval, sft.checkpoint.interval,
+      pre.dataloader.dataset)
+'''
+
+
+def test_schedule_flags_and_public_names_only():
+    """--steps, --sft_steps, --checkpoint_interval and --dataset reach the configs torchtitan builds (a dataset
+    torchtitan does not register, a step count below 1: one error line, no folder); the flavor module imports only
+    torchtitan's public names (no `_`-prefixed ones)."""
+    python, out = torchtitan_python(), os.path.join(_TMP, "scheduled")
+    r = testlib.run_script("scripts/export_torchtitan.py", "--ckpt", testlib.tiny_run(), "--out", out, "--steps", "7",
+                           "--sft_steps", "3", "--checkpoint_interval", "5", "--dataset", "c4_test")
+    assert r.returncode == 0, r.stderr
+    r = testlib.run_script("scripts/export_torchtitan.py", "--ckpt", testlib.tiny_run(), "--out", out + "_bad",
+                           "--dataset", 'c4"""')
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: ") and not os.path.exists(out + "_bad")
+    r = testlib.run_script("scripts/export_torchtitan.py", "--ckpt", testlib.tiny_run(), "--out", out + "_steps",
+                           "--steps", "0")
+    assert r.returncode == 2 and "--steps must be" in r.stderr, r.stderr
+    r = subprocess.run([python, "-c", SCHEDULE, out], capture_output=True, text=True)
+    assert r.returncode == 0 and "schedule 7 3 5 5 c4_test" in r.stdout, r.stdout[-1000:] + r.stderr[-3000:]
+    import ast
+    tree = ast.parse(open(os.path.join(out, "minimind_tt.py")).read())
+    private = [a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module.startswith("torchtitan")
+               for a in node.names if a.name.startswith("_")]
+    assert not private, private
+
+
 def test_inexpressible_model_is_one_error_line():
     """Shared experts, --ep not dividing --fsdp or the experts, a routing-bias rate of 0: one `error:` line
     naming it, exit 2, nothing written."""
@@ -200,7 +233,7 @@ def test_inexpressible_model_is_one_error_line():
 
 
 TESTS = [test_inexpressible_model_is_one_error_line, test_torchtitan_computes_our_logits_and_saves_our_weights,
-         test_command_parses_and_the_mesh_builds]
+         test_command_parses_and_the_mesh_builds, test_schedule_flags_and_public_names_only]
 
 if __name__ == "__main__":
     run(TESTS)

@@ -242,8 +242,7 @@ def rebuilt(module, engines):
     if isinstance(module, MiniMindForCausalLM):
         twin = MiniMindForCausalLM(module.config, engines)
     elif isinstance(module, MOEFeedForward):
-        twin = MOEFeedForward(module.config, engines.experts, engines.permute,
-                              engines.combine, engines.linear)
+        twin = MOEFeedForward(module.config, engines.experts, engines.movers, engines.linear)
     else:
         raise ValueError(f"rebuilt: a MiniMindForCausalLM or MOEFeedForward, "
                          f"got {type(module).__name__}")

@@ -10,11 +10,14 @@ name):
     Engines.linear     OneDNNLinear (kernels/cpu_linear.py)         CPU fp32 where oneDNN runs (it beats MKL)
     Engines.attend     explicit_attention (kernels/attention.py)    CPU under bf16 autocast
     Engines.lm_loss    linear_cross_entropy (chunked, no logits)    CPU
-    Engines.experts    CPUExperts (kernels/experts.py)              moe_impl "fused", CPU with oneDNN, eager
-                       grouped_experts_for (kernels/experts.py)     moe_impl "fused" elsewhere, or compiled
-    Engines.permute    permute_triton, combine_triton: the fused    CUDA with Triton (moe_impl "fused"; on
-      and .combine     path's Permute / Combine on the row movers   CPU model/dispatch.py's plain ones, also
-                       of kernels/permute.py                        the reference)
+    Engines.experts    cpu_experts_for(dtype) (kernels/experts.py:  moe_impl "fused", CPU with oneDNN, eager
+                       CPUExperts, its layout for the dtype)
+                       GROUPED_EXPERTS (kernels/experts.py)         moe_impl "fused" elsewhere, or compiled,
+                                                                    where torch's grouped_mm or Triton runs
+                       expert_loop (model/moe.py)                   the rest (e.g. fp64; sorted's always)
+    Engines.movers     TRITON_MOVERS: kernels/permute.py's row      CUDA with Triton (moe_impl "fused"; on
+                       movers, run by the fused path's Permute /    CPU model/dispatch.py's PLAIN_MOVERS,
+                       Combine (model/dispatch.py)                  also the reference)
 
 moe_impl "sorted" keeps the plain expert_loop of nn.Linear-style chains: its contract is bitwise
 equality with the masked loop. Tolerances of each engine against the plain part:
@@ -25,13 +28,14 @@ from torch import nn
 
 from kernels.attention import explicit_attention
 from kernels.cpu_linear import OneDNNLinear, onednn_runs
-from kernels.experts import cpu_experts, grouped_experts_for
+from kernels.experts import GROUPED_EXPERTS, cpu_experts_for
+from kernels.grouped_gemm import torch_grouped_mm_fits
 from kernels.linear_cross_entropy import linear_cross_entropy
 from kernels.backend import triton_importable
 from kernels.permute import gather_rows_triton, sum_rows_triton
-from model.dispatch import RowMovers, combine_rows, permute_rows
+from model.dispatch import RowMovers
 from model.engines import PLAIN, Engines
-from model.moe import Experts, MOEFeedForward, engine_name
+from model.moe import Experts, MOEFeedForward
 
 def cpu_facts():
     """What --dtype auto reads of this CPU: {"vendor": /proc/cpuinfo's vendor_id ("GenuineIntel",
@@ -77,31 +81,33 @@ def engines_for(config, device, dtype, compiled=False) -> Engines:
     cpu = torch.device(device).type == "cpu"
     if not (config.use_moe and config.moe_impl == "fused"):
         experts = PLAIN.experts
+    elif cpu and onednn_runs("cpu", dtype) and not compiled:
+        experts = cpu_experts_for(dtype)
     else:
-        experts = (cpu_experts if cpu and onednn_runs("cpu", dtype) and not compiled else
-                   grouped_experts_for(device, dtype, config.hidden_size,
-                                       config.moe_intermediate_size, compiled))
+        experts = grouped_experts_for(device, dtype, config.hidden_size, config.moe_intermediate_size,
+                                      compiled)
     return Engines(linear=(OneDNNLinear
                            if cpu and dtype == torch.float32 and onednn_runs("cpu", torch.float32)
                            else nn.Linear),
                    attend=explicit_attention if cpu and dtype == torch.bfloat16 else PLAIN.attend,
                    lm_loss=linear_cross_entropy if cpu else None,
                    experts=experts,
-                   **(dict(permute=permute_triton, combine=combine_triton)
-                      if torch.device(device).type == "cuda" and triton_importable() else {}))
+                   movers=(TRITON_MOVERS if torch.device(device).type == "cuda" and triton_importable()
+                           else PLAIN.movers))
 
 
-TRITON_MOVERS = RowMovers(gather_rows_triton, sum_rows_triton)
+def grouped_experts_for(device, dtype, hidden_size, intermediate_size, compiled=False):
+    """The fused path's experts engine off the CPU GEMMs, for rows of `dtype` on `device`: torch's
+    grouped_mm where it takes them (through custom ops when `compiled`), else our Triton kernels on
+    CUDA, else the plain per-expert loop."""
+    if torch_grouped_mm_fits(device, dtype, hidden_size, intermediate_size):
+        return GROUPED_EXPERTS["torch_compiled" if compiled else "torch"]
+    if torch.device(device).type == "cuda" and triton_importable():
+        return GROUPED_EXPERTS["triton"]
+    return PLAIN.experts
 
 
-def permute_triton(x_TD, rm):
-    """model/dispatch.py: permute_rows on the Triton row movers (kernels/permute.py)."""
-    return permute_rows(x_TD, rm, TRITON_MOVERS)
-
-
-def combine_triton(rows_PD, rm):
-    """model/dispatch.py: combine_rows on the Triton row movers (kernels/permute.py)."""
-    return combine_rows(rows_PD, rm, TRITON_MOVERS)
+TRITON_MOVERS = RowMovers("triton", gather_rows_triton, sum_rows_triton)
 
 
 def describe(model):
@@ -110,10 +116,9 @@ def describe(model):
     for m in model.modules():
         names = [type(m).__name__] if type(m) is OneDNNLinear else []
         if isinstance(m, Experts) and m.engine is not PLAIN.experts:
-            names.append(engine_name(m.engine))
-        if (isinstance(m, MOEFeedForward)
-                and getattr(m.dispatcher, "permute", None) is permute_triton):
-            names.append("permute_triton/combine_triton")
+            names.append(m.engine.__name__)
+        if isinstance(m, MOEFeedForward) and getattr(m.dispatcher, "movers", None) == TRITON_MOVERS:
+            names.append("triton row movers")
         if getattr(m, "attend", None) is explicit_attention:
             names.append("explicit_attention")
         if getattr(m, "chunked_lm_loss", None) is not None:

@@ -57,6 +57,14 @@ class Parser(argparse.ArgumentParser):
         sys.stderr.write(f"usage: {self.prog} [flags]; see --help\nerror: {message}\n")
         sys.exit(2)
 
+    def parse_args(self, args=None, namespace=None, ranges=None):
+        """argparse's, with `ranges` ({dest: Range}) shown in --help and each value checked against its
+        range (parser.error naming the flag)."""
+        show_ranges(self, ranges or {})
+        parsed = super().parse_args(args, namespace)
+        check_ranges(self, parsed, ranges or {})
+        return parsed
+
 
 def utf8_text(value):
     """argparse type of a free-text flag (--prompt): refuses bytes that are not UTF-8 (argv carries them as
@@ -69,9 +77,14 @@ def utf8_text(value):
 
 
 def run_tool(main):
-    """A user tool's entry point: Ctrl-C ends it with exit code 130 and no traceback (what it printed stays)."""
+    """A user tool's entry point: bad input (a ValueError, e.g. model/hf_adapter.py's ExportError, or an
+    OSError: a missing file, a folder that cannot be written) ends it with one `error:` line and exit code 2;
+    Ctrl-C with exit code 130 and no traceback (what it printed stays)."""
     try:
         main()
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:
         sys.stdout.flush()
         sys.stderr.write("\n(interrupted)\n")

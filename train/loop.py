@@ -37,9 +37,9 @@ from model.model_minimind import MiniMindForCausalLM
 from train import flags
 from train.checkpoint import load_checkpoint, load_into, save_run
 from train.init_weights import upcycle, upcycled_base, weights_source
-from train.parallel import (PeerFailed, build_on_meta, check_same_on_all_ranks, clip_grad_norm_sharded, ep_dispatchers,
-                            init_distributed, install as install_ep, main_rank_first, moe_layers, no_grad_sync, shard,
-                            shutdown)
+from train.distributed import (PeerFailed, check_same_on_all_ranks, clip_grad_norm_sharded, init_distributed,
+                               main_rank_first, no_grad_sync, shutdown)
+from train.parallel import build_on_meta, ep_dispatchers, install as install_ep, moe_layers, shard
 from train.report import (LoadTelemetry, MetricsLog, Progress, describe_model, load_summary, open_wandb, plot_expert_load,
                           plot_loss_curve)
 from train.run_dir import abandon_run_dir, checkpoint_in, claim_run_dir, copy_tokenizer
@@ -271,7 +271,7 @@ class Run:
     """What a run is made of, fixed after setup."""
     args: object
     stage: Stage
-    ctx: object              # train.parallel.DistContext
+    ctx: object              # train.distributed.DistContext
     device: str
     dtype: torch.dtype       # autocast dtype (fp32 = no autocast); weights stay fp32
     threads: int | None      # the CPU thread count, fixed for the run (None on CUDA)
@@ -289,10 +289,9 @@ class Run:
                 else torch.autocast(self.device.split(":")[0], dtype=self.dtype))
 
 
-def train(args, log=print, stage=None):
-    """Run (or resume) the training job of `args` (a stage's parse_args); one process, or every rank of a
+def train(args, stage, log=print):
+    """Run (or resume) the training job of `args` (`stage`'s parse_args); one process, or every rank of a
     torchrun launch (DDP, plus EP with --ep_size > 1). Returns a summary dict."""
-    stage = stage or __import__(f"train.{args.stage}", fromlist=["STAGE"]).STAGE
     t_start = time.time()
     device_type = args.device.split(":")[0] if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda" and not torch.cuda.is_available():
@@ -346,8 +345,8 @@ def setup(stage, args, ctx, device_type, log):
         data.val_targets, data.val_bytes = count_val_bytes(data)
         if ctx.is_main:
             copy_tokenizer(data.tokenizer_dir, os.path.join(args.out_dir, "tokenizer"))
-        if base is None:
-            config.vocab_size = len(data.tokenizer)
+        if base is None:  # (the architecture from the flags: the vocabulary from the tokenizer)
+            config = flags.build_config(args, vocab_size=len(data.tokenizer))
         if config.vocab_size < len(data.tokenizer):
             raise ValueError(f"the model's vocab_size {config.vocab_size} is smaller than the tokenizer's "
                              f"{len(data.tokenizer)} tokens")
@@ -774,7 +773,7 @@ def sample(run):
 def run_cli(stage, args, log=print):
     """train for a stage script's parsed flags; bad input ends in one `error:` line and exit code 2."""
     try:
-        train(args, log=log, stage=stage)
+        train(args, stage, log=log)
     except (DataError, ValueError, OSError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model.config import MiniMindConfig  # noqa: E402
 from train import flags  # noqa: E402
-from train.stage import Stage, StageData, main  # noqa: E402
+from train.stage import Stage, StageData  # noqa: E402
 
 
 def add_data_flags(g):
@@ -70,8 +70,10 @@ def parse_args(argv=None):
 
 def train(args, log=print):
     from train import loop
-    return loop.train(args, log=log, stage=STAGE)
+    return loop.train(args, STAGE, log=log)
 
 
 if __name__ == "__main__":
-    main(STAGE)
+    args = parse_args()  # (before the loop's imports: --help and a mistyped flag answer without torch)
+    from train import loop
+    loop.run_cli(STAGE, args)

@@ -217,11 +217,16 @@ def load_summary(load_LE):
     return fraction_LE, max_over_mean_L, idle_L
 
 
+def param_counts(model, config):
+    """(parameters, those a token uses): the total less the experts it does not use, in every layer."""
+    n_params = sum(p.numel() for p in model.parameters())
+    return n_params, n_params - (config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * 3
+                                 * config.hidden_size * config.moe_intermediate_size if config.use_moe else 0)
+
+
 def describe_model(model, config, device, dtype):
     """One log line: parameters (total / active per token), shape, device and dtype."""
-    n_params = sum(p.numel() for p in model.parameters())
-    n_active = n_params - (config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * 3
-                           * config.hidden_size * config.moe_intermediate_size if config.use_moe else 0)
+    n_params, n_active = param_counts(model, config)
     kind = f"MoE E={config.num_experts} k={config.num_experts_per_tok}" if config.use_moe else "dense"
     return (f"model: {n_params / 1e6:.2f}M params ({n_active / 1e6:.2f}M active), {kind}, {config.num_hidden_layers} "
             f"layers, D={config.hidden_size}, moe_impl {config.moe_impl}; device {device}, {str(dtype)[6:]}")

@@ -21,7 +21,7 @@ from data.corpus import CACHE_DIR  # noqa: E402  (these data modules import no t
 from data.sft_corpus import default_sft_set  # noqa: E402
 from data.sources import DataError  # noqa: E402
 from train import flags  # noqa: E402
-from train.stage import Stage, StageData, main  # noqa: E402
+from train.stage import Stage, StageData  # noqa: E402
 
 SAMPLE_QUESTION = "What does `os.path.join` do?"
 
@@ -112,8 +112,10 @@ def parse_args(argv=None):
 
 def train(args, log=print):
     from train import loop
-    return loop.train(args, log=log, stage=STAGE)
+    return loop.train(args, STAGE, log=log)
 
 
 if __name__ == "__main__":
-    main(STAGE)
+    args = parse_args()  # (before the loop's imports: --help and a mistyped flag answer without torch)
+    from train import loop
+    loop.run_cli(STAGE, args)

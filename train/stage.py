@@ -1,6 +1,6 @@
-"""What a training stage (train/pretrain.py, train/sft.py) hands the shared loop (train/loop.py), and a
-stage script's entry point. Light on purpose: a stage script imports only this and train/flags.py before
-its flags are parsed, so `--help` and a mistyped flag answer before torch is imported.
+"""What a training stage (train/pretrain.py, train/sft.py) hands the shared loop (train/loop.py). Light on
+purpose: a stage script imports only this and train/flags.py before its flags are parsed, so `--help` and a
+mistyped flag answer before torch is imported.
 """
 from dataclasses import dataclass, field
 from typing import Callable
@@ -36,10 +36,3 @@ class Stage:
     sample_prompt: str = "The"
     defaults: dict = field(default_factory=dict)
 
-
-def main(stage, argv=None, log=print):
-    """A stage script's `__main__`: parse the flags (train/flags.py), then train (train/loop.py: run_cli)."""
-    from train import flags
-    args = flags.parse_args(stage, argv)
-    from train import loop  # torch, the model, the data pipeline
-    loop.run_cli(stage, args, log=log)

@@ -47,8 +47,8 @@ import torch  # noqa: E402
 from moe_reference import reference_masked_forward  # noqa: E402
 from sync_count import count_syncs  # noqa: E402
 from kernels.cpu_linear import _OneDNNLinear, onednn_runs  # noqa: E402  (the oneDNN linear, forward + backward)
-from train.engines import engines_for  # noqa: E402
-from kernels.experts import cpu_experts, grouped_experts_for  # noqa: E402
+from kernels.experts import cpu_experts_for  # noqa: E402
+from train.engines import engines_for, grouped_experts_for  # noqa: E402
 from train.threads import keep_freed_memory  # noqa: E402
 from model.model_minimind import FeedForward, MiniMindConfig, MOEFeedForward  # noqa: E402
 
@@ -68,7 +68,7 @@ def dense_equivalent(moe):
     k, f = cfg.num_experts_per_tok, cfg.moe_intermediate_size
     dense = FeedForward(cfg.hidden_size, k * f)
     with torch.no_grad():
-        experts = [moe.experts[e].weights() for e in range(k)]
+        experts = [expert.weights() for expert in list(moe.experts)[:k]]
         dense.gate_proj.weight.copy_(torch.cat([gate for gate, _, _ in experts], 0))
         dense.up_proj.weight.copy_(torch.cat([up for _, up, _ in experts], 0))
         dense.down_proj.weight.copy_(torch.cat([down for _, _, down in experts], 1))
@@ -187,7 +187,7 @@ def device_peak_tflops(device):
 
 
 def main(argv=None):
-    from train.flags import AT_LEAST_0, POSITIVE, Parser, check_ranges, show_ranges
+    from train.flags import AT_LEAST_0, POSITIVE, Parser
     p = Parser(description=__doc__)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="autocast dtype")
@@ -204,9 +204,7 @@ def main(argv=None):
     p.add_argument("--os_malloc", action="store_true",
                    help="leave glibc's default thresholds (freed big blocks go back to the OS; see keep_freed_memory)")
     ranges = {"repeats": AT_LEAST_0, "batched_mm_limit_gb": POSITIVE}
-    show_ranges(p, ranges)
-    args = p.parse_args(argv)
-    check_ranges(p, args, ranges)
+    args = p.parse_args(argv, ranges=ranges)
     tuned = False
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     ptdtype = getattr(torch, args.dtype)
@@ -247,12 +245,12 @@ def main(argv=None):
         moe = MOEFeedForward(MiniMindConfig(**cfg)).to(device).train()
         fused_cfg = MiniMindConfig(**cfg, moe_impl="fused")
         engines = engines_for(fused_cfg, device, ptdtype)  # the trainer's engines for the fused path
-        fused = MOEFeedForward(fused_cfg, engines.experts, engines.permute, engines.combine, engines.linear).to(device).train()
+        fused = MOEFeedForward(fused_cfg, engines.experts, engines.movers, engines.linear).to(device).train()
         fused.load_state_dict(moe.state_dict())
         onednn = onednn_runs(device, torch.float32)
-        cpu_gemms = engines.experts is cpu_experts
+        cpu_gemms = engines.experts is cpu_experts_for(ptdtype)
         # the fused layer with the grouped-GEMM engine where the CPU expert GEMMs would run
-        grouped = MOEFeedForward(fused_cfg, grouped_experts_for(device, ptdtype, d, f), engines.permute, engines.combine,
+        grouped = MOEFeedForward(fused_cfg, grouped_experts_for(device, ptdtype, d, f), engines.movers,
                                  engines.linear).to(device).train()
         grouped.load_state_dict(moe.state_dict())
         builders = {"dense": lambda: dense_equivalent(moe).to(device).train(),

@@ -97,15 +97,11 @@ def count_params(config_path):
     import torch
 
     from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+    from train.report import param_counts
     with open(config_path, encoding="utf-8") as f:
         config = MiniMindConfig.from_dict(json.load(f))
     with torch.device("meta"):
-        total = sum(p.numel() for p in MiniMindForCausalLM(config).parameters())
-    idle = 0
-    if config.use_moe:  # the experts a token does not use, in every layer
-        idle = config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * 3 * config.hidden_size \
-            * config.moe_intermediate_size
-    return total, total - idle
+        return param_counts(MiniMindForCausalLM(config), config)
 
 
 def data_epoch(ckpt_path):
@@ -210,7 +206,7 @@ def comparisons(results):
 
 
 def parse_cli(argv=None):
-    from train.flags import AT_LEAST_0, AT_LEAST_1, POSITIVE, Parser, Range, check_ranges, show_ranges
+    from train.flags import AT_LEAST_0, AT_LEAST_1, POSITIVE, Parser, Range
     p = Parser(description=__doc__)
     p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated rows, of {', '.join(ROWS)}")
     p.add_argument("--budget_s", type=float, default=240.0, help="training seconds per row (--time_budget_s)")
@@ -233,9 +229,7 @@ def parse_cli(argv=None):
     ranges = {"budget_s": POSITIVE, "steps": AT_LEAST_0, "learning_rate": POSITIVE, "seed": Range(0, 2**32 - 1),
               "vocab_size": Range(259), **dict.fromkeys(("hidden_size", "num_hidden_layers", "moe_intermediate_size",
                                                           "batch_size", "seq_len", "eval_tokens"), AT_LEAST_1)}
-    show_ranges(p, ranges)
-    args = p.parse_args(argv)
-    check_ranges(p, args, ranges)
+    args = p.parse_args(argv, ranges=ranges)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     bad = [r for r in rows if r not in ROWS]
     if bad or not rows:

@@ -66,11 +66,11 @@ VARIANTS = {
 def chosen_engines(config, chosen):
     """Plain engines but the chosen ones of train/engines.py (engines_for picks all that pay): "linear"
     OneDNNLinear, "attention" explicit_attention, "loss" the chunked LM loss, "moe" (moe_impl "fused" only)
-    the CPU or grouped experts engine and the kernels' permute / combine."""
+    the CPU or grouped experts engine and the row movers."""
     fused = engines_for(config, "cpu", torch.bfloat16)
     engines = {"linear": dict(linear=OneDNNLinear), "attention": dict(attend=explicit_attention),
                "loss": dict(lm_loss=linear_cross_entropy),
-               "moe": {k: getattr(fused, k) for k in ("experts", "permute", "combine")}
+               "moe": {k: getattr(fused, k) for k in ("experts", "movers")}
                if config.use_moe and config.moe_impl == "fused" else {}}
     return dataclasses.replace(PLAIN, **{k: v for name in chosen for k, v in engines[name].items()})
 
@@ -272,7 +272,7 @@ def old_tree(args):
 
 def main(argv=None):
     keep_freed_memory()  # as the trainer does on CPU
-    from train.flags import AT_LEAST_0, AT_LEAST_1, Parser, check_ranges, show_ranges
+    from train.flags import AT_LEAST_0, AT_LEAST_1, Parser
     p = Parser(description=__doc__)
     p.add_argument("--impl", default="fused", choices=("sorted", "fused"))
     p.add_argument("--use_moe", type=int, default=1, choices=(0, 1))
@@ -287,9 +287,7 @@ def main(argv=None):
     p.add_argument("--extra", default="", help="old-tree mode: flags added to both main jobs")
     p.add_argument("--split", action="store_true", help="time per step split into attention, FFN, LM head, AdamW")
     ranges = {**dict.fromkeys(("hidden_size", "num_layers", "batch_size", "seq_len", "steps", "rounds"), AT_LEAST_1), "busy": AT_LEAST_0}
-    show_ranges(p, ranges)
-    args = p.parse_args(argv)
-    check_ranges(p, args, ranges)
+    args = p.parse_args(argv, ranges=ranges)
     if args.split:
         split(args)
     elif args.old_tree:

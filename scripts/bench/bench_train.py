@@ -94,7 +94,7 @@ def flops_per_token(model, config, seq_len):
 
 
 def main(argv=None):
-    from train.flags import AT_LEAST_0, AT_LEAST_1, Parser, check_ranges, show_ranges
+    from train.flags import AT_LEAST_0, AT_LEAST_1, Parser
     p = Parser(description=__doc__)
     p.add_argument("--rows", default="masked,sorted,fused", help=f"comma-separated, from {','.join(ROWS)}")
     p.add_argument("--hidden_size", type=int, default=256)
@@ -116,9 +116,7 @@ def main(argv=None):
     ranges = dict.fromkeys(("hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts", "top_k",
                             "moe_intermediate_size", "batch_size", "seq_len", "steps", "rounds"), AT_LEAST_1)
     ranges["warmup"] = AT_LEAST_0
-    show_ranges(p, ranges)
-    args = p.parse_args(argv)
-    check_ranges(p, args, ranges)
+    args = p.parse_args(argv, ranges=ranges)
     rows = args.rows.split(",")
     unknown = [r for r in rows if r not in ROWS]
     if unknown or not rows:

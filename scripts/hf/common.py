@@ -15,7 +15,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from data.atomic import atomic_dir  # noqa: E402
-from train.flags import AT_LEAST_1, POSITIVE, Parser, Range, check_ranges, show_ranges  # noqa: E402
+from train.flags import AT_LEAST_1, POSITIVE, Parser, Range  # noqa: E402
 
 # The flags both scripts take; each adds its own (run_training's `ranges`)
 RANGES = {"steps": AT_LEAST_1, "batch_size": AT_LEAST_1, "max_train": AT_LEAST_1, "lr": POSITIVE,
@@ -140,15 +140,7 @@ def training_parser(doc, out, lr, unit):
 
 
 def run_training(p, argv, fn, ranges=None):
-    """Parse argv (a flag out of `ranges`, by default RANGES: parser error naming it), then fn(args); a ValueError
-    or OSError (a folder that is not an export, an --out that exists, non-finite training) ends the script with
-    one `error:` line, exit code 2."""
-    ranges = ranges or RANGES
-    show_ranges(p, ranges)
-    args = p.parse_args(argv)
-    check_ranges(p, args, ranges)
-    try:
-        fn(args)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    """Parse argv (a flag out of `ranges`, by default RANGES: parser error naming it), then fn(args) (its
+    ValueError or OSError: a folder that is not an export, an --out that exists, non-finite training, ends the
+    script through train/flags.py: run_tool)."""
+    fn(p.parse_args(argv, ranges=ranges or RANGES))
