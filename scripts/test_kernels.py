@@ -437,7 +437,7 @@ def test_cpu_expert_gemms():
     output, grad of the rows, of the row weights and of both weight stacks; over the row-map cases (idle
     experts get zero weight grads, padding rows and rows past the segments give zero output), fp32 and bf16;
     two runs bitwise identical; fp32 rows on the bucketed layout too; the plain expert_loop (nn.Linear-style per expert) agrees too. (Rows it has no
-    CPU GEMMs for: test_fp64_experts_take_the_grouped_engine.)"""
+    CPU GEMMs for: test_fp64_experts_take_the_plain_loop.)"""
     if not onednn_runs("cpu", torch.float32):
         raise Skip("this torch has no oneDNN CPU matmul")
     for T, K, E, drop, idle, pad_to, align in CASES + [(200, 2, 3, 0.1, (), None, 1)]:  # rows > a bucket
@@ -494,7 +494,7 @@ def test_cpu_expert_gemms():
                 assert (a.double() - b).abs().max() <= 2e-2 * b.abs().max() + 1e-6, f"bf16, 16 experts: grad {i}"
 
 
-def test_fp64_experts_take_the_grouped_engine():
+def test_fp64_experts_take_the_plain_loop():
     """For fp64 rows (no oneDNN GEMMs for them, and torch's grouped_mm takes no fp64 either) engines_for picks
     neither the CPU expert GEMMs nor a grouped engine but the plain expert_loop; it agrees with the reference."""
     assert not onednn_runs("cpu", torch.float64)
@@ -748,7 +748,7 @@ TESTS = [test_linear_cross_entropy_matches_reference, test_onednn_linear_matches
          test_row_map_layout, test_gather_rows_bitwise, test_combine_rows_bitwise, test_hole_free_fast_path_is_the_same,
          test_permute_combine_autograd, test_grouped_ops_over_cases, test_grouped_engine_choice,
          test_embedding_bag_combine_is_the_reference, test_scaled_swiglu_gradients,
-         test_cpu_expert_gemms, test_fp64_experts_take_the_grouped_engine, test_cpu_experts_autograd_modes,
+         test_cpu_expert_gemms, test_fp64_experts_take_the_plain_loop, test_cpu_experts_autograd_modes,
          test_cpu_values_refuses_device_tensors,
          test_grouped_swiglu_matches_per_expert_ffn, test_triton_movers_say_where_they_cannot_run,
          test_kernels_compile_for_hopper]
