@@ -24,7 +24,8 @@ def test_dtype_auto_on_cpu():
     same facts give the same dtype, whatever the load), with its reason logged: bf16 on AMX and on AMD's
     AVX512-BF16, fp32 on Intel's AVX512-BF16 without AMX, on AVX2-only CPUs and where oneDNN has no bf16; the
     attention the trainer builds the model with follows the dtype (explicit scores under bf16, SDPA in fp32:
-    train.engines.engines_for); an explicit --dtype is taken as given, and CUDA's auto is bf16."""
+    train.engines.engines_for); an explicit --dtype is taken as given (bf16 where oneDNN runs none with a line
+    that says so), and CUDA's auto is bf16."""
     class Ctx:
         distributed = False
 
@@ -52,6 +53,11 @@ def test_dtype_auto_on_cpu():
         lines = []
         assert loop.resolve_dtype(args("float32"), Ctx, "cpu", lines.append) == torch.float32
         assert loop.resolve_dtype(args("bfloat16"), Ctx, "cpu", lines.append) == torch.bfloat16
+        assert not lines, lines
+        loop.cpu_facts = lambda: facts("AuthenticAMD", onednn_bf16=False)  # asked for where it is emulated
+        assert loop.resolve_dtype(args("bfloat16"), Ctx, "cpu", lines.append) == torch.bfloat16
+        assert len(lines) == 1 and "no native bf16 GEMMs" in lines[0], lines
+        lines.clear()
         loop.cpu_facts = lambda: facts("")
         assert loop.resolve_dtype(args("auto"), Ctx, "cuda", lines.append) == torch.bfloat16 and not lines, lines
     finally:

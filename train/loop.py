@@ -406,7 +406,11 @@ def resolve_dtype(args, ctx, device_type, log):
     """The autocast dtype of --dtype: auto = bf16 on CUDA; on CPU bf16 where it trains faster than fp32 here
     (`bf16_pays` of this CPU's `cpu_facts`: a rule, not a timing, so the machine's load never changes it; all
     ranks agree: bf16 only where it pays on every one), else fp32. The checkpoint's flags record the choice
-    (flags.flags_to_save): a resume trains in the recorded dtype whatever the rule says now."""
+    (flags.flags_to_save): a resume trains in the recorded dtype whatever the rule says now. A bf16 asked for
+    where oneDNN runs no bf16 GEMMs is kept, with a line that says what it costs."""
+    if args.dtype == "bfloat16" and device_type == "cpu" and not cpu_facts()["onednn_bf16"]:
+        log("dtype bfloat16 as asked, but this CPU has no native bf16 GEMMs: PyTorch's reference kernels run "
+            "them, tens of times slower than float32 (--dtype auto picks float32 here)")
     if args.dtype != "auto":
         return DTYPES[args.dtype]
     if device_type == "cuda":
