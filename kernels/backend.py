@@ -5,7 +5,10 @@ Triton runs on CUDA tensors, and on CPU ones when TRITON_INTERPRET=1 is set befo
 imported (a numpy interpreter: slow, but CI tests the kernels without a GPU). Engines are chosen
 when the model is built (train/engines.py).
 """
+import functools
 import os
+
+import torch
 
 
 def _probe_triton() -> bool:
@@ -42,3 +45,19 @@ def cpu_values(t) -> list:
         raise ValueError(f"cpu_values: expected a CPU tensor, got one on {t.device} "
                          "(reading it would sync)")
     return t.numpy().tolist()
+
+
+def first_order_only(backward):
+    """Decorator for an autograd.Function's backward that has no derivative of its own: under
+    create_graph=True (a double backward, e.g. a gradient penalty) it raises RuntimeError saying
+    so at once. (torch's once_differentiable raises only at the second backward, and only where the
+    incoming gradient requires grad: under a loss whose gradient here is constant, such as a sum,
+    it hands back a first gradient detached from the graph, without a word.)"""
+    @functools.wraps(backward)
+    def first_order_backward(ctx, *grads):
+        if torch.is_grad_enabled():
+            name = backward.__qualname__.split(".")[0]
+            raise RuntimeError(f"{name}: no double backward (a backward with create_graph=True): "
+                               f"its backward is not differentiable")
+        return backward(ctx, *grads)
+    return first_order_backward

@@ -12,7 +12,8 @@ bitwise contract is nn.Linear's). fp32 results differ from `F.linear` by roundin
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
+
+from kernels.backend import first_order_only
 
 
 def _probe_onednn():
@@ -52,7 +53,7 @@ class _OneDNNLinear(torch.autograd.Function):
         return onednn_linear(x_MK, w_NK)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad_MN):
         x_MK, w_NK = ctx.saved_tensors
         grad_x = onednn_linear(grad_MN, w_NK.t()) if ctx.needs_input_grad[0] else None  # [M, K]

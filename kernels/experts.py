@@ -33,9 +33,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from kernels.backend import cpu_values
+from kernels.backend import cpu_values, first_order_only
 from kernels.grouped_gemm import (GROUPED_OPS, GroupedSwiGLU, scaled_swiglu_backward,
                                   scaled_swiglu_forward)
 
@@ -144,7 +143,7 @@ class CPUExperts(torch.autograd.Function):
         return layout.from_buffer(out_RD, P)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad_PD):
         x_RD, scale_R, gu_R2F, silu_RF, h_RF, w_gu, w_down = ctx.saved_tensors
         layout, need_x, need_scale = ctx.layout, ctx.needs_input_grad[0], ctx.needs_input_grad[2]

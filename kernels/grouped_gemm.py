@@ -15,9 +15,8 @@ from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
-from kernels.backend import triton_importable
+from kernels.backend import first_order_only, triton_importable
 
 _TORCH_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -260,7 +259,7 @@ class GroupedSwiGLU(torch.autograd.Function):
         return ops.mm(h_PF, w_down_EDF.transpose(1, 2), offsets_E)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad_PD):
         (x_PD, w_gate_up_E2FD, w_down_EDF, offsets_E, row_scale_P, gate_up_PF2, silu_PF,
          h_PF) = ctx.saved_tensors

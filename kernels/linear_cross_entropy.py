@@ -14,8 +14,8 @@ gradient is rounded once to the compute dtype, as autocast's backward would
 (scripts/test_kernels.py: fp32 within 1e-5 of fp64, bf16 within 2e-2).
 """
 import torch
-from torch.autograd.function import once_differentiable
 
+from kernels.backend import first_order_only
 from kernels.cpu_linear import linear
 
 CHUNK_ELEMENTS = 1 << 18  # fp32 elements of one softmax chunk: 1 MiB, an L2 cache's worth
@@ -47,7 +47,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return loss_sum / n_valid  # nan when every label is ignored, as F.cross_entropy
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad_loss):
         h_ND, w_VD, grad_NV = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]

@@ -118,12 +118,8 @@ def test_cuda_mover_chains_are_short():
     from model.config import MiniMindConfig
     from model.moe import MOEFeedForward
     from train.engines import TRITON_MOVERS, engines_for
-    if not triton_runs_on(torch.zeros(1)):
+    if not triton_runs_on(torch.zeros(1)):  # (the one reason to skip: Triton not installed, or nowhere to run)
         raise Skip("Triton runs on no device here (not installed, or TRITON_INTERPRET=0 without CUDA)")
-    try:  # (some Triton versions' interpreters cannot run the combine kernel: then nothing here can be traced)
-        TRITON_MOVERS.sum(torch.zeros(2, 4), torch.zeros(1, 2, dtype=torch.int64))
-    except Exception as e:
-        raise Skip(f"this Triton's interpreter cannot run the movers ({type(e).__name__}: {e})") from None
     config = MiniMindConfig(hidden_size=32, num_experts=4, moe_intermediate_size=16, moe_impl="fused")
     torch.manual_seed(0)
     layer = MOEFeedForward(config, engines_for(config, "cpu", torch.float32).experts, TRITON_MOVERS).train()

@@ -5,6 +5,7 @@
 import json
 import os
 import tempfile
+import unittest.mock
 
 import numpy as np
 import torch
@@ -33,11 +34,24 @@ def _write(path, text, mode="w"):
 
 
 def test_default_corpus_is_deterministic_real_prose():
-    with tempfile.TemporaryDirectory() as b:  # (the run's shared cache against a fresh build)
-        pa, pb = default_corpus(), default_corpus(b)
+    """The default corpus (the run's shared build) is real prose from every DOC_PACKAGE, split without leaks;
+    two builds give the same bytes: checked on every 8th source file (the same walk, parse and split code;
+    a second full build would cost as much as the first), with one parsing process against two."""
+    import data.corpus as corpus
+    pa = default_corpus()
+    all_files = corpus.py_files
+    with tempfile.TemporaryDirectory() as b, tempfile.TemporaryDirectory() as c:
+        corpus.py_files = lambda root: list(all_files(root))[::8]
+        try:
+            builds = [default_corpus(b)]
+            with unittest.mock.patch("os.cpu_count", return_value=1):
+                builds.append(default_corpus(c))
+        finally:
+            corpus.py_files = all_files
         for split in ("train", "val"):
-            with open(pa[split], "rb") as fa, open(pb[split], "rb") as fb:
+            with open(builds[0][split], "rb") as fa, open(builds[1][split], "rb") as fb:
                 assert fa.read() == fb.read(), f"{split} differs between two builds"
+            assert os.path.getsize(builds[0][split]) > 0, split
         docs = {s: [json.loads(l)["text"] for l in open(pa[s], encoding="utf-8")] for s in pa}
     size = sum(len(d) for s in docs for d in docs[s])
     assert 15_000_000 < size < 40_000_000, f"corpus is {size} chars"  # stdlib + DOC_PACKAGES docstrings
@@ -49,7 +63,6 @@ def test_default_corpus_is_deterministic_real_prose():
     train_paras = {p for d in docs["train"] for p in d.split("\n\n")}
     val_paras = [p for d in docs["val"] for p in d.split("\n\n") if len(p) > 200]
     assert sum(p in train_paras for p in val_paras) < 0.02 * len(val_paras), "held-out text repeats training text"
-    import data.corpus as corpus
     assert [n for n, _, _ in corpus.package_dirs()] == list(corpus.DOC_PACKAGES), corpus.package_dirs()
     original = corpus.package_dirs  # another version of a package is another corpus (another cache folder)
     with tempfile.TemporaryDirectory() as c:

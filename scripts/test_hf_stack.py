@@ -151,6 +151,30 @@ def test_dpo_moves_the_model_toward_chosen_answers():
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in r.stderr
 
 
+def test_sharded_run_folder_is_refused_as_a_training_run():
+    """scripts/hf/lora.py and dpo.py with --model a sharded training run (its checkpoint the link ckpt ->
+    ckpt.step<N>/ of DCP shards and state.pt, no ckpt.pt), or that checkpoint's folder: exit 2, one `error:`
+    line saying it is a training run to export first, no traceback, nothing written. The folder has the layout
+    train/run_dir.py: checkpoint_in finds (empty files: the check reads no weights) and a run's config.json."""
+    need("peft", "trl")
+    from model.model_minimind import MiniMindConfig
+    run_dir = os.path.join(_TMP, "sharded_run")
+    os.makedirs(os.path.join(run_dir, "ckpt.step2"))
+    for name in ("state.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"):
+        open(os.path.join(run_dir, "ckpt.step2", name), "wb").close()
+    os.symlink("ckpt.step2", os.path.join(run_dir, "ckpt"))
+    with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
+        f.write(MiniMindConfig(hidden_size=64, num_hidden_layers=2, use_moe=True).to_json_string())
+    for script in ("scripts/hf/lora.py", "scripts/hf/dpo.py"):
+        for model in (run_dir, os.path.join(run_dir, "ckpt")):
+            out = os.path.join(_TMP, "from_sharded_run")
+            r = run_script(script, "--model", model, "--out", out)
+            errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+            assert r.returncode == 2 and "Traceback" not in r.stderr and len(errors) == 1, (script, r.stderr[-3000:])
+            assert "a training run, not an export" in errors[0] and "export_hf.py" in errors[0], errors
+            assert not os.path.exists(out), f"{script} wrote {out}"
+
+
 def test_lora_merged_reimported_and_continued():
     """scripts/hf/lora.py: PEFT LoRA on attention and the experts' fused weights, merged; the merged folder reloads
     with the merged model's logits, both LoRA targets changed, scripts/import_hf.py reads it back with logits
@@ -208,7 +232,8 @@ def test_lm_eval_tasks_score_an_export():
 
 
 TESTS = [test_serve_answers_like_chat_py_and_stops_at_end_of_turn, test_dpo_moves_the_model_toward_chosen_answers,
-         test_lora_merged_reimported_and_continued, test_lm_eval_tasks_score_an_export]
+         test_sharded_run_folder_is_refused_as_a_training_run, test_lora_merged_reimported_and_continued,
+         test_lm_eval_tasks_score_an_export]
 
 if __name__ == "__main__":
     run(TESTS)

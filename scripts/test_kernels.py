@@ -28,6 +28,7 @@ from kernels.experts import (GROUPED_EXPERTS, CPUExperts, cpu_experts_for, cpu_e
                              cpu_experts_rows_in_place)
 from kernels.cpu_linear import OneDNNLinear, linear, onednn_linear_fits, onednn_runs  # noqa: E402
 from kernels import linear_cross_entropy as lce  # noqa: E402
+from kernels.cpu_linear import _OneDNNLinear as cpu_linear_function  # noqa: E402
 from kernels.grouped_gemm import GROUPED_OPS, GroupedOps, GroupedSwiGLU, torch_grouped_mm_fits  # noqa: E402
 from kernels.permute import gather_rows_triton, sum_rows_triton  # noqa: E402
 from train.engines import TRITON_MOVERS, describe, engines_for, grouped_experts_for  # noqa: E402
@@ -516,7 +517,8 @@ def test_fp64_experts_take_the_plain_loop():
 
 def test_cpu_experts_autograd_modes():
     """The CPU expert GEMMs (cpu_experts_for): backward twice with retain_graph, frozen experts (no weight grads
-    computed), no_grad (nothing kept), and double backward refused with a clear error."""
+    computed), no_grad (nothing kept), and double backward refused with an error that names it, never a first
+    gradient silently detached from the graph."""
     if not onednn_runs("cpu", torch.float32):
         raise Skip("this torch has no oneDNN CPU matmul")
     from kernels.experts import _bucket
@@ -535,14 +537,44 @@ def test_cpu_experts_autograd_modes():
     assert bits_equal(gx, g1[0]) and all(p.grad is None for p in experts.parameters())
     with torch.no_grad():
         assert not cpu_expert_gemms(experts, x, counts, scale).requires_grad
-    y = cpu_expert_gemms(experts, x, counts, scale)
-    gx, = torch.autograd.grad(y.sum(), x, create_graph=True)
-    try:
-        gx.sum().backward()
-    except RuntimeError as e:
-        assert "once_differentiable" in str(e) or "double backward" in str(e) or "does not require grad" in str(e), e
-    else:
-        raise AssertionError("double backward through the CPU expert GEMMs did not raise")
+    # double backward: a RuntimeError saying "double backward" at the create_graph=True backward, whether the
+    # gradient reaching the GEMMs depends on their output (a nonlinear loss) or not (a sum); never a first
+    # gradient detached from the graph, whose second-order term would be lost without a word
+    for loss, of_y in (("square loss", lambda y: y.square().sum()), ("sum", lambda y: y.sum())):
+        y = cpu_expert_gemms(experts, x, counts, scale)
+        try:
+            gx, = torch.autograd.grad(of_y(y), x, create_graph=True)
+            assert gx.requires_grad, (f"{loss}: create_graph=True through the CPU expert GEMMs gave a gradient detached "
+                                      "from the graph (its double backward silently drops their second derivative)")
+            gx.sum().backward()
+        except RuntimeError as e:
+            assert "double backward" in str(e), f"{loss}: unclear refusal: {e}"
+        else:
+            raise AssertionError(f"{loss}: double backward through the CPU expert GEMMs did not raise")
+
+
+def test_every_kernel_refuses_double_backward_clearly():
+    """Each autograd.Function of kernels/ with a first-order backward (the oneDNN linear, the linear
+    cross-entropy, the grouped SwiGLU) raises a RuntimeError saying "double backward" under
+    create_graph=True, also where the gradient reaching it is constant (a sum), which torch's
+    once_differentiable lets through as a first gradient detached from the graph."""
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True)
+    offsets = torch.tensor([2, 6], dtype=torch.int32)
+    w_gu, w_d = torch.randn(2, 8, 8, requires_grad=True), torch.randn(2, 8, 4, requires_grad=True)
+    calls = {"_OneDNNLinear": lambda: cpu_linear_function.apply(x, w),
+             "_LinearCrossEntropy": lambda: lce.linear_cross_entropy(x, w, torch.tensor([0, 1, 2, 3, 4, 0])),
+             "GroupedSwiGLU": lambda: GroupedSwiGLU.apply(x, w_gu, w_d, offsets, torch.ones(6), GROUPED_OPS["torch"])}
+    if not onednn_runs("cpu", torch.float32):  # (no oneDNN in this torch: the Function cannot run)
+        del calls["_OneDNNLinear"]
+    for name, call in calls.items():
+        for loss, of_y in (("square loss", lambda y: y.square().sum()), ("sum", lambda y: y.sum())):
+            try:
+                torch.autograd.grad(of_y(call()), x, create_graph=True)
+            except RuntimeError as e:
+                assert "double backward" in str(e), f"{name}, {loss}: unclear refusal: {e}"
+            else:
+                raise AssertionError(f"{name}, {loss}: create_graph=True through it did not raise")
 
 
 def test_cpu_values_refuses_device_tensors():
@@ -590,15 +622,25 @@ def test_grouped_swiglu_matches_per_expert_ffn():
 
 
 def test_triton_movers_say_where_they_cannot_run():
-    x = torch.randn(2, 2)
-    if triton_runs_on(x):
-        raise Skip("Triton runs on CPU tensors here (the interpreter)")
-    try:
-        gather_rows_triton(x, torch.zeros(1, dtype=torch.int64))
-    except RuntimeError as e:
-        assert "Triton cannot run" in str(e)
-    else:
-        raise AssertionError("gather_rows_triton ran where Triton cannot")
+    """gather_rows_triton and sum_rows_triton refuse, with a RuntimeError saying "Triton cannot run", a tensor on a
+    device Triton does not run on, before launching anything: a meta tensor (never), and a CPU tensor while
+    TRITON_INTERPRET is not 1 (kernels/backend.py reads it at each call, so a run without the interpreter is
+    simulated here by setting it to 0). Runs everywhere, Triton installed or not."""
+    for where, device, env in (("a meta tensor", "meta", {}),
+                               ("a CPU tensor without the interpreter", "cpu", {"TRITON_INTERPRET": "0"})):
+        with mock.patch.dict(os.environ, env):
+            x = torch.randn(3, 4, device=device)
+            assert not triton_runs_on(x), where
+            index = torch.zeros(2, 1, dtype=torch.int64, device=device)
+            calls = (("gather_rows_triton", lambda: gather_rows_triton(x, index[:, 0])),
+                     ("sum_rows_triton", lambda: sum_rows_triton(x, index)))
+            for name, call in calls:
+                try:
+                    call()
+                except RuntimeError as e:
+                    assert "Triton cannot run" in str(e), f"{name} on {where}: {e}"
+                else:
+                    raise AssertionError(f"{name} ran on {where}, where Triton cannot")
 
 
 def test_kernels_compile_for_hopper():
@@ -705,8 +747,9 @@ def test_linear_cross_entropy_matches_reference():
     gradients of h and W within 1e-5 relative to the largest value in fp32 (measured ~1e-6), for a row
     count that is not a multiple of the chunk, ignored labels and an incoming gradient other than 1;
     under bf16 autocast within 2e-2 of the fp64 reference and the same dtypes as autocast's path (fp32
-    loss, fp32 leaf gradients); every label ignored gives nan like F.cross_entropy, with a zero gradient;
-    bad shapes raise."""
+    loss, fp32 leaf gradients); under no_grad (no gradient made) the loss within 1e-5 of the fp64 reference and
+    bitwise the fp32 loss computed with gradients; every label ignored gives nan like F.cross_entropy, with a
+    zero gradient; bad shapes raise."""
     gen = torch.Generator().manual_seed(0)
     saved = lce.CHUNK_ELEMENTS
     try:
@@ -723,6 +766,8 @@ def test_linear_cross_entropy_matches_reference():
             h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 got = lce.linear_cross_entropy(h1, w1, labels)
+            if not bf16:
+                fp32_loss = got.detach()
             (got * 0.37).backward()
             assert got.dtype == torch.float32 and h1.grad.dtype == w1.grad.dtype == torch.float32
             for g, r, what in ((got, want, "loss"), (h1.grad, hd.grad, "grad h"), (w1.grad, wd.grad, "grad W")):
@@ -732,8 +777,11 @@ def test_linear_cross_entropy_matches_reference():
         none = lce.linear_cross_entropy(h1, w1, torch.full((N,), -100))
         none.nan_to_num().backward()  # the trainer's zero share of an unsupervised micro-batch
         assert none.isnan() and not h1.grad.any() and not w1.grad.any()
-        with torch.no_grad():  # no gradient wanted: the same loss
-            assert torch.equal(lce.linear_cross_entropy(h, w, labels), lce.linear_cross_entropy(h, w, labels))
+        with torch.no_grad():  # no gradient wanted (no gradient written): the fp64 loss within 1e-5, and the same bits
+            no_grad_loss = lce.linear_cross_entropy(h, w, labels)  # as with gradients (the same log-softmax sums)
+        rel = ((no_grad_loss.double() - want).abs() / want.abs()).item()
+        assert rel < 1e-5, f"no_grad: relative error {rel:.2e} from F.cross_entropy in fp64"
+        assert torch.equal(no_grad_loss, fp32_loss), f"no_grad loss {no_grad_loss.item()!r} != {fp32_loss.item()!r}"
     finally:
         lce.CHUNK_ELEMENTS = saved
     for bad in ((h, w[:, :5], labels), (h, w, labels[:5]), (h[None], w, labels)):
@@ -749,7 +797,7 @@ TESTS = [test_linear_cross_entropy_matches_reference, test_onednn_linear_matches
          test_permute_combine_autograd, test_grouped_ops_over_cases, test_grouped_engine_choice,
          test_embedding_bag_combine_is_the_reference, test_scaled_swiglu_gradients,
          test_cpu_expert_gemms, test_fp64_experts_take_the_plain_loop, test_cpu_experts_autograd_modes,
-         test_cpu_values_refuses_device_tensors,
+         test_every_kernel_refuses_double_backward_clearly, test_cpu_values_refuses_device_tensors,
          test_grouped_swiglu_matches_per_expert_ffn, test_triton_movers_say_where_they_cannot_run,
          test_kernels_compile_for_hopper]
 

@@ -241,6 +241,41 @@ def test_config_defaults_and_roundtrip():
     assert c2.num_experts == 8 and c2.num_experts_per_tok == 2 and c2.use_moe
 
 
+def test_readme_states_the_main_jobs_parameter_counts():
+    """README.md's first paragraph ("7.2M parameters (4.8M active per token), 4 layers, width 256, ...") is the
+    main job's model: train/pretrain.py's default flags -> flags.build_config, built on the meta device (no
+    memory, no init). The total and the active count round (to 0.1M) to README's figures, read from README.md,
+    so either drifting fails here; the active count is taken from the model's own stacked expert tensors (a token
+    skips E - k of every layer's E experts), and train/report.py's param_counts (the run's `model:` line)
+    agrees with both. The shape README states (layers, width, heads, KV heads, experts, expert width, top-k) too."""
+    import re
+    from testlib import ROOT
+    from train.flags import build_config
+    from train.pretrain import parse_args
+    from train.report import param_counts
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = " ".join(f.read().split())
+    m = re.search(r"([\d.]+)M parameters \(([\d.]+)M active per token\), (\d+) layers, width (\d+), (\d+) attention "
+                  r"heads \((\d+) KV heads.*?MoE feed-forward of (\d+) SwiGLU experts \(width (\d+)\), softmax top-(\d+)",
+                  readme)
+    assert m, "README.md no longer states the main job's model as this test reads it"
+    config = build_config(parse_args([]))
+    with torch.device("meta"):
+        model = MiniMindForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())  # (the tied LM head counted once)
+    experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
+    assert experts and all(p.shape[0] == config.num_experts for p in experts), [p.shape for p in experts]
+    skipped = sum(p.numel() for p in experts) // config.num_experts * (config.num_experts - config.num_experts_per_tok)
+    active = total - skipped
+    print(f"        main job's model: {total:,} parameters ({total / 1e6:.1f}M), {active:,} active ({active / 1e6:.1f}M);"
+          f" README.md: {m.group(1)}M ({m.group(2)}M active)")
+    assert (f"{total / 1e6:.1f}", f"{active / 1e6:.1f}") == (m.group(1), m.group(2)), (total, active, m.group(0))
+    assert param_counts(model, config) == (total, active), (param_counts(model, config), total, active)
+    shape = (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+             config.num_experts, config.moe_intermediate_size, config.num_experts_per_tok)
+    assert shape == tuple(int(g) for g in m.groups()[2:]), (shape, m.group(0))
+
+
 def test_forward_loss_and_aux():
     for use_moe in (True, False):
         model = tiny(use_moe=use_moe).train()
@@ -471,7 +506,8 @@ def test_empty_inputs_refused_or_kept_in_the_graph():
         assert y.shape == x.shape and y.requires_grad, (training, y.shape, y.requires_grad)
 
 
-TESTS = [test_config_errors_name_the_field, test_config_defaults_and_roundtrip, test_checkpoint_roundtrip,
+TESTS = [test_config_errors_name_the_field, test_config_defaults_and_roundtrip,
+         test_readme_states_the_main_jobs_parameter_counts, test_checkpoint_roundtrip,
          test_no_expert_weight_copy_per_forward, test_checkpoint_layout_and_the_per_expert_one_converted,
          test_experts_load_and_pickle_edge_cases,
          test_forward_loss_and_aux, test_chunked_lm_loss_is_the_torch_loss, test_tied_and_untied_embeddings, test_causal, test_kv_cache_matches_full_forward,

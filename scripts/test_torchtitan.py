@@ -1,7 +1,8 @@
 """The torchtitan handoff (scripts/export_torchtitan.py) against torchtitan 0.3.0 itself, run in its own venv:
 its model loaded from the generated folder computes our logits, torchtitan's HF save comes back through
 import_hf.py unchanged, and the folder's command passes torchtitan's config parser with its mesh built on the
-fake backend. Skips by name where torchtitan is not installed.
+fake backend. The tests that need torchtitan skip where it is not installed, naming what is missing; the
+export-side checks (the refusals, what the generated flavor module's source holds) run without it.
 
     python scripts/test_torchtitan.py
     TORCHTITAN_PYTHON=/path/to/venv/bin/python python scripts/test_torchtitan.py
@@ -189,27 +190,49 @@ print("schedule", pre.training.steps, sft.training.steps, pre.checkpoint.interva
 '''
 
 
+def scheduled_folder():
+    """The tiny pretrained run exported with --steps 7 --sft_steps 3 --checkpoint_interval 5 --dataset c4_test (once
+    per script)."""
+    out = os.path.join(_TMP, "scheduled")
+    if not os.path.exists(out):
+        r = testlib.run_script("scripts/export_torchtitan.py", "--ckpt", testlib.tiny_run(), "--out", out,
+                               "--steps", "7", "--sft_steps", "3", "--checkpoint_interval", "5", "--dataset", "c4_test")
+        assert r.returncode == 0, r.stderr
+    return out
+
+
 def test_schedule_flags_and_public_names_only():
-    """--steps, --sft_steps, --checkpoint_interval and --dataset reach the configs torchtitan builds (a dataset
-    torchtitan does not register, a step count below 1: one error line, no folder); the flavor module imports only
-    torchtitan's public names (no `_`-prefixed ones)."""
-    python, out = torchtitan_python(), os.path.join(_TMP, "scheduled")
-    r = testlib.run_script("scripts/export_torchtitan.py", "--ckpt", testlib.tiny_run(), "--out", out, "--steps", "7",
-                           "--sft_steps", "3", "--checkpoint_interval", "5", "--dataset", "c4_test")
-    assert r.returncode == 0, r.stderr
+    """The export side, no torchtitan needed: --steps, --sft_steps, --checkpoint_interval and --dataset are written into
+    the flavor module's configs (the literal keyword values in its source: minimind_pretrain's steps 7 and dataset
+    c4_test, minimind_sft's steps 3, the checkpoint interval 5); a dataset torchtitan does not register, a step count
+    below 1: one error line, no folder; the flavor module imports only torchtitan's public names (no `_`-prefixed
+    ones). (That torchtitan's own config builders take those values: test_schedule_reaches_torchtitans_configs.)"""
+    import ast
+    out = scheduled_folder()
     r = testlib.run_script("scripts/export_torchtitan.py", "--ckpt", testlib.tiny_run(), "--out", out + "_bad",
                            "--dataset", 'c4"""')
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: ") and not os.path.exists(out + "_bad")
     r = testlib.run_script("scripts/export_torchtitan.py", "--ckpt", testlib.tiny_run(), "--out", out + "_steps",
                            "--steps", "0")
-    assert r.returncode == 2 and "--steps must be" in r.stderr, r.stderr
-    r = subprocess.run([python, "-c", SCHEDULE, out], capture_output=True, text=True)
-    assert r.returncode == 0 and "schedule 7 3 5 5 c4_test" in r.stdout, r.stdout[-1000:] + r.stderr[-3000:]
-    import ast
+    assert r.returncode == 2 and "--steps must be" in r.stderr and not os.path.exists(out + "_steps"), r.stderr
     tree = ast.parse(open(os.path.join(out, "minimind_tt.py")).read())
+    written = {(f.name, k.arg): k.value.value for f in tree.body if isinstance(f, ast.FunctionDef)
+               for node in ast.walk(f) if isinstance(node, ast.Call)
+               for k in node.keywords if isinstance(k.value, ast.Constant)}
+    want = {("minimind_pretrain", "steps"): 7, ("minimind_pretrain", "dataset"): "c4_test",
+            ("minimind_sft", "steps"): 3, ("_trainer", "interval"): 5}
+    assert {key: written.get(key) for key in want} == want, {key: written.get(key) for key in want}
     private = [a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module.startswith("torchtitan")
                for a in node.names if a.name.startswith("_")]
     assert not private, private
+
+
+def test_schedule_reaches_torchtitans_configs():
+    """In torchtitan's venv: the configs torchtitan builds from the scheduled folder's flavor module carry --steps,
+    --sft_steps, --checkpoint_interval and --dataset."""
+    python, out = torchtitan_python(), scheduled_folder()
+    r = subprocess.run([python, "-c", SCHEDULE, out], capture_output=True, text=True)
+    assert r.returncode == 0 and "schedule 7 3 5 5 c4_test" in r.stdout, r.stdout[-1000:] + r.stderr[-3000:]
 
 
 def test_inexpressible_model_is_one_error_line():
@@ -232,8 +255,9 @@ def test_inexpressible_model_is_one_error_line():
         assert not os.path.exists(out)
 
 
-TESTS = [test_inexpressible_model_is_one_error_line, test_torchtitan_computes_our_logits_and_saves_our_weights,
-         test_command_parses_and_the_mesh_builds, test_schedule_flags_and_public_names_only]
+TESTS = [test_inexpressible_model_is_one_error_line, test_schedule_flags_and_public_names_only,
+         test_torchtitan_computes_our_logits_and_saves_our_weights, test_command_parses_and_the_mesh_builds,
+         test_schedule_reaches_torchtitans_configs]
 
 if __name__ == "__main__":
     run(TESTS)

@@ -14,6 +14,7 @@ holds one of the two, `checkpoint_in` finds it; every reader takes either.
 import hashlib
 import os
 import re
+import shutil
 import tempfile
 import warnings
 
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from data.atomic import atomic_file
 from model.moe import stacked_names
 from train import legacy_checkpoint
+from train.distributed import PeerFailed
 from train.run_dir import (CKPT_NAME, SHARDED_NAME, SHARDED_STATE, checkpoint_in, is_sharded, publish_sharded,
                            remove_sharded)
 
@@ -267,7 +269,10 @@ def save_sharded(out_dir, model, optimizer, extra, ctx):
     folder = [tempfile.mkdtemp(dir=out_dir, prefix=f".{SHARDED_NAME}.tmp") if ctx.is_main else None]
     dist.broadcast_object_list(folder, src=0, group=ctx.cpu_group)
     folder = folder[0]
-    dcp.save({"model": model_state(model), "optimizer": optimizer_state(model, optimizer)}, checkpoint_id=folder)
+    try:
+        dcp.save({"model": model_state(model), "optimizer": optimizer_state(model, optimizer)}, checkpoint_id=folder)
+    except dcp.CheckpointException as e:
+        raise _write_failed(e, out_dir, folder, extra.get("step", 0), ctx) from None
     names = sorted(os.listdir(folder))  # (DCP returns after its metadata is written: every rank sees all files)
     mine = {n: _file_sha256(os.path.join(folder, n)) for n in names[ctx.rank::ctx.world_size]}
     files = {n: h for part in _gather_from_ranks(mine, ctx.rank, ctx.world_size, ctx.cpu_group) for n, h in part.items()}
@@ -277,6 +282,22 @@ def save_sharded(out_dir, model, optimizer, extra, ctx):
     state[CHECKSUM_KEY] = checksum(state)
     atomic_torch_save(state, os.path.join(folder, SHARDED_STATE))
     publish_sharded(folder, out_dir, extra.get("step", 0))
+
+
+def _write_failed(e, out_dir, folder, step, ctx):
+    """What a failed DCP save (its CheckpointException, the same on every rank: each failed rank's exception)
+    raises instead where every failure is an OSError (a full disk, no permission, an I/O error): on rank 0 an
+    OSError of one line naming out_dir, the step and the first failed rank's cause, the temp folder removed
+    (the previous checkpoint stays the run's); on the other ranks PeerFailed (rank 0 reports it). Else `e`."""
+    causes = {rank: exc for rank, (exc, _) in sorted(e.failures.items())}
+    if not all(isinstance(exc, OSError) for exc in causes.values()):
+        return e
+    if not ctx.is_main:
+        return PeerFailed(f"the checkpoint of step {step} could not be written (rank 0 reports why)")
+    shutil.rmtree(folder, ignore_errors=True)
+    rank, cause = next(iter(causes.items()))
+    return OSError(f"{out_dir}: the checkpoint of step {step} could not be written (rank {rank}: "
+                   f"{cause.strerror or one_line(cause)}); the last checkpoint there is untouched")
 
 
 def read_sharded_state(folder):

@@ -42,7 +42,7 @@ from train.distributed import (PeerFailed, check_same_on_all_ranks, clip_grad_no
 from train.parallel import build_on_meta, ep_dispatchers, install as install_ep, moe_layers, shard
 from train.report import (LoadTelemetry, MetricsLog, Progress, describe_model, load_summary, open_wandb, plot_expert_load,
                           plot_loss_curve)
-from train.run_dir import abandon_run_dir, checkpoint_in, claim_run_dir, copy_tokenizer
+from train.run_dir import abandon_run_dir, checkpoint_in, claim_run_dir, copy_tokenizer, run_dir_of
 from train.stage import Stage, StageData
 from train.threads import set_run_threads
 
@@ -339,7 +339,7 @@ def setup(stage, args, ctx, device_type, log):
         base = upcycled_base(args, base)
     config = flags.build_config(args, base)  # checked before any folder is made or data read
     fresh, metrics = not os.path.isdir(args.out_dir), None
-    lock = main_rank_first(ctx, lambda: claim_run_dir(args.out_dir, bool(args.resume), args.overwrite, ctx.is_main))
+    lock = main_rank_first(ctx, lambda: claim_run_dir(args.out_dir, args.resume, args.overwrite, ctx.is_main))
     try:
         data = main_rank_first(ctx, lambda: stage.load_data(args, tokenizer_dir, args.batch_size * ctx.world_size, log))
         data.val_targets, data.val_bytes = count_val_bytes(data)
@@ -388,7 +388,8 @@ def setup(stage, args, ctx, device_type, log):
         log(describe_engines(model))
         train_model = torch.compile(train_model) if args.compile else train_model
         metrics = MetricsLog(args.out_dir, state.step if ckpt else None, ctx.is_main,
-                             open_wandb(args, config, args.out_dir) if ctx.is_main else None)
+                             open_wandb(args, config, args.out_dir) if ctx.is_main else None,
+                             resumed_dir=run_dir_of(args.resume) if ckpt else None)
         run = Run(args=args, stage=stage, ctx=ctx, device=device, dtype=dtype, threads=threads, config=config, data=data,
                   model=model, train_model=train_model, optimizer=optimizer, metrics=metrics, log=log, lock=lock)
         if state.step == 0:
@@ -744,7 +745,7 @@ def finish(run, state):
                "records": run.metrics.records, "train_time_s": state.train_s, "stopped_by": state.stopped_by,
                "ep_bytes": [(d.bytes_sent, d.bytes_k_copies) for d in ep_dispatchers(run.model)]}
     run.log(f"final val loss {val:.4f}" + (f" ({bpb:.3f} bits/byte)" if bpb is not None else "")
-            + (f" vs step-0 {first:.4f} ({100 * (1 - val / first):.1f}% lower)" if first else "")
+            + (f" vs step-0 {first:.4f} ({change_in_percent(val, first)})" if first else "")
             + (f"; unigram entropy of the validation tokens {unigram:.4f} ({'below' if val < unigram else 'NOT below'} it)"
                if unigram is not None else ""))
     run.log(f"checkpoint: {summary['checkpoint']}\nloss curve: {summary['loss_curve']}")
@@ -761,6 +762,14 @@ def finish(run, state):
         summary["sample"] = sample(run)
         run.log(f"sample: {summary['sample']!r}")
     return summary
+
+
+def change_in_percent(value, start):
+    """How value compares with start, in words: "12.3% lower", "4.0% higher" or "unchanged" (to 0.1%)."""
+    change = 100 * (value - start) / start
+    if abs(change) < 0.05:
+        return "unchanged"
+    return f"{abs(change):.1f}% {'higher' if change > 0 else 'lower'}"
 
 
 def sample(run):

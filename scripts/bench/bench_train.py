@@ -8,8 +8,8 @@ with each MoE implementation, the dense model of equal active width, and transfo
         --num_heads 16 --num_kv_heads 4 --moe_intermediate_size 1024 --num_experts 8 --batch_size 16 --seq_len 1024
 
 Rows (--rows picks them; the first is the one the others are divided by):
-  masked   the sorted model with each MoE layer run by scripts/moe_reference.py's masked_layer_forward
-           (MiniMind's per-expert loop; the same routing and aux loss)
+  masked   the sorted model with steps 3-5 of each MoE layer run by scripts/moe_reference.py's
+           masked_expert_loop (MiniMind's per-expert loop), after the layer's own routing and aux loss
   sorted   moe_impl "sorted" (one host sync per layer, bitwise the masked loop)
   fused    moe_impl "fused" with the engines train/engines.py picks: what the trainer runs
   dense    the dense model of equal active width: a SwiGLU FFN of width k*F in every layer
@@ -43,7 +43,7 @@ from train.engines import engines_for  # noqa: E402
 from train.threads import keep_freed_memory  # noqa: E402
 from model.config import trained_config  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from moe_reference import masked_layer_forward  # noqa: E402
+from moe_reference import masked_expert_loop  # noqa: E402
 from bench_moe import device_peak_tflops  # noqa: E402  (this folder: the bf16 peaks of known GPUs)
 
 ROWS = ("masked", "sorted", "fused", "dense", "hf")
@@ -59,6 +59,17 @@ def model_config(args, row):
                           intermediate_size=args.top_k * args.moe_intermediate_size,
                           routed_scaling_factor=None if moe else 1.0,
                           moe_impl="fused" if row in ("fused", "hf") else "sorted")
+
+
+def masked_moe_forward(mod, x):
+    """An MOEFeedForward's forward (no capacity, no padding mask) as MiniMind runs it: the layer's routing
+    and router losses (vectorised, as MiniMind's), then the per-expert masked loop. x [B, S, D] -> [B, S, D].
+    (scripts/moe_reference.py's masked_layer_forward restates the routing in Python loops: a test's
+    reference, not a timing one.)"""
+    B, S, D = x.shape
+    x_TD = x.reshape(-1, D)
+    topk_idx_TK, topk_weight_TK, _, _ = mod.route(x_TD, None, B)
+    return masked_expert_loop(mod.experts, x_TD, topk_idx_TK, topk_weight_TK, mod.training).view(B, S, D)
 
 
 def hf_twin(model):
@@ -131,7 +142,7 @@ def main(argv=None):
         model = MiniMindForCausalLM(config, engines_for(config, device, ptdtype)).to(device).train()  # the trainer's engines
         if row == "masked":  # MiniMind's loop in place of steps 3-5 of every MoE layer
             for layer in model.model.layers:
-                layer.mlp.forward = functools.partial(masked_layer_forward, layer.mlp)
+                layer.mlp.forward = functools.partial(masked_moe_forward, layer.mlp)
         flops = flops_per_token(model, config, args.seq_len)
         if row == "hf":
             ids = torch.randint(0, MiniMindConfig.vocab_size, (2, 16), device=device)

@@ -16,6 +16,7 @@ if ROOT not in sys.path:
 
 from data.atomic import atomic_dir  # noqa: E402
 from train.flags import AT_LEAST_1, POSITIVE, Parser, Range  # noqa: E402
+from train.run_dir import checkpoint_in  # noqa: E402
 
 # The flags both scripts take; each adds its own (run_training's `ranges`)
 RANGES = {"steps": AT_LEAST_1, "batch_size": AT_LEAST_1, "max_train": AT_LEAST_1, "lr": POSITIVE,
@@ -69,7 +70,7 @@ def load_export(path):
     """(model, tokenizer) of an HF folder (an export of scripts/export_hf.py or one written here), fp32, train mode
     off. Raises ValueError naming the folder when it is not one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    if os.path.isfile(os.path.join(path, "ckpt.pt")):
+    if os.path.isdir(path) and os.path.lexists(checkpoint_in(path)):  # a run folder (ckpt.pt or ckpt), a sharded ckpt
         raise ValueError(f"{path}: a training run, not an export; run scripts/export_hf.py --ckpt {path} --out DIR "
                          f"first and pass DIR")
     if not os.path.isfile(os.path.join(path, "config.json")):
