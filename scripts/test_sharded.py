@@ -256,8 +256,7 @@ def test_damaged_shard_is_one_error_line():
             lines = [line for line in r.get("error", "").splitlines() if not line.startswith("usage:")]
             assert not r["ok"] and r["exit"] == 2 and len(lines) == 1, (damage, r)
             assert lines[0].startswith("error: ") and os.path.basename(victim) in lines[0], (damage, lines)
-        res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export_hf.py"), "--ckpt", out, "--out",
-                              os.path.join(out, "hf")], capture_output=True, text=True)
+        res = testlib.run_script("scripts/export_hf.py", "--ckpt", out, "--out", os.path.join(out, "hf"))
         err = res.stderr.strip().splitlines()
         assert res.returncode == 2 and len(err) == 1 and os.path.basename(victim) in err[0], (damage, res.stderr)
         assert _snapshot(out) == before, f"{damage}: the run folder changed"
