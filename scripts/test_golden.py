@@ -84,8 +84,10 @@ def machine():
 
 
 def compare(got, want):
-    """Max relative difference over every logged value; raises AssertionError if the records differ in shape."""
-    assert [sorted(r) for r in got] == [sorted(r) for r in want], "the logged records differ in steps or fields"
+    """Max relative difference over every logged value; raises AssertionError if the records differ in their
+    steps or fields."""
+    shape = lambda records: [(r["step"], sorted(r)) for r in records]  # noqa: E731
+    assert shape(got) == shape(want), f"the logged records differ in steps or fields: {shape(got)} vs {shape(want)}"
     worst = 0.0
     for g, w in zip(got, want):
         for k in KEYS:

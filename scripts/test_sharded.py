@@ -353,34 +353,6 @@ def kill_worker(rank, world, argv, victim, where):
     train(parse_args(argv), log=lambda *_: None)
 
 
-def exit_codes(fn, world, *args, grace_s=60):
-    """fn(rank, world, *args) on `world` ranks started as spawn_ranks starts them (its fork server, its rank
-    entry), each left to end on its own; returns every rank's exit code (-9: SIGKILL). spawn_ranks reports only
-    the first failure it happens to see, and a killed rank's peer fails at about the same moment. A rank still
-    running `grace_s` after the first one ended is terminated, then killed."""
-    import multiprocessing
-    import multiprocessing.connection
-    import tempfile
-    import time
-    import torch.multiprocessing as mp
-    multiprocessing.set_forkserver_preload(testlib.RANK_PRELOAD)
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(testlib._rank_entry, args=(world, testlib.free_port(), fn, out_dir, args, False),
-                                 nprocs=world, join=False, start_method="forkserver")
-        multiprocessing.connection.wait([p.sentinel for p in ctx.processes], timeout=600)
-        deadline = time.time() + grace_s
-        for p in ctx.processes:
-            p.join(max(0.0, deadline - time.time()))
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-                p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        return [p.exitcode for p in ctx.processes]
-
-
 def test_kill_keeps_the_previous_checkpoint_and_the_run_continues_bitwise():
     """kill -9 of one rank in the middle of a sharded save (rank 1 while DCP writes; rank 0 just before the
     publish) or of a step (rank 1 in step 3): the run dies of that kill (the killed rank's exit code is -9 and
@@ -392,7 +364,7 @@ def test_kill_keeps_the_previous_checkpoint_and_the_run_continues_bitwise():
     train_in(straight, 2, *common)
     for victim, where in ((1, "writing"), (0, "publishing"), (1, "stepping")):
         out = os.path.join(_TMP, f"killed_{where}")
-        codes = exit_codes(kill_worker, 2, common + ["--out_dir", out], victim, where)
+        codes = testlib.rank_exit_codes(kill_worker, 2, common + ["--out_dir", out], victim, where)
         print(f"        killed rank {victim} {where}: exit codes by rank {codes}")
         assert codes[victim] == -signal.SIGKILL and os.path.exists(out + ".killed"), (where, victim, codes)
         assert codes[1 - victim] != 0, f"{where}: rank {1 - victim} ended normally without its peer: {codes}"

@@ -233,6 +233,34 @@ def spawn_ranks(fn, world, *args, init_group=True):
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
+def rank_exit_codes(fn, world, *args, grace_s=60):
+    """fn(rank, world, *args) on `world` ranks started as spawn_ranks starts them (no process group), each
+    left to end on its own; returns every rank's exit code (-9: SIGKILL), where spawn_ranks reports the
+    first failure it happens to see. A rank still running `grace_s` after the first one ended is
+    terminated, then killed."""
+    import multiprocessing
+    import multiprocessing.connection
+    import tempfile
+    import time
+    import torch.multiprocessing as mp
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_rank_entry, args=(world, free_port(), fn, out_dir, args, False), nprocs=world,
+                                 join=False, start_method="forkserver")
+        multiprocessing.connection.wait([p.sentinel for p in ctx.processes], timeout=600)
+        deadline = time.time() + grace_s
+        for p in ctx.processes:
+            p.join(max(0.0, deadline - time.time()))
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        return [p.exitcode for p in ctx.processes]
+
+
 def rebuilt(module, engines):
     """A copy of `module` (a MiniMindForCausalLM or an MOEFeedForward) built with `engines` and
     holding its weights and buffers (load_state_dict, strict): how the tests and benchmarks put a
