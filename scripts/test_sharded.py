@@ -541,11 +541,11 @@ def test_sigterm_to_torchrun_saves_and_the_run_resumes_bitwise():
 
 
 def _torchrun_two_nodes(argv, port):
-    """train/pretrain.py as 2 torchrun launches of 2 processes each (--nnodes 2 --node_rank 0 / 1) meeting on
+    """train/pretrain.py as 2 torchrun launches of one process each (--nnodes 2 --node_rank 0 / 1) meeting on
     127.0.0.1; returns their completed processes."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     launches = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
-                                  str(node), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+                                  str(node), "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port",
                                   str(port), os.path.join(ROOT, "train", "pretrain.py"), *argv],
                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 for node in (0, 1)]
@@ -554,14 +554,14 @@ def _torchrun_two_nodes(argv, port):
 
 
 def test_two_nodes():
-    """Two torchrun "nodes" x 2 processes on localhost: DDP + EP over all 4 ranks (the all-to-all crosses the
-    nodes), to the same losses as one process (1e-5 relative). (Resuming under another layout:
+    """Two torchrun "nodes" of one process each on localhost: DDP + EP 2 over the 2 ranks (every all-to-all and
+    reduction crosses the nodes), to the same losses as one process (1e-5 relative). (Resuming under another layout:
     test_resume_across_layouts.)"""
     if DEVICE == "cuda":
         raise Skip("two launches on one machine would share GPUs 0 and 1")
     out, ref = os.path.join(_TMP, "two_nodes"), os.path.join(_TMP, "two_nodes_ref")
     train_in(ref, 1, *COMMON, "--max_steps", "4", *layout(1))
-    flags = COMMON + ["--max_steps", "4", *layout(4, 4), "--out_dir", out, "--no_progress"]
+    flags = COMMON + ["--max_steps", "4", *layout(2, 2), "--out_dir", out, "--no_progress"]
     for code, log in _torchrun_two_nodes(flags, testlib.free_port()):
         assert code == 0, log[-3000:]
     a, b = losses(out), losses(ref)
