@@ -120,6 +120,13 @@ def test_resume_into_a_folder_holding_another_run_is_refused_unless_overwrite():
     assert ran[:len(carried)] == carried, f"B's metrics do not start with A's:\n{ran}\n{carried}"
     steps = [rec["step"] for rec in ran[len(carried):]]
     assert steps and steps == sorted(steps) and steps[0] > 3 and steps[-1] == 6, [rec["step"] for rec in ran]
+    # a finished run resumed into a new folder with nothing left to train: the folder still gets the run
+    copy_dir = os.path.join(_TMP, "resume_copy")
+    r = cli("--resume", b, "--out_dir", copy_dir)
+    assert r.returncode == 0 and "nothing to do" in r.stdout, r.stderr[-2000:]
+    got, want = load_checkpoint(copy_dir), load_checkpoint(b)
+    assert got["step"] == 6 and all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
+    assert os.path.exists(os.path.join(copy_dir, "config.json")) and _records(copy_dir) == _records(b)
 
 
 def test_one_run_per_directory_and_a_killed_run_leaves_no_lock_or_temp():

@@ -725,8 +725,11 @@ def save(run, state, plots=True):
 # ------------------------------------------------------------------------------------------ 3. finish
 
 def finish(run, state):
-    """Final evaluation (unless one just ran), the summary lines, and a short sample."""
+    """Final evaluation (unless one just ran), the summary lines, and a short sample. A resume into a new
+    --out_dir with nothing left to train saves the resumed state there: the folder holds the run it names."""
     args = run.args
+    if state.step == state.start_step and not os.path.lexists(checkpoint_in(args.out_dir)):
+        save(run, state)
     if state.start_step >= state.plan.end:
         run.log(f"nothing to do: checkpoint is at step {state.start_step} >= the run's {state.plan.end} steps")
     elif state.step == state.start_step and args.time_budget_s and state.train_s >= args.time_budget_s:
