@@ -255,27 +255,19 @@ def test_every_malformed_checkpoint_is_a_one_line_error():
             assert any(line.startswith("error:") or ": error:" in line for line in r.stderr.splitlines()), r.stderr
 
 
-def _wait_for_training(proc, out, min_records=2):
-    metrics = os.path.join(out, "metrics.jsonl")
-    deadline = time.time() + 300
-    while not (os.path.exists(metrics) and sum("train_loss" in l for l in open(metrics)) >= min_records):
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else "slow"
-        time.sleep(0.05)
-
-
 def test_stop_signal_saves_and_resumes_bitwise():
-    """SIGTERM mid-run (SIGINT: test_reproducible.py, at the main job's shape): the step finishes, a checkpoint is written (no save interval was due), the
-    run exits 0 with the resume command (`<the interpreter running> train/pretrain.py --resume --out_dir
-    DIR`, the interpreter relative when it lies under the working directory: run from the repo root here,
-    so the hint works as printed); resuming with that command gives the weights of an uninterrupted run,
-    bit for bit."""
+    """SIGTERM mid-run (SIGINT: test_reproducible.py, at the main job's shape): the step finishes, a checkpoint is
+    written (no save interval was due), the run exits 0 with the resume command (`<the interpreter running>
+    train/pretrain.py --resume --out_dir DIR`, the interpreter relative when it lies under the working
+    directory: run from the repo root here, so the hint works as printed); resuming with that command gives the
+    weights of an uninterrupted run, bit for bit."""
     import shlex
     common = [*TINY, "--data_path", data_file(), "--max_steps", "100000", "--time_budget_s", "0", "--log_interval", "1",
               "--save_interval", "100000", "--eval_interval", "100000"]
     for sig in (signal.SIGTERM,):
         out = os.path.join(_TMP, f"signal_{sig.name}")
         proc = start(*common, "--out_dir", out, cwd=ROOT)
-        _wait_for_training(proc, out)
+        testlib.wait_for_training(proc, out, past_step=1, log=lambda: proc.stderr.read() if proc.poll() is not None else "")
         proc.send_signal(sig)
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr[-2000:]

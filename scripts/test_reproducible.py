@@ -8,12 +8,10 @@ The bf16 leg is skipped where bf16 is emulated (no AVX512-BF16, no AMX: --dtype 
 
     python scripts/test_reproducible.py
 """
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import testlib
 from testlib import ROOT, Skip, run  # noqa: F401
@@ -51,20 +49,7 @@ def interrupt_after_a_step(argv, past_step):
     its stdout once it ended (exit 0 asserted)."""
     proc = subprocess.Popen([sys.executable, PRETRAIN, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=dict(os.environ, OMP_NUM_THREADS="2"))
-    metrics, deadline = os.path.join(argv[argv.index("--out_dir") + 1], "metrics.jsonl"), time.time() + 900
-
-    def trained_past():
-        for line in open(metrics).read().splitlines() if os.path.exists(metrics) else []:
-            try:
-                record = json.loads(line)
-            except ValueError:  # (a line being written)
-                continue
-            if "train_loss" in record and record["step"] > past_step:
-                return True
-        return False
-    while not trained_past() and proc.poll() is None:
-        assert time.time() < deadline, "the run did not start training"
-        time.sleep(0.02)
+    testlib.wait_for_training(proc, argv[argv.index("--out_dir") + 1], past_step, timeout_s=900)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]

@@ -494,7 +494,6 @@ def test_sigterm_to_torchrun_saves_and_the_run_resumes_bitwise():
     rank 0 prints the command that continues; torchrun itself ends with its SignalException (exit 1), without
     having to kill a rank and with no rank's traceback. `--resume` then trains to the last step: every loss and
     the final weights bitwise those of the run left uninterrupted."""
-    import time
     needs_ranks(2)
     steps = 12
     common = COMMON + ["--max_steps", str(steps), "--no_progress"] + layout(2, 2)
@@ -506,12 +505,7 @@ def test_sigterm_to_torchrun_saves_and_the_run_resumes_bitwise():
                                  os.path.join(ROOT, "train", "pretrain.py"), *common, "--out_dir", out],
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            metrics, deadline = os.path.join(out, "metrics.jsonl"), time.time() + 300
-            while proc.poll() is None and time.time() < deadline:
-                if os.path.exists(metrics) and '"train_loss"' in open(metrics).read():
-                    break
-                time.sleep(0.02)
-            assert proc.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
+            testlib.wait_for_training(proc, out, log=lambda: open(log_path).read()[-3000:])
             proc.send_signal(signal.SIGTERM)
             code = proc.wait(timeout=120)
         finally:

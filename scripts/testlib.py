@@ -184,6 +184,24 @@ def run_script(script, *argv, cwd=None):
     return subprocess.CompletedProcess([sys.executable, path, *argv], code, out.getvalue(), err.getvalue())
 
 
+def wait_for_training(proc, out_dir, past_step=0, timeout_s=300, log=lambda: ""):
+    """Return once out_dir/metrics.jsonl holds a training record of a step after past_step (polled: the run
+    `proc` has trained that far). AssertionError, with log(), if proc ends first or timeout_s pass."""
+    import json
+    metrics, deadline = os.path.join(out_dir, "metrics.jsonl"), time.time() + timeout_s
+    while True:
+        for line in open(metrics).read().splitlines() if os.path.exists(metrics) else []:
+            try:
+                record = json.loads(line)
+            except ValueError:  # (a line being written)
+                continue
+            if "train_loss" in record and record["step"] > past_step:
+                return
+        assert proc.poll() is None and time.time() < deadline, \
+            f"the run did not train past step {past_step} (exit {proc.poll()}): {log()}"
+        time.sleep(0.02)
+
+
 def free_port():
     import socket
     with socket.socket() as s:

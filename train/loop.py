@@ -387,9 +387,9 @@ def setup(stage, args, ctx, device_type, log):
             plan_on_resume(args, ckpt.get("args") or {}, state, log)
         log(describe_engines(model))
         train_model = torch.compile(train_model) if args.compile else train_model
-        metrics = MetricsLog(args.out_dir, state.step if ckpt else None, ctx.is_main,
+        metrics = MetricsLog(args.out_dir, ctx.is_main,
                              open_wandb(args, config, args.out_dir) if ctx.is_main else None,
-                             resumed_dir=run_dir_of(args.resume) if ckpt else None)
+                             resumed=(run_dir_of(args.resume), state.step) if ckpt else None)
         run = Run(args=args, stage=stage, ctx=ctx, device=device, dtype=dtype, threads=threads, config=config, data=data,
                   model=model, train_model=train_model, optimizer=optimizer, metrics=metrics, log=log, lock=lock)
         if state.step == 0:

@@ -13,18 +13,18 @@ METRICS_NAME = "metrics.jsonl"
 
 
 class MetricsLog:
-    """`records` (dicts with "step") mirrored to out_dir/metrics.jsonl. On resume the file starts with the resumed
-    run's records up to the checkpoint's step (those of `resumed_dir`'s metrics.jsonl, the run folder of the
-    checkpoint: out_dir's own, or another's, never what out_dir held before; rewritten atomically); a new run
-    starts an empty file."""
+    """`records` (dicts with "step") mirrored to out_dir/metrics.jsonl. A resume, `resumed` = (the run folder of
+    the checkpoint: out_dir or another, its step), starts the file with that folder's records up to the step
+    (never what out_dir held before; rewritten atomically); a new run (None) starts an empty file."""
 
-    def __init__(self, out_dir, resume_step, is_main, wandb_run=None, resumed_dir=None):
+    def __init__(self, out_dir, is_main, wandb_run=None, resumed=None):
         self.path = os.path.join(out_dir, METRICS_NAME)
         self.is_main, self.wandb_run = is_main, wandb_run
         self.records = []
-        carried = os.path.join(resumed_dir or out_dir, METRICS_NAME)
-        if resume_step is not None and os.path.exists(carried):
-            self.records = [r for r in read_records(carried) if r["step"] <= resume_step]
+        if resumed is not None:
+            run_dir, step = resumed
+            carried = os.path.join(run_dir, METRICS_NAME)
+            self.records = [r for r in read_records(carried) if r["step"] <= step] if os.path.exists(carried) else []
         if is_main:
             with atomic_file(self.path, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(r) + "\n" for r in self.records)

@@ -73,21 +73,15 @@ def _sweep_sharded_folders(out_dir, keep=None):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def holds_checkpoint(out_dir, path):
-    """Whether the checkpoint `path` (a ckpt.pt or a sharded checkpoint's folder) is out_dir's own: its ckpt.pt
-    or the folder its link ckpt points at, compared by real path."""
-    own = (os.path.join(out_dir, CKPT_NAME), os.path.join(out_dir, SHARDED_NAME))
-    return any(os.path.exists(p) and os.path.realpath(p) == os.path.realpath(path) for p in own)
-
-
 def claim_run_dir(out_dir, resume, overwrite, is_main):
-    """Create out_dir, refuse it when it holds another run (a run without --overwrite, a resume of a checkpoint
-    other than out_dir's own: `resume`, the checkpoint path, or None), lock it (rank 0) and clean temp leftovers.
+    """Create out_dir, refuse it when it holds another run (without --overwrite: a new run, or a resume of a
+    checkpoint whose run folder is not out_dir; `resume`, the checkpoint path, or None), lock it (rank 0) and clean temp leftovers.
     Returns the open lock file (closing it releases the lock), None on other ranks. Raises ValueError saying
     what to do."""
     os.makedirs(out_dir, exist_ok=True)
     held = checkpoint_in(out_dir)
-    if not overwrite and os.path.exists(held) and not (resume and holds_checkpoint(out_dir, resume)):
+    if (not overwrite and os.path.exists(held)
+            and not (resume and os.path.realpath(run_dir_of(resume)) == os.path.realpath(out_dir))):
         what = (f", not the checkpoint resumed ({resume}); replace it" if resume
                 else "; continue it with --resume, start over")
         raise ValueError(f"{out_dir} already holds a run ({os.path.basename(held)}){what} with --overwrite, or choose "
