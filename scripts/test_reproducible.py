@@ -2,8 +2,10 @@
 embedded corpus) with the defaults `--threads auto` and `--dtype auto`, at two threads: a run stopped by SIGINT
 and resumed (with OMP_NUM_THREADS=1: the run's recorded thread count wins) ends bit for bit where the
 uninterrupted run ends; in the other dtype (fp32 or bf16) too. (--stop_after + --resume: test_pretrain.py's
-test_resume_equals_continuous_run; SIGTERM: test_reliability.py and, under torchrun, test_sharded.py.) Each run is a process of its own
-(torch reads OMP_NUM_THREADS at start), so the suite's one-thread workers do not hide a thread-count effect.
+test_resume_equals_continuous_run; SIGTERM: test_reliability.py and, under torchrun, test_sharded.py.) The run
+stopped by SIGINT and the resume under OMP_NUM_THREADS=1 are processes of their own (torch reads OMP_NUM_THREADS
+at start); the other runs train inside the test process (no start-up to pay) with torch's thread count set to 2,
+so the suite's one-thread workers do not hide a thread-count effect.
 The bf16 leg is skipped where bf16 is emulated (no AVX512-BF16, no AMX: --dtype auto never picks it there).
 
     python scripts/test_reproducible.py
@@ -36,6 +38,16 @@ def pretrain(*argv, threads=2):
     return r
 
 
+def in_process(*argv, threads=2):
+    """train/pretrain.py run inside this process (testlib.run_script: no start-up to pay), torch's thread count
+    set to `threads` first (what --threads auto reads; run_script puts it back); returns the CompletedProcess."""
+    import torch
+    torch.set_num_threads(threads)
+    r = testlib.run_script("train/pretrain.py", *argv)
+    assert r.returncode == 0, f"{argv}: exit {r.returncode}\n{r.stderr[-3000:]}"
+    return r
+
+
 def assert_same_state(a_dir, b_dir, what):
     """The two checkpoints hold the same STATE entries, bit for bit (compared through their SHA-256)."""
     from train.checkpoint import checksum
@@ -62,7 +74,7 @@ def main_job_runs(dtype, resume_threads=2):
     two must end equal. Returns the dtype the runs trained in."""
     common = [*MAIN_JOB, "--dtype", dtype]
     ref = os.path.join(_TMP, f"ref_{dtype}")
-    r = pretrain(*common, "--out_dir", ref)
+    r = in_process(*common, "--out_dir", ref)
     assert "threads: 2 (auto), fixed for the run" in r.stdout, r.stdout[-2000:]
     assert load_checkpoint(ref)["args"]["threads"] == "2"
 
@@ -71,7 +83,9 @@ def main_job_runs(dtype, resume_threads=2):
     stopped = load_checkpoint(part)["step"]
     assert 0 < stopped < STEPS, f"SIGINT landed at step {stopped}, not between the first step and the last"
     assert f"--resume --out_dir {part}" in out, out[-2000:]
-    r = pretrain("--resume", "--out_dir", part, threads=resume_threads)
+    # (a process of its own where its OMP_NUM_THREADS is what is tested)
+    r = (pretrain("--resume", "--out_dir", part, threads=resume_threads) if resume_threads != 2
+         else in_process("--resume", "--out_dir", part))
     assert "threads: 2, fixed for the run" in r.stdout, r.stdout[-2000:]
     assert_same_state(ref, part, f"--dtype {dtype}: SIGINT at step {stopped}, --resume with "
                                  f"OMP_NUM_THREADS={resume_threads}")
@@ -106,8 +120,8 @@ def test_threads_flag_on_resume_is_noted():
     tiny = ["--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--num_key_value_heads", "1",
             "--moe_intermediate_size", "32", "--seq_len", "32", "--batch_size", "4", "--max_steps", "4",
             "--eval_tokens", "256", "--sample_tokens", "0", "--no_progress", "--stop_after", "2"]
-    pretrain(*tiny, "--out_dir", out)
-    r = pretrain("--resume", "--out_dir", out, "--threads", "1")
+    in_process(*tiny, "--out_dir", out)
+    r = in_process("--resume", "--out_dir", out, "--threads", "1")
     assert "note: --threads 1 instead of the run's 2" in r.stderr and "threads: 1, fixed" in r.stdout, r.stderr[-2000:]
 
 
