@@ -19,18 +19,26 @@ Rows (--rows picks them; the first is the one the others are divided by):
 
 Every row trains with the trainer's routing (routed scaling k) and MiniMind's balance loss; all start from
 the same weights and take the same batches (random token ids: throughput does not depend on the text).
-Steps run in rounds, one block of `--steps` steps per row per round, so machine drift hits all alike;
-tokens/s = total tokens / total time of the timed rounds. First every row trains `--warmup` steps: on CPU
-oneDNN builds a kernel per GEMM shape, and the CPU experts engine's bucketed row counts (a bounded set)
-keep meeting new shapes for the first tens of steps, while the router's load moves; a training run's
-throughput is the warm one. `--compile` wraps every model in torch.compile (the warm-up compiles). On CUDA, MFU = tokens/s x FLOPs per token / the device's dense bf16 peak, with
-FLOPs per token = 6 x (active matmul parameters: attention, router, the k routed experts of each layer,
-the LM head) + 12 x layers x heads x head_dim x seq_len (attention scores and values; nanoGPT's count).
+Each step is the trainer's: forward, backward, gradient clipping at 1.0, torch's fused AdamW. Steps run in
+rounds, one block of `--steps` steps per row per round, so machine drift hits all alike; tokens/s = total
+tokens / total time of the timed rounds. First every row trains `--warmup` steps: on CPU oneDNN builds a
+kernel per GEMM shape, and the CPU experts engine's bucketed row counts (a bounded set) keep meeting new
+shapes for the first tens of steps, while the router's load moves; a training run's throughput is the warm
+one. `--compile` wraps every model in torch.compile (the warm-up compiles).
+
+Each row's share of the machine's GEMM rate = tokens/s x FLOPs per token / the GEMM rate measured in the
+same run (before the rows and after them, the higher taken) at the model's own FFN shape in the row's
+dtype: [batch x seq_len, hidden] @ [hidden, k x F], torch.mm (oneDNN / MKL on CPU, cuBLAS on CUDA). It
+says how far the step is from its GEMMs: 100% would be a step made only of FFN-shaped GEMMs. On CUDA also
+MFU = the same FLOPs / the device's dense bf16 peak. FLOPs per token = 6 x (active matmul parameters:
+attention, router, the k routed experts of each layer, the LM head) + 12 x layers x heads x head_dim x
+seq_len (attention scores and values; nanoGPT's count).
 `--json PATH` writes the figures.
 """
 import functools
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -104,6 +112,29 @@ def flops_per_token(model, config, seq_len):
     return 6 * active + 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
 
 
+def gemm_rate(device, dtype, rows, hidden, width, seconds=0.5):
+    """FLOP/s of torch.mm([rows, hidden] @ [hidden, width]) in `dtype` on `device`: the median of repeated
+    timings over about `seconds`, inputs warm in cache (the rate a GEMM of that shape reaches here)."""
+    a = torch.randn(rows, hidden, device=device, dtype=dtype)
+    b = torch.randn(hidden, width, device=device, dtype=dtype)
+
+    def timed(n):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            torch.mm(a, b)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n
+
+    n = max(1, int(0.05 / max(timed(3), 1e-7)))  # (the first calls build the kernel)
+    times, deadline = [], time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        times.append(timed(n))
+    return 2 * rows * hidden * width / statistics.median(times)
+
+
 def main(argv=None):
     from train.flags import AT_LEAST_0, AT_LEAST_1, Parser
     p = Parser(description=__doc__)
@@ -151,8 +182,11 @@ def main(argv=None):
                 err = (model(ids).logits.float() - ours).abs().max().item()
             assert err < 1e-3, f"the hf row's logits differ from ours by {err} (fp32): its weights did not load"
         step_model = torch.compile(model) if args.compile else model
-        return step_model, torch.optim.AdamW(model.parameters(), lr=1e-3), flops
+        # the trainer's optimizer step (train/loop.py): torch's fused AdamW after clipping
+        return step_model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), flops
 
+    rate_args = (device, ptdtype, args.batch_size * args.seq_len, args.hidden_size, args.top_k * args.moe_intermediate_size)
+    rate = gemm_rate(*rate_args)
     runs = {row: make(row) for row in rows}
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, MiniMindConfig.vocab_size, (args.batch_size, args.seq_len + 1), generator=g).to(device)
@@ -163,6 +197,7 @@ def main(argv=None):
             with torch.autocast(device, dtype=ptdtype, enabled=ptdtype != torch.float32):
                 out = model(b[:, :-1], labels=b[:, 1:])  # (transformers shifts labels once more: the same work)
             out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
         if device == "cuda":
@@ -178,23 +213,26 @@ def main(argv=None):
             block(model, opt)
             spent[row] += time.perf_counter() - t0
     tokens = args.rounds * args.steps * args.batch_size * args.seq_len
+    rate = max(rate, gemm_rate(*rate_args))
     peak = device_peak_tflops(device)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, {args.dtype}, "
           f"threads {torch.get_num_threads()}{', compiled' if args.compile else ''}"
           f"{', freed memory kept (mallopt)' if kept else ''}; model D={args.hidden_size} "
           f"L={args.num_layers} heads {args.num_heads}/{args.num_kv_heads} E={args.num_experts} k={args.top_k} "
-          f"F={args.moe_intermediate_size}, batch {args.batch_size}x{args.seq_len}, {args.rounds} rounds x {args.steps} steps")
+          f"F={args.moe_intermediate_size}, batch {args.batch_size}x{args.seq_len}, {args.rounds} rounds x {args.steps} steps; "
+          f"GEMM rate {rate / 1e9:,.0f} GFLOP/s at [{rate_args[2]}, {rate_args[3]}] @ [{rate_args[3]}, {rate_args[4]}]")
     base = rows[0]
     results = {}
     for row, s in spent.items():
-        rate = tokens / s
-        mfu = rate * runs[row][2] / (peak * 1e12) if peak else None
-        results[row] = {"tokens_per_s": rate, "time_vs_" + base: s / spent[base], "mfu": mfu}
-        print(f"  {row:<7} {rate:>12,.0f} tokens/s   step time {s / spent[base]:5.2f}x {base}" +
-              (f"   MFU {100 * mfu:5.1f}%" if mfu is not None else ""))
+        tokens_per_s = tokens / s
+        share = tokens_per_s * runs[row][2] / rate
+        mfu = tokens_per_s * runs[row][2] / (peak * 1e12) if peak else None
+        results[row] = {"tokens_per_s": tokens_per_s, "time_vs_" + base: s / spent[base], "gemm_share": share, "mfu": mfu}
+        print(f"  {row:<7} {tokens_per_s:>12,.0f} tokens/s   step time {s / spent[base]:5.2f}x {base}   "
+              f"{100 * share:5.1f}% of the GEMM rate" + (f"   MFU {100 * mfu:5.1f}%" if mfu is not None else ""))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": device, "rows": results}, f, indent=1)
+            json.dump({"args": vars(args), "device": device, "gemm_flops_per_s": rate, "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":
