@@ -62,9 +62,16 @@ class _OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_w
 
 
+FEW_ROWS = 64  # at most this many rows outside autograd (decoding): MKL (oneDNN's per-call cost)
+
+
 def onednn_linear_fits(x, weight) -> bool:
     """Whether `linear` takes the oneDNN path: CPU fp32 operands outside autocast, oneDNN built in,
-    and not while torch.compile traces (inductor plans its own GEMMs)."""
+    not while torch.compile traces (inductor plans its own GEMMs), and not for at most FEW_ROWS
+    rows outside autograd (a decode step: oneDNN's fixed cost per call, tens of microseconds, is
+    more than such a product takes in MKL; training and its evaluation keep one engine)."""
+    if not torch.is_grad_enabled() and x.numel() <= FEW_ROWS * x.shape[-1]:
+        return False
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and weight.device.type == "cpu" and onednn_runs(x.device, x.dtype)
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())

@@ -53,6 +53,41 @@ def apply_rope(x, cos, sin):
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+class KVCache:
+    """The keys and values of every layer for generation, written in place: keys / values
+    [layers, B, G, capacity, Dh] allocated once (at the first write, in the keys' dtype and device),
+    `length` positions held. Given the run's length as `capacity` (prompt + new tokens: `generate`
+    does), no step copies the cache; a write past it reallocates with twice the room. What a forward
+    with use_cache=True returns as past_key_values and takes back (the same object, `length`
+    advanced by the call's tokens)."""
+
+    def __init__(self, num_layers, capacity=0):
+        self.num_layers, self.capacity, self.length = num_layers, capacity, 0
+        self.keys = self.values = None
+
+    def write(self, layer, k_BGSD, v_BGSD):
+        """Store layer `layer`'s keys and values of the call's S positions after the `length` held;
+        returns that layer's keys and values so far, views [B, G, length + S, Dh]. Raises ValueError
+        when the batch or heads differ from what the cache holds."""
+        end = self.length + k_BGSD.shape[2]
+        if self.keys is None or end > self.keys.shape[3]:
+            self._reserve(k_BGSD, max(end, self.capacity, 2 * self.length))
+        if k_BGSD.shape[:2] != self.keys.shape[1:3]:
+            raise ValueError(f"KVCache holds batch x kv heads {tuple(self.keys.shape[1:3])}, "
+                             f"got {tuple(k_BGSD.shape[:2])}")
+        self.keys[layer, :, :, self.length:end] = k_BGSD
+        self.values[layer, :, :, self.length:end] = v_BGSD
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def _reserve(self, like_BGSD, capacity):
+        B, G, _, Dh = like_BGSD.shape
+        keys, values = (like_BGSD.new_empty(self.num_layers, B, G, capacity, Dh) for _ in range(2))
+        if self.keys is not None:  # (a forward past the capacity given: its positions kept)
+            keys[:, :, :, :self.length] = self.keys[:, :, :, :self.length]
+            values[:, :, :, :self.length] = self.values[:, :, :, :self.length]
+        self.keys, self.values, self.capacity = keys, values, capacity
+
+
 class Attention(nn.Module):
     """GQA attention; `attend` is the kernel (an Engines.attend, called as
     F.scaled_dot_product_attention)."""
@@ -72,9 +107,10 @@ class Attention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x_BSD, cos, sin, past_kv=None, use_cache=False, attn_mask_B1SL=None):
-        """attn_mask_B1SL: bool [B, 1, S, L] (True = may attend), already causal; None = plain
-        causal."""
+    def forward(self, x_BSD, cos, sin, cache=None, layer=0, attn_mask_B1SL=None):
+        """cache: a KVCache holding the positions before these S (this layer's keys and values go
+        into it, at index `layer`), or None; attn_mask_B1SL: bool [B, 1, S, L] (True = may attend),
+        already causal; None = plain causal."""
         B, S, _ = x_BSD.shape
         q = (self.q_norm(self.q_proj(x_BSD).view(B, S, self.num_heads, self.head_dim))
              .transpose(1, 2))
@@ -82,9 +118,8 @@ class Attention(nn.Module):
              .transpose(1, 2))
         v = self.v_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if past_kv is not None:
-            k = torch.cat([past_kv[0], k], dim=2)
-            v = torch.cat([past_kv[1], v], dim=2)
+        if cache is not None:
+            k, v = cache.write(layer, k, v)
         L = k.shape[2]
         if attn_mask_B1SL is not None:
             mask, causal = attn_mask_B1SL, False
@@ -97,8 +132,7 @@ class Attention(nn.Module):
             causal = False
         out = self.attend(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True,
                           dropout_p=self.dropout if self.training else 0.0)
-        out = self.resid_dropout(self.o_proj(out.transpose(1, 2).reshape(B, S, -1)))
-        return out, ((k, v) if use_cache else None)
+        return self.resid_dropout(self.o_proj(out.transpose(1, 2).reshape(B, S, -1)))
 
     def extra_repr(self):
         return f"attend={self.attend.__name__}"
@@ -115,15 +149,12 @@ class MiniMindBlock(nn.Module):
                     else FeedForward(config.hidden_size, config.intermediate_size, engines.linear))
         self.mlp_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, cos, sin, past_kv=None, use_cache=False, token_mask=None, attn_mask=None):
-        attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, past_kv,
-                                           use_cache, attn_mask)
-        x = x + attn_out
+    def forward(self, x, cos, sin, cache=None, layer=0, token_mask=None, attn_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, attn_mask)
         h = self.post_attention_layernorm(x)
         h = (self.mlp(h, token_mask)
              if isinstance(self.mlp, MOEFeedForward) and token_mask is not None else self.mlp(h))
-        x = x + self.mlp_dropout(h)
-        return x, present
+        return x + self.mlp_dropout(h)
 
 
 @torch.no_grad()
@@ -141,10 +172,12 @@ def init_weights(module: nn.Module, std: float):
 
 
 class MiniMindModel(nn.Module):
-    """Decoder stack. forward(input_ids [B, S] int64, past_key_values, use_cache, attention_mask
-    [B, P + S] (1 = token, 0 = padding; P = cached positions) or None) -> hidden [B, S, D],
-    presents, aux_loss (scalar: the MoE layers' router losses averaged over layers, so one layer's
-    imbalance cannot offset another's and the scale does not grow with depth).
+    """Decoder stack. forward(input_ids [B, S] int64, past_key_values (a KVCache of the P positions
+    before these, or None), use_cache, attention_mask [B, P + S] (1 = token, 0 = padding) or None)
+    ->
+    hidden [B, S, D], the KVCache with these positions added (use_cache; a new one when none was
+    given) or None, aux_loss (scalar: the MoE layers' router losses averaged over layers, so one
+    layer's imbalance cannot offset another's and the scale does not grow with depth).
 
     segment_ids [B, S] int64 (packed training windows): positions with equal ids form one sequence;
     each attends only within its own sequence, positions restart at 0 where a sequence starts, and
@@ -189,13 +222,16 @@ class MiniMindModel(nn.Module):
         if B == 0 or S == 0:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} is empty: "
                              "need at least one sequence of one token")
-        start = past_key_values[0][0].shape[2] if past_key_values else 0
+        cache = past_key_values
+        if cache is None and use_cache:
+            cache = KVCache(len(self.layers), capacity=S)
+        start = cache.length if cache is not None else 0
         if start + S > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {start + S} tokens exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
         token_mask = attn_mask = position_ids = None
         if segment_ids is not None:
-            if attention_mask is not None or past_key_values:
+            if attention_mask is not None or start:
                 raise ValueError("segment_ids (packed sequences) go without attention_mask "
                                  "and without a KV cache")
             token_mask, attn_mask, position_ids = segment_masks(segment_ids, B, S)
@@ -203,14 +239,13 @@ class MiniMindModel(nn.Module):
             token_mask, attn_mask, position_ids = padding_masks(attention_mask, B, S, start)
         cos, sin = self.rope(start, S, input_ids.device, position_ids)
         h = self.dropout(self.embed_tokens(input_ids))
-        presents = []
         for i, layer in enumerate(self.layers):
-            h, present = layer(h, cos, sin, past_key_values[i] if past_key_values else None,
-                               use_cache, token_mask, attn_mask)
-            presents.append(present)
+            h = layer(h, cos, sin, cache, i, token_mask, attn_mask)
+        if cache is not None:
+            cache.length += S
         aux_loss = layer_mean((layer.mlp.aux_loss for layer in self.layers
                                if isinstance(layer.mlp, MOEFeedForward)), h)
-        return self.norm(h), (presents if use_cache else None), aux_loss
+        return self.norm(h), (cache if use_cache else None), aux_loss
 
 
 def segment_masks(segment_ids, B, S):
@@ -252,21 +287,22 @@ def padding_masks(attention_mask, B, S, past):
 
 @dataclass
 class MiniMindCausalLMOutput:
-    """loss = ce_loss + aux_loss (scalars, fp32); logits [B, S, V]; past_key_values: per layer
-    (k, v)."""
+    """loss = ce_loss + aux_loss (scalars, fp32); logits [B, S, V]; past_key_values: the KVCache
+    (use_cache)."""
     loss: torch.Tensor | None = None
     ce_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    past_key_values: list | None = None
+    past_key_values: KVCache | None = None
 
 
 class MiniMindForCausalLM(nn.Module):
     """Causal LM head on MiniMindModel. forward(input_ids [B, S] int64, labels [B, S] int64 or None
     (position t predicts labels[:, t]; -100 ignored), past_key_values, use_cache, attention_mask,
-    segment_ids (see MiniMindModel)) -> MiniMindCausalLMOutput(loss = ce_loss + aux_loss, ce_loss,
+    segment_ids (see MiniMindModel), logits_to_keep (without labels: logits of the last N positions
+    only; 0 = all)) -> MiniMindCausalLMOutput(loss = ce_loss + aux_loss, ce_loss,
     aux_loss, logits [B, S, V] in the compute dtype (None with labels under an Engines.lm_loss,
-    which makes no logits), past_key_values: (k, v) [B, G, L, Dh] per layer when use_cache).
+    which makes no logits), past_key_values: the KVCache with these positions when use_cache).
     engines: what each part runs on (model/engines.py; plain PyTorch by default)."""
 
     def __init__(self, config: MiniMindConfig, engines: Engines = PLAIN):
@@ -280,12 +316,12 @@ class MiniMindForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False,
-                attention_mask=None, segment_ids=None, **_):
+                attention_mask=None, segment_ids=None, logits_to_keep=0, **_):
         h, presents, aux_loss = self.model(input_ids, past_key_values, use_cache,
                                            attention_mask, segment_ids)
         loss = ce_loss = None
-        if labels is None:
-            logits = self.lm_head(h)
+        if labels is None:  # (logits_to_keep: the last N positions' only, as in transformers)
+            logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
         else:
             logits, ce_loss = self.lm_loss(h, labels)
             loss = ce_loss + aux_loss
@@ -317,8 +353,11 @@ class MiniMindForCausalLM(nn.Module):
         use_cache=False recomputes the prefix (the tests' reference). streamer: put(ids) / end()
         (transformers' TextStreamer), given the prompt, then each new token."""
         eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
-        past, ids, finished = None, input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool,
-                                                           device=input_ids.device)
+        # the cache for the whole run, allocated once: no step copies it
+        length = min(input_ids.shape[1] + max_new_tokens, self.config.max_position_embeddings)
+        past = KVCache(self.config.num_hidden_layers, capacity=length) if use_cache else None
+        ids, finished = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool,
+                                               device=input_ids.device)
         step_input, mask = input_ids, attention_mask
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -326,7 +365,7 @@ class MiniMindForCausalLM(nn.Module):
             if ids.shape[1] >= self.config.max_position_embeddings:
                 break
             out = self(step_input if use_cache else ids, past_key_values=past, use_cache=use_cache,
-                       attention_mask=mask)
+                       attention_mask=mask, logits_to_keep=1)
             logits = out.logits[:, -1, :].float()
             next_id = sample_next(logits, temperature, top_k, top_p, generator)
             if eos:
@@ -364,8 +403,8 @@ def sample_next(logits_BV, temperature=1.0, top_k=0, top_p=1.0, generator=None):
     """Pick one token per row from fp32 logits [B, V]: greedy when temperature == 0, else sample
     after temperature scaling, top-k and nucleus (top-p, Holtzman et al. 2019) filtering. Returns
     [B] int64."""
-    if temperature <= 0:
-        return logits_BV.argmax(dim=-1)
+    if temperature <= 0:  # (max's indices: argmax's, the first of equal values; faster on CPU)
+        return logits_BV.max(dim=-1).indices
     logits_BV = logits_BV / temperature
     if top_k and top_k < logits_BV.shape[-1]:
         kth = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]

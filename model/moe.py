@@ -91,6 +91,40 @@ def expert_loop(rows_PD, tokens_per_expert, row_weight_P, w_gate_up_E2FD, w_down
     return torch.cat(outs) if outs else rows_PD[:0].clone()
 
 
+DECODE_TOKENS = 64  # at most this many tokens a call, outside autograd, on the CPU: `routed_loop`
+
+
+def routed_loop(x_TD, topk_idx_TK, topk_weight_TK, w_gate_up_E2FD, w_down_EDF, weight_first):
+    """Steps 3-5 for the few tokens of a decode step (MOEFeedForward.decodes), outside autograd
+    on the CPU: each expert some token routes to, in ascending id, on its tokens' rows
+    (ascending token) through the SwiGLU on views of the stacked weights; no sort, no row map,
+    no layout, nothing for the experts no token picked. x_TD [T, D]; topk_idx_TK int64 [T, K]
+    in [-1, E) (-1: no expert; read on the host); topk_weight_TK [T, K]; the stacked weights as
+    `Experts` holds them -> y_TD [T, D] in x's dtype. The dispatchers' arithmetic: weight_first
+    (the fused path) scales the hidden rows before the down projection and sums each token's
+    slots in fp32, else (the sorted path) the outputs are scaled, cast to x's dtype and summed
+    in it; slots in ascending expert id."""
+    (T, K), D = topk_idx_TK.shape, x_TD.shape[1]
+    topk_idx_TK, slot_order_TK = topk_idx_TK.sort(dim=-1)  # slot j: the j-th smallest expert id
+    topk_weight_TK = topk_weight_TK.gather(-1, slot_order_TK)
+    sum_dtype = (torch.promote_types(x_TD.dtype, torch.float32) if weight_first
+                 else x_TD.dtype)
+    out_TKD = x_TD.new_zeros(T, K, D, dtype=sum_dtype)
+    w_gate_EFD, w_up_EFD = w_gate_up_E2FD.unflatten(1, (2, -1)).unbind(1)
+    for e in sorted(set(topk_idx_TK.flatten().tolist()) - {-1}):
+        token, slot = (topk_idx_TK == e).nonzero(as_tuple=True)
+        x_nD = x_TD[token]  # (expert_loop's ops on the same rows: the sorted path's bits)
+        hidden_nF = F.silu(F.linear(x_nD, w_gate_EFD[e])) * F.linear(x_nD, w_up_EFD[e])
+        weight_n1 = topk_weight_TK[token, slot, None]
+        out_TKD[token, slot] = (
+            F.linear(hidden_nF * weight_n1.to(hidden_nF.dtype), w_down_EDF[e]) if weight_first
+            else F.linear(hidden_nF, w_down_EDF[e]) * weight_n1).to(sum_dtype)
+    y_TD = out_TKD[:, 0]
+    for j in range(1, K):
+        y_TD = y_TD + out_TKD[:, j]
+    return y_TD.to(x_TD.dtype)
+
+
 class Expert(nn.Module):
     """Expert e of an `Experts` as a module of its own, what iterating the Experts gives (the masked
     reference loop of the user's acceptance test iterates and calls these): forward(x [..., D]) ->
@@ -303,20 +337,33 @@ class MOEFeedForward(nn.Module):
                         else token_mask.reshape(-1).to(device=x.device, dtype=torch.bool))
         topk_idx_TK, topk_weight_TK, balance_loss, z_loss = self.route(x_TD, token_mask_T, B)
         topk_idx_TK, layout = drop_and_pad(self.config, topk_idx_TK, topk_weight_TK, token_mask_T)
-        dispatched = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout)
-        rows_out_PD = self.experts(dispatched.rows_PD, dispatched.tokens_per_expert,
-                                   dispatched.row_weight_P)
-        y_TD = self.dispatcher.combine(rows_out_PD, dispatched)
-        self.stats = MoEStats(dispatched.routed_E,
-                              dispatched.tokens_per_expert if dispatched.padded else None,
-                              balance_loss, z_loss)
+        if self.decodes(x_TD, layout):
+            y_TD = routed_loop(x_TD, topk_idx_TK, topk_weight_TK, self.experts.gate_up_proj,
+                               self.experts.down_proj, self.config.moe_impl == "fused")
+            self.stats = MoEStats(tokens_per_expert(topk_idx_TK, self.config.num_experts))
+        else:
+            dispatched = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout)
+            rows_out_PD = self.experts(dispatched.rows_PD, dispatched.tokens_per_expert,
+                                       dispatched.row_weight_P)
+            y_TD = self.dispatcher.combine(rows_out_PD, dispatched)
+            self.stats = MoEStats(dispatched.routed_E,
+                                  dispatched.tokens_per_expert if dispatched.padded else None,
+                                  balance_loss, z_loss)
         # every token, padding too (its output is never trained on)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD).to(y_TD.dtype)
         return y_TD.view(B, S, D)
 
+    def decodes(self, x_TD, layout):
+        """Whether this call takes `routed_loop`: at most DECODE_TOKENS tokens on the CPU outside
+        autograd (a decode step), a local dispatcher (not expert parallelism's), no padding rows."""
+        return (x_TD.shape[0] <= DECODE_TOKENS and x_TD.device.type == "cpu"
+                and not torch.is_grad_enabled() and not layout.pads
+                and isinstance(self.dispatcher, (SortedDispatcher, RowMapDispatcher)))
+
     def extra_repr(self):
-        return f"moe_impl={self.config.moe_impl}, dispatcher={self.dispatcher!r}"
+        return (f"moe_impl={self.config.moe_impl}, dispatcher={self.dispatcher!r}, "
+                f"decode=routed_loop up to {DECODE_TOKENS} tokens on CPU")
 
     def router_logits(self, x_TD):
         """Gate logits [T, E]: in autocast's dtype (the reference), or fp32 with

@@ -695,7 +695,8 @@ def test_onednn_linear_matches_fp64():
 
 
 def test_onednn_linear_choices():
-    """`linear` leaves autocast and non-fp32 operands to F.linear (bitwise); OneDNNLinear keeps nn.Linear's
+    """`linear` leaves autocast, non-fp32 operands and, outside autograd, at most FEW_ROWS rows to F.linear
+    (bitwise); OneDNNLinear keeps nn.Linear's
     parameters and state_dict keys and is within fp32 rounding of nn.Linear (1e-5 relative); engines_for
     picks it on CPU under fp32 only, and a model built with those engines has it exactly at the bias-free
     projections outside the MoE router and routed experts (attention, dense FFN, shared experts, LM head)
@@ -706,6 +707,13 @@ def test_onednn_linear_choices():
         assert torch.equal(linear(x, w), F.linear(x, w)) and linear(x, w).dtype == torch.bfloat16
     xd, wd = x.double(), w.double()
     assert not onednn_linear_fits(xd, wd) and torch.equal(linear(xd, wd), F.linear(xd, wd))
+    if onednn_runs("cpu", torch.float32):  # a decode step's few rows: MKL (bitwise F.linear); autograd or many: oneDNN
+        from kernels.cpu_linear import FEW_ROWS
+        many = torch.randn(FEW_ROWS + 1, 16)
+        assert onednn_linear_fits(x, w) and onednn_linear_fits(many, w)
+        with torch.no_grad():
+            assert not onednn_linear_fits(x, w) and torch.equal(linear(x, w), F.linear(x, w))
+            assert onednn_linear_fits(many, w) and not onednn_linear_fits(many[:FEW_ROWS].view(4, -1, 16), w)
     layer = OneDNNLinear(16, 8, bias=False)
     assert isinstance(layer, torch.nn.Linear) and layer.bias is None and list(layer.state_dict()) == ["weight"]
     plain = torch.nn.Linear(16, 8, bias=False)

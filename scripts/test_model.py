@@ -4,6 +4,7 @@
 """
 import math
 import os
+from unittest import mock
 
 import torch
 
@@ -416,6 +417,36 @@ def test_generate_stops_at_eos_and_max_len():
         raise AssertionError("an over-long input was accepted")
 
 
+def test_generate_at_the_edges():
+    """The preallocated KV cache at its limits (the trainer's CPU engines: the decode-step paths): a prompt one
+    short of max_position_embeddings gets exactly one token, as without the cache; 64 left-padded prompts with
+    an end-of-text id stop row by row: each row equals that prompt generated alone up to its first end-of-text,
+    then repeats it, and the batch ends once every row has one; the cache is written in place (one buffer per
+    generate, no reallocation)."""
+    from model.model_minimind import KVCache, left_pad
+    model = tiny(cpu_engines=True, max_position_embeddings=24).eval()
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, 97, (1, 23), generator=g)
+    cached, uncached = (model.generate(prompt, 5, temperature=0, use_cache=c) for c in (True, False))
+    assert cached.shape == (1, 24) and torch.equal(cached, uncached), (cached.shape, uncached.shape)
+    model = tiny(cpu_engines=True).eval()
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in torch.randint(1, 9, (64,), generator=g)]
+    alone = [model.generate(torch.tensor([p]), 12, temperature=0)[0, len(p):] for p in prompts]
+    eos = int(torch.cat(alone).bincount().argmax())  # the id most rows produce
+    ids, mask = left_pad(prompts)
+    reserved = []
+    original = KVCache._reserve
+    with mock.patch.object(KVCache, "_reserve", lambda self, *a: reserved.append(a[1]) or original(self, *a)):
+        out = model.generate(ids, 12, temperature=0, attention_mask=mask, eos_token_id=eos)
+    assert reserved == [ids.shape[1] + 12], f"the cache was allocated {len(reserved)} times: {reserved}"
+    new = out[:, ids.shape[1]:]
+    for b, row in enumerate(new):
+        stop = (alone[b] == eos).nonzero()
+        n = int(stop[0]) + 1 if len(stop) else len(alone[b])
+        assert torch.equal(row[:n], alone[b][:n]) and (row[n:] == eos).all(), f"row {b}: {row} vs {alone[b]}"
+    assert (new == eos).any(dim=1).all() or new.shape[1] == 12, "stopped before every row ended"
+
+
 def test_overfit_one_batch():
     """The whole model can learn: 60 Adam steps on one batch drive the loss far down (with the engines the
     trainer builds with on CPU fp32: the chunked LM loss and OneDNNLinear)."""
@@ -511,7 +542,7 @@ TESTS = [test_config_errors_name_the_field, test_config_defaults_and_roundtrip,
          test_no_expert_weight_copy_per_forward, test_checkpoint_layout_and_the_per_expert_one_converted,
          test_experts_load_and_pickle_edge_cases,
          test_forward_loss_and_aux, test_chunked_lm_loss_is_the_torch_loss, test_tied_and_untied_embeddings, test_causal, test_kv_cache_matches_full_forward,
-         test_generate_cache_equals_no_cache, test_generate_stops_at_eos_and_max_len, test_overfit_one_batch,
+         test_generate_cache_equals_no_cache, test_generate_stops_at_eos_and_max_len, test_generate_at_the_edges, test_overfit_one_batch,
          test_attention_mask_hides_left_and_right_padding, test_batched_generation_of_different_lengths,
          test_empty_inputs_refused_or_kept_in_the_graph]
 

@@ -42,6 +42,7 @@ from kernels.experts import (GROUPED_EXPERTS, CPUExperts, GroupedSwiGLU, cpu_exp
                              cpu_experts_rows_in_place)
 from model.dispatch import RowLayout, RowMapDispatcher, SortedDispatcher
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, MOEFeedForward
+from model import moe as model_moe
 from model.moe import expert_loop
 
 D = 32
@@ -581,7 +582,49 @@ def test_cuda_matches_sorted():
         assert count_syncs(fused, x)[1] == 0
 
 
-TESTS = [test_matches_sorted_fp32, test_idle_experts_get_zero_grads, test_deterministic, test_zero_syncs,
+def test_decode_step_loop_matches_the_dispatch():
+    """model/moe.py's routed_loop, what a layer runs for at most DECODE_TOKENS tokens outside autograd on the
+    CPU (a decode step), against the same layer's dispatch path (the call with autograd on) at 1, 2, 8 and
+    DECODE_TOKENS tokens: the sorted layer bitwise (expert_loop's ops on the same rows, the sorted combine's
+    sum), the fused layer (engines_for's CPU engines) within 1e-6 relative (its experts' GEMMs batched); k = 1,
+    a shared expert, an expert no token picks, padding (token_mask) and capacity drops; DECODE_TOKENS + 1
+    tokens and autograd take the dispatch path."""
+    from model.moe import DECODE_TOKENS
+    cases = [dict(num_experts=4, num_experts_per_tok=2), dict(num_experts=4, num_experts_per_tok=1),
+             dict(num_experts=8, num_experts_per_tok=2, n_shared_experts=1, shared_expert_intermediate_size=16),
+             dict(num_experts=4, num_experts_per_tok=2, capacity_factor=0.5)]
+    ran = []
+    for kw in cases:
+        for impl in ("sorted", "fused"):
+            torch.manual_seed(0)
+            config = MiniMindConfig(hidden_size=D, num_attention_heads=1, num_key_value_heads=1, head_dim=8, use_moe=True,
+                                    moe_intermediate_size=24, moe_impl=impl, **kw)
+            engines = engines_for(config, "cpu", torch.float32)
+            # (the shared expert on nn.Linear: OneDNNLinear takes MKL for a few rows outside autograd, its own test)
+            layer = MOEFeedForward(config, engines.experts, engines.movers).eval()
+            with torch.no_grad():  # expert 0 picked by no token: its gate row far below the others
+                layer.gate.weight[0] = -10 * layer.gate.weight.abs().sum(0)
+            original = model_moe.routed_loop
+            for T in (1, 2, 8, DECODE_TOKENS, DECODE_TOKENS + 1):
+                x = torch.randn(1, T, D)
+                mask = torch.rand(1, T) > 0.3 if T > 2 else None
+                want = layer(x, mask)  # (autograd on: the dispatch path)
+                calls = []
+                with mock.patch.object(model_moe, "routed_loop", lambda *a: calls.append(1) or original(*a)), \
+                        torch.no_grad():
+                    got = layer(x, mask)
+                assert bool(calls) == (T <= DECODE_TOKENS), (kw, impl, T, calls)
+                assert not (got == 0).all(dim=-1)[0][mask[0] if mask is not None else slice(None)].any() \
+                    or "capacity_factor" in kw, (kw, impl, T, "a real token got no output")
+                if impl == "sorted":
+                    assert torch.equal(got, want), (kw, impl, T, (got - want).abs().max())
+                else:
+                    assert (got - want).abs().max() <= 1e-6 * want.abs().max(), (kw, impl, T, (got - want).abs().max())
+                ran += [T] if calls else []
+    assert set(ran) == {1, 2, 8, DECODE_TOKENS}, ran
+
+
+TESTS = [test_decode_step_loop_matches_the_dispatch, test_matches_sorted_fp32, test_idle_experts_get_zero_grads, test_deterministic, test_zero_syncs,
          test_empty_and_tiny_inputs, test_state_dict_and_engines,
          test_engine_built_layers_in_float64, test_bf16_autocast_cpu, test_odd_sizes_fall_back, test_plain_engine_on_the_fused_path,
          test_layout_ambiguous_shapes,

@@ -401,8 +401,9 @@ def test_bench_quality_smoke_run():
 
 
 def test_benchmarks_run_at_toy_sizes():
-    """bench_step.py (its engines, split and busy modes), bench_moe.py and bench_train.py end to end at toy sizes,
-    in this process: each ends normally and prints its figures (not checked here)."""
+    """bench_step.py (its engines, split and busy modes), bench_moe.py, bench_train.py and bench_decode.py (on
+    the tiny run, against transformers on its export) end to end at toy sizes, in this process: each ends
+    normally and prints its figures (not checked here; bench_decode asserts the two rows' greedy tokens equal)."""
     sys.path.insert(0, os.path.join(ROOT, "scripts", "bench"))  # (a script's own folder, as `python script` has it)
     sizes = ["--hidden_size", "32", "--num_layers", "1", "--batch_size", "2", "--seq_len", "16"]
     runs = {"scripts/bench/bench_step.py": [[*sizes, "--steps", "1", "--rounds", "1"],
@@ -411,7 +412,9 @@ def test_benchmarks_run_at_toy_sizes():
             "scripts/bench/bench_moe.py": [["--quick", "--tokens", "64", "--repeats", "1"]],
             "scripts/bench/bench_train.py": [[*sizes, "--rows", "dense,sorted,fused", "--steps", "1", "--rounds", "1",
                                               "--warmup", "1", "--moe_intermediate_size", "32", "--num_heads", "2",
-                                              "--num_kv_heads", "1"]]}
+                                              "--num_kv_heads", "1"]],
+            "scripts/bench/bench_decode.py": [["--ckpt", testlib.tiny_run(), "--batches", "1,3", "--prompt_len", "4",
+                                               "--new_tokens", "3", "--repeats", "1"]]}
     for script, argvs in runs.items():
         for argv in argvs:
             r = testlib.run_script(script, *argv)
@@ -592,6 +595,7 @@ def test_every_tools_numeric_flags_refuse_nonsense():
     are refused with one error line naming the flag, exit code 2, before any work."""
     sys.path[:0] = [os.path.join(ROOT, "scripts", "hf"), os.path.join(ROOT, "scripts", "bench")]
     import bench_data
+    import bench_decode
     import bench_moe
     import bench_quality
     import bench_step
@@ -607,7 +611,8 @@ def test_every_tools_numeric_flags_refuse_nonsense():
     tools = {"pretrain": (build_parser(STAGE), parse_args), "sft": (build_parser(sft.STAGE), sft.parse_args)}
     mains = (("generate", generate.main), ("chat", chat.main), ("eval_sft", eval_sft.main), ("dpo", dpo.main),
              ("lora", lora.main), ("bench_quality", bench_quality.parse_cli), ("bench_moe", bench_moe.main),
-             ("bench_step", bench_step.main), ("bench_train", bench_train.main), ("bench_data", bench_data.main))
+             ("bench_step", bench_step.main), ("bench_train", bench_train.main), ("bench_data", bench_data.main),
+             ("bench_decode", bench_decode.main))
     tools.update({name: (_parser_of(main), main) for name, main in mains})
     checked = []
     for name, (parser, parse) in tools.items():

@@ -1,0 +1,166 @@
+"""Decoding speed, side by side: our generate vs transformers' on our export of the same weights.
+
+    python scripts/bench/bench_decode.py                               # checkpoints/pretrain, batch 1, 8, 64
+    python scripts/bench/bench_decode.py --ckpt RUN_DIR --batches 1 --new_tokens 32 --json decode.jsonl
+
+Rows: `ours` (MiniMindForCausalLM.generate on the model the tools load: train.checkpoint.model_from_checkpoint,
+fp32 on CPU as scripts/generate.py runs it, bf16 on CUDA) and `hf` (transformers' generate on
+scripts/export_hf.py's export of the same checkpoint, fp32). Greedy, random prompts of --prompt_len tokens, no
+end-of-text stop, --new_tokens tokens each; the hf row's tokens are asserted equal to ours. Per row and batch:
+  tokens/s  batch x new tokens / the median time of the whole generate
+  TTFT      the median time of a generate of one new token (prefill and the first step), ms
+  TPOT      (whole generate - TTFT) / (new tokens - 1): one decode step, ms
+  MBU       the bytes a decode step must read / TPOT / the copy bandwidth measured in the same run (a 256 MiB
+            tensor copy, bytes read + written; on CUDA the same copy on the device): the non-expert weights
+            (the tied embedding once, as the LM head), the experts the step's tokens route to (counted per
+            layer from the router's choices at every decode step of ours), and the KV cache at its mean length
+Each (row, batch) prints a table line and one JSON line (--json appends the JSON lines to a file). Check
+`uptime` first: a busy machine's numbers are noise.
+"""
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))  # scripts/bench
+sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  # the repository, scripts/
+
+import torch  # noqa: E402
+
+from model.moe import MOEFeedForward  # noqa: E402
+from train.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
+
+
+def median_seconds(fn, repeats, device):
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device, mib=256):
+    """Bytes per second of a `mib` MiB tensor copy on `device` (read + written), the median of 5."""
+    src = torch.empty(mib << 18, device=device)  # fp32: 4 bytes an element
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), 5, device)
+
+
+def experts_touched(model, ids, new_tokens):
+    """Mean count, over ours' decode steps, of the experts that step's tokens route to, summed over layers."""
+    counts = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: counts.append(int((mod.stats.tokens_per_expert > 0).sum()))
+                                     if args[0].shape[1] == 1 else None)
+             for m in model.modules() if isinstance(m, MOEFeedForward)]
+    try:
+        model.generate(ids, max_new_tokens=new_tokens, temperature=0)
+    finally:
+        for h in hooks:
+            h.remove()
+    layers = len(hooks)
+    return sum(counts) / max(1, len(counts) // max(1, layers)) if counts else 0.0
+
+
+def step_bytes(model, config, batch, kv_len, touched, element_bytes):
+    """Bytes one decode step reads: non-expert weights, `touched` experts (over all layers), the KV cache."""
+    dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+    per_expert = 3 * config.hidden_size * config.moe_intermediate_size if config.use_moe else 0
+    kv = 2 * config.num_hidden_layers * batch * config.num_key_value_heads * kv_len * config.head_dim
+    return (dense + touched * per_expert + kv) * element_bytes
+
+
+def hf_export(ckpt_path, out_dir, device):
+    """transformers' model of scripts/export_hf.py's export of the checkpoint (fp32, eval, no end-of-text stop)."""
+    from transformers import AutoModelForCausalLM
+    from export_hf import export
+    export(ckpt_path, out_dir, "float32", verify=False, log=lambda *_: None)
+    hf = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).to(device).eval()
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+def main(argv=None):
+    from train.flags import AT_LEAST_1, Parser
+    p = Parser(description=__doc__)
+    p.add_argument("--ckpt", default="checkpoints/pretrain", help="checkpoint file or run directory")
+    p.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
+    p.add_argument("--prompt_len", type=int, default=16)
+    p.add_argument("--new_tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed generates per row and batch (the median is kept)")
+    p.add_argument("--rows", default="ours,hf", help="comma-separated, from ours,hf")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", default="", help="also append the JSON lines to this file")
+    args = p.parse_args(argv, ranges=dict.fromkeys(("prompt_len", "new_tokens", "repeats"), AT_LEAST_1))
+    rows = args.rows.split(",")
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        p.error(f"--batches {args.batches}: comma-separated positive integers")
+    if not rows or any(r not in ("ours", "hf") for r in rows):
+        p.error(f"--rows {args.rows}: choose from ours,hf")
+    if args.new_tokens < 2:
+        p.error(f"--new_tokens {args.new_tokens}: at least 2 (TPOT is the time after the first)")
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        ckpt = load_checkpoint(args.ckpt)
+    except (FileNotFoundError, ValueError) as e:
+        p.error(f"{e} (train one first: python train/pretrain.py)")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # as scripts/generate.py: load_model
+    ours = model_from_checkpoint(ckpt, device, dtype).eval()
+    config = ours.config
+    if args.prompt_len + args.new_tokens > config.max_position_embeddings:
+        p.error(f"--prompt_len + --new_tokens = {args.prompt_len + args.new_tokens} exceeds the model's "
+                f"max_position_embeddings {config.max_position_embeddings}")
+    models = {"ours": ours}
+    tmp = tempfile.TemporaryDirectory(prefix="bench_decode_")
+    if "hf" in rows:
+        models["hf"] = hf_export(args.ckpt, os.path.join(tmp.name, "hf"), device)
+    bandwidth = copy_bandwidth(device)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
+          f"{str(dtype)[6:]}, threads {torch.get_num_threads()}; {args.ckpt}: {config.num_hidden_layers} layers, "
+          f"D={config.hidden_size}, E={config.num_experts if config.use_moe else 0}; prompts {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, greedy; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"  {'row':<5} {'batch':>5} {'tokens/s':>10} {'TTFT ms':>9} {'TPOT ms':>9} {'MBU':>6}")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+        for batch in batches:
+            ids = torch.randint(0, config.vocab_size, (batch, args.prompt_len), generator=gen).to(device)
+            mask = torch.ones_like(ids)
+            runs = {"ours": lambda n: ours.generate(ids, max_new_tokens=n, temperature=0),
+                    "hf": lambda n: models["hf"].generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                                          pad_token_id=0)}
+            want = runs["ours"](args.new_tokens)  # (also the warm-up)
+            touched = experts_touched(ours, ids, args.new_tokens) if config.use_moe else 0
+            read = step_bytes(ours, config, batch, args.prompt_len + args.new_tokens // 2, touched,
+                              torch.finfo(dtype).bits // 8)
+            for row in rows:
+                got = runs[row](args.new_tokens)
+                if not torch.equal(got, want):
+                    raise SystemExit(f"{row}, batch {batch}: greedy tokens differ from ours")
+                first = median_seconds(lambda: runs[row](1), args.repeats, device)
+                whole = median_seconds(lambda: runs[row](args.new_tokens), args.repeats, device)
+                tpot = (whole - first) / (args.new_tokens - 1)
+                record = {"row": row, "batch": batch, "tokens_per_s": batch * args.new_tokens / whole,
+                          "ttft_ms": first * 1e3, "tpot_ms": tpot * 1e3, "mbu": read / tpot / bandwidth,
+                          "step_bytes": read, "experts_touched_per_step": touched, "copy_bandwidth": bandwidth}
+                print(f"  {row:<5} {batch:>5} {record['tokens_per_s']:>10,.0f} {record['ttft_ms']:>9.2f} "
+                      f"{record['tpot_ms']:>9.2f} {100 * record['mbu']:>5.1f}%")
+                print(json.dumps(record))
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
