@@ -174,8 +174,7 @@ def init_weights(module: nn.Module, std: float):
 class MiniMindModel(nn.Module):
     """Decoder stack. forward(input_ids [B, S] int64, past_key_values (a KVCache of the P positions
     before these, or None), use_cache, attention_mask [B, P + S] (1 = token, 0 = padding) or None)
-    ->
-    hidden [B, S, D], the KVCache with these positions added (use_cache; a new one when none was
+    -> hidden [B, S, D], the KVCache with these positions added (use_cache; a new one when none was
     given) or None, aux_loss (scalar: the MoE layers' router losses averaged over layers, so one
     layer's imbalance cannot offset another's and the scale does not grow with depth).
 
