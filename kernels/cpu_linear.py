@@ -92,3 +92,6 @@ class OneDNNLinear(nn.Linear):
 
     def forward(self, x):
         return linear(x, self.weight)
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, MKL for <= {FEW_ROWS} rows outside autograd"

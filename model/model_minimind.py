@@ -59,7 +59,8 @@ class KVCache:
     `length` positions held. Given the run's length as `capacity` (prompt + new tokens: `generate`
     does), no step copies the cache; a write past it reallocates with twice the room. What a forward
     with use_cache=True returns as past_key_values and takes back (the same object, `length`
-    advanced by the call's tokens)."""
+    advanced by the call's tokens, with use_cache or without). Under autograd each layer reads a
+    copy of its keys and values (a later write in place would change what backward saved)."""
 
     def __init__(self, num_layers, capacity=0):
         self.num_layers, self.capacity, self.length = num_layers, capacity, 0
@@ -67,17 +68,18 @@ class KVCache:
 
     def write(self, layer, k_BGSD, v_BGSD):
         """Store layer `layer`'s keys and values of the call's S positions after the `length` held;
-        returns that layer's keys and values so far, views [B, G, length + S, Dh]. Raises ValueError
-        when the batch or heads differ from what the cache holds."""
+        returns that layer's keys and values so far, [B, G, length + S, Dh] (views; copies under
+        autograd). Raises ValueError when the batch or heads differ from what the cache holds."""
         end = self.length + k_BGSD.shape[2]
-        if self.keys is None or end > self.keys.shape[3]:
-            self._reserve(k_BGSD, max(end, self.capacity, 2 * self.length))
-        if k_BGSD.shape[:2] != self.keys.shape[1:3]:
+        if self.keys is not None and k_BGSD.shape[:2] != self.keys.shape[1:3]:
             raise ValueError(f"KVCache holds batch x kv heads {tuple(self.keys.shape[1:3])}, "
                              f"got {tuple(k_BGSD.shape[:2])}")
+        if self.keys is None or end > self.keys.shape[3]:
+            self._reserve(k_BGSD, max(end, self.capacity, 2 * self.length))
         self.keys[layer, :, :, self.length:end] = k_BGSD
         self.values[layer, :, :, self.length:end] = v_BGSD
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        k_all, v_all = self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        return (k_all.clone(), v_all.clone()) if torch.is_grad_enabled() else (k_all, v_all)
 
     def _reserve(self, like_BGSD, capacity):
         B, G, _, Dh = like_BGSD.shape
@@ -222,6 +224,9 @@ class MiniMindModel(nn.Module):
             raise ValueError(f"input_ids {tuple(input_ids.shape)} is empty: "
                              "need at least one sequence of one token")
         cache = past_key_values
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"past_key_values: the KVCache a forward with use_cache=True returned, "
+                            f"got {type(cache).__name__}")
         if cache is None and use_cache:
             cache = KVCache(len(self.layers), capacity=S)
         start = cache.length if cache is not None else 0
@@ -319,6 +324,9 @@ class MiniMindForCausalLM(nn.Module):
         h, presents, aux_loss = self.model(input_ids, past_key_values, use_cache,
                                            attention_mask, segment_ids)
         loss = ce_loss = None
+        if logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep {logits_to_keep}: the last N positions, N >= 0 "
+                             "(0 = all)")
         if labels is None:  # (logits_to_keep: the last N positions' only, as in transformers)
             logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
         else:

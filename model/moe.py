@@ -340,7 +340,8 @@ class MOEFeedForward(nn.Module):
         if self.decodes(x_TD, layout):
             y_TD = routed_loop(x_TD, topk_idx_TK, topk_weight_TK, self.experts.gate_up_proj,
                                self.experts.down_proj, self.config.moe_impl == "fused")
-            self.stats = MoEStats(tokens_per_expert(topk_idx_TK, self.config.num_experts))
+            self.stats = MoEStats(tokens_per_expert(topk_idx_TK, self.config.num_experts), None,
+                                  balance_loss, z_loss)
         else:
             dispatched = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_weight_TK, layout)
             rows_out_PD = self.experts(dispatched.rows_PD, dispatched.tokens_per_expert,
@@ -362,8 +363,9 @@ class MOEFeedForward(nn.Module):
                 and isinstance(self.dispatcher, (SortedDispatcher, RowMapDispatcher)))
 
     def extra_repr(self):
-        return (f"moe_impl={self.config.moe_impl}, dispatcher={self.dispatcher!r}, "
-                f"decode=routed_loop up to {DECODE_TOKENS} tokens on CPU")
+        local = isinstance(self.dispatcher, (SortedDispatcher, RowMapDispatcher))
+        return (f"moe_impl={self.config.moe_impl}, dispatcher={self.dispatcher!r}"
+                + (f", decode=routed_loop up to {DECODE_TOKENS} tokens on CPU" if local else ""))
 
     def router_logits(self, x_TD):
         """Gate logits [T, E]: in autocast's dtype (the reference), or fp32 with

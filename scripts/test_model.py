@@ -384,6 +384,27 @@ def test_kv_cache_matches_full_forward():
         got = torch.cat([out1.logits, out2.logits, out3.logits], dim=1)
         # Different query-block shapes change the GEMM/attention blocking: equal up to fp32 rounding.
         assert torch.allclose(got, full[:, :13], atol=2e-5, rtol=1e-4), (cpu_engines, (got - full[:, :13]).abs().max())
+    # under autograd too (each layer reads a copy of the cache, written in place after it), fp64: the same gradients
+    model = tiny(use_moe=True).double().eval()
+    ids = torch.randint(0, 97, (2, 9))
+    grads = []
+    for chunks in ((9,), (4, 5)):
+        model.zero_grad()
+        cache, logits = None, []
+        for n in chunks:
+            start = cache.length if cache is not None else 0
+            out = model(ids[:, start:start + n], past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, logits + [out.logits]
+        (torch.cat(logits, dim=1) ** 2).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(*grads)), "cached forward: other gradients"
+    for bad, error in (([(torch.zeros(1), torch.zeros(1))], TypeError), (cache, ValueError)):
+        try:  # an old-style list; a cache of batch 2 given batch 3
+            model(ids[:1].repeat(3, 1)[:, :1], past_key_values=bad, use_cache=True)
+        except error as e:
+            assert "past_key_values" in str(e) or "KVCache holds" in str(e), e
+        else:
+            raise AssertionError(f"{type(bad).__name__} past_key_values accepted")
 
 
 def test_generate_cache_equals_no_cache():

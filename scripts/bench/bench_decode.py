@@ -100,6 +100,8 @@ def main(argv=None):
     p.add_argument("--json", default="", help="also append the JSON lines to this file")
     args = p.parse_args(argv, ranges=dict.fromkeys(("prompt_len", "new_tokens", "repeats"), AT_LEAST_1))
     rows = args.rows.split(",")
+    if len(set(rows)) != len(rows):
+        p.error(f"--rows {args.rows}: a row named twice")
     try:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
@@ -111,6 +113,13 @@ def main(argv=None):
     if args.new_tokens < 2:
         p.error(f"--new_tokens {args.new_tokens}: at least 2 (TPOT is the time after the first)")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        p.error(f"--device {args.device}: cpu, or cuda where CUDA is available (auto picks)")
+    if args.json:
+        try:  # (before the first row is measured)
+            open(args.json, "a").close()
+        except OSError as e:
+            p.error(f"--json {args.json}: {e.strerror}")
     try:
         ckpt = load_checkpoint(args.ckpt)
     except (FileNotFoundError, ValueError) as e:
