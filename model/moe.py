@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.dispatch import PLAIN_MOVERS, RowMapDispatcher, SortedDispatcher, drop_and_pad
+from model.dispatch import (PLAIN_MOVERS, RowMapDispatcher, SortedDispatcher, drop_and_pad,
+                            order_slots)
 from model.router import expert_bias_update, router_losses, tokens_per_expert
 
 _warned_no_router_grad = False  # the k=1 warning below is given once per process
@@ -105,8 +106,7 @@ def routed_loop(x_TD, topk_idx_TK, topk_weight_TK, w_gate_up_E2FD, w_down_EDF, w
     slots in fp32, else (the sorted path) the outputs are scaled, cast to x's dtype and summed
     in it; slots in ascending expert id."""
     (T, K), D = topk_idx_TK.shape, x_TD.shape[1]
-    topk_idx_TK, slot_order_TK = topk_idx_TK.sort(dim=-1)  # slot j: the j-th smallest expert id
-    topk_weight_TK = topk_weight_TK.gather(-1, slot_order_TK)
+    topk_idx_TK, topk_weight_TK = order_slots(topk_idx_TK, topk_weight_TK)
     sum_dtype = (torch.promote_types(x_TD.dtype, torch.float32) if weight_first
                  else x_TD.dtype)
     out_TKD = x_TD.new_zeros(T, K, D, dtype=sum_dtype)

@@ -19,31 +19,17 @@ Each (row, batch) prints a table line and one JSON line (--json appends the JSON
 """
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # scripts/bench
 sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  # the repository, scripts/
 
 import torch  # noqa: E402
 
+from bench_train import median_seconds  # noqa: E402  (this folder)
 from model.moe import MOEFeedForward  # noqa: E402
 from train.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
-
-
-def median_seconds(fn, repeats, device):
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def copy_bandwidth(device, mib=256):

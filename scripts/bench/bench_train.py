@@ -112,27 +112,34 @@ def flops_per_token(model, config, seq_len):
     return 6 * active + 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
 
 
+def median_seconds(fn, repeats, device):
+    """The median wall time of `repeats` calls of fn() (on CUDA synchronised before and after each)."""
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def gemm_rate(device, dtype, rows, hidden, width, seconds=0.5):
     """FLOP/s of torch.mm([rows, hidden] @ [hidden, width]) in `dtype` on `device`: the median of repeated
     timings over about `seconds`, inputs warm in cache (the rate a GEMM of that shape reaches here)."""
     a = torch.randn(rows, hidden, device=device, dtype=dtype)
     b = torch.randn(hidden, width, device=device, dtype=dtype)
 
-    def timed(n):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    def products(n):
         for _ in range(n):
             torch.mm(a, b)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n
 
-    n = max(1, int(0.05 / max(timed(3), 1e-7)))  # (the first calls build the kernel)
-    times, deadline = [], time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        times.append(timed(n))
-    return 2 * rows * hidden * width / statistics.median(times)
+    one = median_seconds(lambda: products(3), 1, device) / 3  # (the first calls build the kernel)
+    n = max(1, int(0.05 / max(one, 1e-7)))
+    repeats = max(3, int(seconds / max(n * one, 1e-7)))
+    return 2 * rows * hidden * width * n / median_seconds(lambda: products(n), repeats, device)
 
 
 def main(argv=None):
