@@ -102,7 +102,8 @@ def build_splits(cache_dir, name, version, records):
     a line per (split, object) of the iterator `records`; key: Python version, stdlib path, the DOC_PACKAGES'
     versions and `version`."""
     packages = ",".join(f"{n}=={v}" for n, v, _ in package_dirs())
-    key = hashlib.sha1(f"{sys.version}|{sysconfig.get_paths()['stdlib']}|{packages}|{version}".encode()).hexdigest()[:12]
+    key = hashlib.sha1(f"{sys.version}|{sysconfig.get_paths()['stdlib']}|"
+                       f"{packages}|{version}".encode()).hexdigest()[:12]
     out = os.path.join(cache_dir, f"{name}-{key}")
     paths = {s: os.path.join(out, f"{s}.jsonl") for s in ("train", "val")}
     if all(os.path.exists(p) for p in paths.values()):
@@ -121,4 +122,5 @@ def build_splits(cache_dir, name, version, records):
 def default_corpus(cache_dir=CACHE_DIR):
     """{'train': path, 'val': path} of the default corpus: jsonl of {"text": ...} (MiniMind's pretraining format)."""
     return build_splits(cache_dir, "stdlib-docs", BUILDER_VERSION, (
-        ("val" if i % VAL_EVERY == VAL_EVERY - 1 else "train", {"text": doc}) for i, doc in enumerate(iter_documents())))
+        ("val" if i % VAL_EVERY == VAL_EVERY - 1 else "train", {"text": doc})
+        for i, doc in enumerate(iter_documents())))

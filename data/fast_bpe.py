@@ -17,7 +17,8 @@ PROBES = ["Hello, world! It's 2026; don't   stop.\n\n\tTabs\r\nand CRLF", "emoji
 
 def _byte_decoder():
     """GPT-2's byte-level alphabet, reversed: the printable character each byte is written as -> the byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
     rest = [b for b in range(256) if b not in bs]  # the other bytes are written as chr(256), chr(257)...
     return {chr(c): b for b, c in zip(bs + rest, bs + [256 + n for n in range(len(rest))])}
 

@@ -30,15 +30,18 @@ def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=None, cache_dir=
     anything data/sources.py reads, every VAL_EVERY-th document held out. tokenizer_dir None: a `vocab_size` BPE
     trained on the first `tokenizer_sample_mb` MB of training documents. workers: tokenization processes (None:
     one per core, at most 8, over PARALLEL_FROM_BYTES, else 0 = in process). engine: "auto" (tiktoken where it
-    gives the tokenizer's ids, data/fast_bpe.py) or "tokenizers". Raises ValueError without tokenizer_dir and vocab_size.
-    Returns dict(tokenizer, tokenizer_dir, train, val (1-D read-only np.memmap of ids), index (the cache's
-    index.json), source (description)). Raises DataError for missing, empty or malformed input (file and line)."""
+    gives the tokenizer's ids, data/fast_bpe.py) or "tokenizers". Raises ValueError without tokenizer_dir and
+    vocab_size. Returns dict(tokenizer, tokenizer_dir, train, val (1-D read-only np.memmap of ids), index (the
+    cache's index.json), source (description)). Raises DataError for missing, empty or malformed input (file
+    and line)."""
     if tokenizer_dir is None and vocab_size is None:
-        raise ValueError("prepare_data: a vocab_size is needed to train a tokenizer (the trainer's is model/config.py's)")
+        raise ValueError("prepare_data: a vocab_size is needed to train a tokenizer "
+                         "(the trainer's is model/config.py's)")
     os.makedirs(cache_dir, exist_ok=True)
     if data_path is None:  # the default corpus comes split in two files; a user corpus is one source
         paths = default_corpus(cache_dir)
-        source = DocumentSource("embedded corpus (docstrings of the stdlib and of the installed torch, transformers, sympy, pandas, numpy)", files=(paths["train"],))
+        source = DocumentSource("embedded corpus (docstrings of the stdlib and of the installed torch, transformers, "
+                                "sympy, pandas, numpy)", files=(paths["train"],))
         val_source = DocumentSource("embedded corpus, validation", files=(paths["val"],))
     else:
         source, val_source = open_source(data_path, text_field), None
@@ -94,7 +97,8 @@ def _training_sample(source, val_source, max_bytes):
 def _tokenizer(source, val_source, tokenizer_dir, vocab_size, sample_mb, fingerprint, cache_dir, log):
     if tokenizer_dir is not None:
         if not os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")):
-            raise DataError(f"{tokenizer_dir}: no tokenizer.json (a tokenizer folder saved by transformers is expected)")
+            raise DataError(f"{tokenizer_dir}: no tokenizer.json "
+                            "(a tokenizer folder saved by transformers is expected)")
         tokenizer = load_tokenizer(tokenizer_dir)
         if tokenizer.eos_token_id is None:
             raise DataError(f"{tokenizer_dir}: the tokenizer has no eos token to separate documents with")
@@ -140,7 +144,8 @@ def _cache_entry(cache_dir, kind, key, chars):
     """cache_dir/<kind>-<`chars` hex digits of sha1(key)>, with an interrupted build's temps (.<name>.tmp... /
     .old..., data/atomic.py) removed; called under the corpus's lock, so no live build owns them."""
     name = f"{kind}-{hashlib.sha1(key.encode()).hexdigest()[:chars]}"
-    for leftover in glob.glob(os.path.join(cache_dir, f".{name}.tmp*")) + glob.glob(os.path.join(cache_dir, f".{name}.old*")):
+    for leftover in (glob.glob(os.path.join(cache_dir, f".{name}.tmp*"))
+                     + glob.glob(os.path.join(cache_dir, f".{name}.old*"))):
         shutil.rmtree(leftover, ignore_errors=True) if os.path.isdir(leftover) else os.remove(leftover)
     return os.path.join(cache_dir, name)
 

@@ -41,7 +41,8 @@ def module_entries(stdlib, path):
 
     def visit(body, prefix):
         for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+            if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                    and not node.name.startswith("_")):
                 doc = ast.get_docstring(node, clean=True)
                 name = f"{prefix}.{node.name}"
                 answer = first_paragraph(doc) if doc else ""
@@ -58,7 +59,8 @@ def module_entries(stdlib, path):
 
 def _questions(entry):
     name, kind, answer, signature = entry
-    return [(f"What does `{name}` do?", answer)] + ([(f"What is the signature of `{name}`?", signature)] if signature else [])
+    return ([(f"What does `{name}` do?", answer)]
+            + ([(f"What is the signature of `{name}`?", signature)] if signature else []))
 
 
 def iter_conversations(seed=0):

@@ -96,7 +96,8 @@ class TokenEncoder:
                                                 initargs=(self.tokenizer_json, self.use_tiktoken, os.getpid()))
                 self.pool.submit(int).result()  # the processes start now, while the variable is set
             finally:
-                os.environ.pop("TOKENIZERS_PARALLELISM") if saved is None else os.environ.update(TOKENIZERS_PARALLELISM=saved)
+                (os.environ.pop("TOKENIZERS_PARALLELISM") if saved is None
+                 else os.environ.update(TOKENIZERS_PARALLELISM=saved))
         return self
 
     def __exit__(self, *exc):
@@ -165,7 +166,8 @@ def build_token_cache(path, documents, tokenizer_json, eos_id, vocab_size, meta,
             batches = _batches(documents)
             first = next(batches, None)  # its texts check the fast encoder against `tokenizers`
             batches = itertools.chain([first] if first else [], batches)
-            with TokenEncoder(tokenizer_json, eos_id, dtype, workers, first[0][:500] if first else (), engine) as encoder:
+            with TokenEncoder(tokenizer_json, eos_id, dtype, workers, first[0][:500] if first else (),
+                              engine) as encoder:
                 for (texts, is_val, size), (ids, lengths, nbytes) in encoder.map(batches):
                     if is_val.any():
                         tok_is_val = np.repeat(is_val, lengths)
@@ -207,7 +209,8 @@ def _tail_as_validation(folder, dtype, splits, tokenizer_json, vocab_size):
     tail = stream[cut:]
     val_bytes = len(Tokenizer.from_file(tokenizer_json).decode(tail.tolist(), skip_special_tokens=True).encode("utf-8"))
     total_bytes = splits["train"]["bytes"] + splits["val"]["bytes"]
-    splits = {"train": {"tokens": cut, "documents": int((offsets < cut).sum()), "bytes": max(total_bytes - val_bytes, 0)},
+    splits = {"train": {"tokens": cut, "documents": int((offsets < cut).sum()),
+                        "bytes": max(total_bytes - val_bytes, 0)},
               "val": {"tokens": len(tail), "documents": 1, "bytes": val_bytes}}
     return splits, np.bincount(tail, minlength=vocab_size)[:vocab_size]
 

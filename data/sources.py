@@ -49,7 +49,8 @@ class DocumentSource:
 
     def fingerprint(self, memo=None):
         """Content hash (16 hex) of the input and how it is read. A hub dataset is keyed by name, hf:DIR by its
-        files. `memo`: a dict {path|size|mtime|inode|ctime: sha1} kept across calls, so a warm start re-reads nothing."""
+        files. `memo`: a dict {path|size|mtime|inode|ctime: sha1} kept across calls, so a warm start re-reads
+        nothing."""
         h = hashlib.sha1(f"text_field={self.text_field}".encode())
         files = self._local_files()
         if self.hub is not None:
@@ -145,7 +146,8 @@ def _decoded_lines(path):
 def _text_of(obj, field, where):
     if not isinstance(obj, dict) or field not in obj:
         raise DataError(f"{where}: expected an object with a \"{field}\" field"
-                        + ("" if not isinstance(obj, dict) else f" (it has: {', '.join(list(obj)[:8])}; see --text_field)"))
+                        + ("" if not isinstance(obj, dict)
+                           else f" (it has: {', '.join(list(obj)[:8])}; see --text_field)"))
     text = obj[field]
     if not isinstance(text, str):
         raise DataError(f"{where}: \"{field}\" must be a string, got {type(text).__name__}")
@@ -176,7 +178,8 @@ def jsonl_records(path):
         try:
             yield json.loads(line), f"{path}:{lineno}"
         except json.JSONDecodeError as e:  # (its msg sometimes ends in " at" already)
-            raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
+            raise DataError(f"{path}:{lineno}: malformed JSON "
+                            f"({e.msg.removesuffix(' at')} at column {e.colno})") from None
 
 
 def _txt_documents(path, _field):
@@ -211,7 +214,8 @@ def _parquet_columns(pf, path, field):
         try:
             batch = next(batches, None)
         except Exception as e:  # a damaged data page: pyarrow's own error types
-            raise DataError(f"{path}: row {row + 1} onwards cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
+            raise DataError(f"{path}: row {row + 1} onwards cannot be read "
+                            f"({type(e).__name__}: {str(e)[:200]})") from None
         if batch is None:
             return
         row += batch.num_rows
@@ -254,7 +258,9 @@ def _hub_documents(name, field):
     except DataError:
         raise
     except Exception as e:  # a damaged file inside the dataset, a lost connection...
-        raise DataError(f"hf:{name}: could not be read ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+        raise DataError(f"hf:{name}: could not be read "
+                        f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
 
 
-FILE_KINDS = {".jsonl": _jsonl_documents, ".json": _jsonl_documents, ".txt": _txt_documents, ".parquet": _parquet_documents}
+FILE_KINDS = {".jsonl": _jsonl_documents, ".json": _jsonl_documents, ".txt": _txt_documents,
+              ".parquet": _parquet_documents}

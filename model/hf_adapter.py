@@ -7,9 +7,6 @@ scripts/test_export.py. Experts are written per expert
 (`mlp.experts.{e}.{gate,up,down}_proj.weight`), which transformers 5.x fuses on load into
 `gate_up_proj` [E, 2F, D] / `down_proj` [E, D, F]; `from_hf_state_dict` reads either layout.
 """
-import re
-
-
 from model.config import MiniMindConfig
 
 # How each MiniMindConfig field maps; a non-default
@@ -110,25 +107,11 @@ def to_hf_state_dict(state_dict, config: MiniMindConfig):
             if not (k == "lm_head.weight" and config.tie_word_embeddings)}
 
 
-_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-
-
 def from_hf_state_dict(hf_state, config: MiniMindConfig):
-    """HF Qwen3 / Qwen3-MoE state_dict (per-expert or fused expert layout) -> our state_dict."""
-    out = {}
-    for k, v in hf_state.items():
-        fused = _FUSED.match(k)
-        if fused is None:
-            out[k] = v
-            continue
-        prefix, kind = fused.groups()
-        for e in range(v.shape[0]):
-            if kind == "gate_up_proj":  # [E, 2F, D]: gate rows first, then up rows
-                gate, up = v[e].chunk(2, dim=0)
-                (out[f"{prefix}.{e}.gate_proj.weight"],
-                 out[f"{prefix}.{e}.up_proj.weight"]) = gate.clone(), up.clone()
-            else:  # [E, D, F]
-                out[f"{prefix}.{e}.down_proj.weight"] = v[e].clone()
+    """HF Qwen3 / Qwen3-MoE state_dict -> ours: the names are ours (transformers' fused experts,
+    `gate_up_proj` [E, 2F, D] gate rows first and `down_proj` [E, D, F], are our stacked tensors;
+    per-expert entries load through Experts' pre-hook), plus the tied lm_head."""
+    out = dict(hf_state)
     if config.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out

@@ -10,6 +10,7 @@ PyTorch by default; the engines of the linears, the attention kernel, the LM los
 experts and dispatch are chosen when the model is built (model/engines.py; the trainer's come from
 train/engines.py).
 """
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 
 from model.config import MiniMindConfig
 from model.engines import PLAIN, Engines
-from model.moe import Experts, FeedForward, MOEFeedForward
+from model.moe import Experts, FeedForward, MOEFeedForward, local_shard
 from model.router import layer_mean
 
 
@@ -159,18 +160,40 @@ class MiniMindBlock(nn.Module):
         return x + self.mlp_dropout(h)
 
 
+def keyed_normal(shape, std, seed, key):
+    """fp32 [shape] ~ N(0, std^2), drawn on the CPU from a generator seeded by SHA-256 of
+    (seed, key): the same draws for the same key whatever was drawn before or elsewhere."""
+    digest = hashlib.sha256(f"{seed}/{key}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
 @torch.no_grad()
-def init_weights(module: nn.Module, std: float):
-    """GPT-2's init on `module` and everything inside it, in `named_modules` order (so a seed gives
-    the same weights whatever else the model holds): linear and embedding weights ~ N(0, std^2),
-    norm weights 1."""
-    for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            m.weight.normal_(0.0, std)
-        elif isinstance(m, Experts):  # expert by expert, as E FeedForward modules would be
-            m.reset_each(lambda w: w.normal_(0.0, std))
-        elif isinstance(m, RMSNorm):
-            m.weight.fill_(1.0)
+def init_weights(model: nn.Module, std: float, seed: int):
+    """GPT-2's init of `model`'s parameters and buffers: linear, embedding and expert weights
+    ~ N(0, std^2), norm weights 1, buffers (the router's expert_bias) 0. Each weight is drawn
+    from its own key (`keyed_normal`): its name in `model`, and for a stacked expert weight its
+    name and the expert's index, one expert at a time. So the values are a function of the seed
+    alone: the same on any device and under expert parallelism at any world size, where a
+    stacked weight is a DTensor of this rank's experts and only those are drawn. Tensors on the
+    meta device are skipped."""
+    ones = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    stacked = {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
+    for name, param in model.named_parameters():
+        local = local_shard(param)
+        if local.is_meta:
+            continue
+        if id(param) in ones:
+            local.fill_(1.0)
+        elif id(param) in stacked:  # (under EP a DTensor sharded on the expert dimension)
+            first = param.device_mesh.get_local_rank() * len(local) if local is not param else 0
+            for index, expert in enumerate(local):
+                expert.copy_(keyed_normal(expert.shape, std, seed, f"{name}.{first + index}"))
+        else:
+            local.copy_(keyed_normal(local.shape, std, seed, name))
+    for buffer in model.buffers():
+        if not buffer.is_meta:
+            buffer.zero_()
 
 
 class MiniMindModel(nn.Module):
@@ -202,7 +225,6 @@ class MiniMindModel(nn.Module):
         # them stale (from_pretrained materialises non-persistent buffers from the meta device
         # uninitialised).
         self._rope = None
-        init_weights(self, config.initializer_range)
 
     def rope(self, start, length, device, position_ids_BS=None):
         """cos, sin for positions start..start+length-1 ([length, head_dim] fp32), or for the given
@@ -315,8 +337,14 @@ class MiniMindForCausalLM(nn.Module):
         self.chunked_lm_loss = engines.lm_loss
         self.model = MiniMindModel(config, engines)
         self.lm_head = engines.linear(config.hidden_size, config.vocab_size, bias=False)
-        init_weights(self.lm_head, config.initializer_range)
-        if config.tie_word_embeddings:
+        self.tie_weights()
+        # keyed by a seed from torch's RNG: `torch.manual_seed(s)` first gives the same model
+        init_weights(self, config.initializer_range, int(torch.randint(2**62, (), device="cpu")))
+
+    def tie_weights(self):
+        """The LM head shares the embedding's weight (tie_word_embeddings; again after `to_empty`,
+        which unties them)."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False,

@@ -326,7 +326,7 @@ class MOEFeedForward(nn.Module):
             self.expert_bias = None
         self.dispatcher = (RowMapDispatcher(E, movers) if config.moe_impl == "fused"
                            else SortedDispatcher(E))
-        self.aux_loss = torch.zeros(())
+        self.aux_loss = torch.zeros((), device="cpu")  # (a real zero even in a model built on meta)
         self.stats = MoEStats()
         self._load_E = None  # router choices per expert since the last pop_load()
 

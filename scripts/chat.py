@@ -75,7 +75,8 @@ def main(argv=None):
     p.add_argument("--prompt", default=None, type=utf8_text, help="ask this one question, print the answer and exit")
     p.add_argument("--system", default=None, type=utf8_text, help="a system turn at the start of every conversation")
     p.add_argument("--max_new_tokens", type=int, default=200, help="longest answer, in tokens")
-    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (small models repeat themselves greedily)")
+    p.add_argument("--temperature", type=float, default=0.7,
+                   help="0 = greedy (small models repeat themselves greedily)")
     p.add_argument("--top_k", type=int, default=40, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top_p", type=float, default=0.95, help="nucleus sampling mass (1.0 = off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")

@@ -98,7 +98,8 @@ def main(argv=None):
     print(f"{len(rows)} held-out questions, word F1 with the true answer: base {mean(4):.3f}, fine-tuned {mean(5):.3f}")
     print(f"fine-tuned better on {sum(r[5] > r[4] for r in rows)}, base better on {sum(r[4] > r[5] for r in rows)}")
     for q, truth, a_base, a_sft, fb, fs in rows[:args.examples]:
-        print(f"\nQ: {q}\n   true: {truth}\n   base ({fb:.2f}): {a_base[:200]!r}\n   fine-tuned ({fs:.2f}): {a_sft[:200]!r}")
+        print(f"\nQ: {q}\n   true: {truth}\n   base ({fb:.2f}): {a_base[:200]!r}\n"
+              f"   fine-tuned ({fs:.2f}): {a_sft[:200]!r}")
 
 
 if __name__ == "__main__":

@@ -27,10 +27,11 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 # --quick runs only these: the core contracts (the MoE layers against their references, capacity and router
 # losses, the kernels, the model, the golden curve, the code's shape).
-QUICK = ["test_moe_sorted.py", "test_moe_fused.py", "test_capacity.py", "test_router.py", "test_kernels.py", "test_model.py",
-         "test_golden.py", "test_code_shape.py"]
+QUICK = ["test_moe_sorted.py", "test_moe_fused.py", "test_capacity.py", "test_router.py", "test_kernels.py",
+         "test_model.py", "test_golden.py", "test_code_shape.py"]
 # Started first (longest first keeps the slots busy until the end); the rest follow in name order.
-SLOWEST_FIRST = ["test_reproducible.py", "test_reliability.py", "test_sharded.py", "test_sft.py", "test_ddp_ep_training.py", "test_hf_stack.py", "test_pretrain.py",
+SLOWEST_FIRST = ["test_reproducible.py", "test_reliability.py", "test_sharded.py", "test_sft.py",
+                 "test_ddp_ep_training.py", "test_hf_stack.py", "test_pretrain.py",
                  "test_data.py", "test_cpu_speed.py", "test_export.py", "test_kernels.py", "test_expert_parallel.py",
                  "test_moe_variants.py", "test_moe_fused.py"]
 

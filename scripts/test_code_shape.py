@@ -256,6 +256,7 @@ def test_no_machine_timings_in_docstrings():
 
 
 MAX_LINE = 100  # characters, in model/ and kernels/
+MAX_PRODUCT_LINE = 120  # characters, in every other .py file but the tests
 COLUMN_GAP = re.compile(r"\S {2,}\S")  # two or more spaces between words: an aligned column
 
 
@@ -287,6 +288,18 @@ def test_lines_fit_100_columns():
     assert not long, f"lines longer than {MAX_LINE} characters (not docstring table rows): {long}"
 
 
+
+def test_product_lines_fit_120_columns():
+    """Every line of the product's other .py files (train/, data/, the tools and benchmarks in scripts/;
+    not the test scripts) is at most 120 characters. Names file:line of each longer line."""
+    long = [f"{os.path.relpath(f, ROOT)}:{number} ({len(line)} characters)"
+            for f in _files("train/*.py", "data/*.py", "scripts/*.py", "scripts/*/*.py")
+            if not os.path.basename(f).startswith("test_")
+            for number, line in enumerate(open(f, encoding="utf-8").read().splitlines(), 1)
+            if len(line) > MAX_PRODUCT_LINE]
+    assert not long, f"lines longer than {MAX_PRODUCT_LINE} characters: {long}"
+
+
 README_FOLDERS = ("model", "train", "data", "kernels", "scripts")
 
 
@@ -315,7 +328,7 @@ TESTS = [test_imports_run_down_the_layers, test_model_is_plain_pytorch, test_moe
          test_kernels_are_a_library, test_main_job_model_named_once, test_no_class_swaps,
          test_names_say_what_they_hold, test_one_loop_file, test_functions_fit_on_a_screen, test_one_atomic_write_helper,
          test_no_machine_timings_in_docstrings, test_readmes_name_every_source_file,
-         test_lines_fit_100_columns]
+         test_lines_fit_100_columns, test_product_lines_fit_120_columns]
 
 if __name__ == "__main__":
     run(TESTS)

@@ -501,44 +501,73 @@ def whole_model(seed=0, **kw):
                                               vocab_size=300, **kw))
 
 
-def meta_build_worker(rank, world):
+def keyed_build_worker(rank, world, ep_size, fsdp, seed):
+    """The trainer's build (train/parallel.py: build_model) on this rank, under EP over `ep_size` ranks and,
+    with `fsdp`, FSDP2 as the trainer shards it; returns every tensor of the whole model gathered
+    (torch's state_dict helper, full_state_dict) and whether a tied head stayed tied."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from model.model_minimind import MiniMindForCausalLM
-    from train.parallel import build_on_meta
+    from model.moe import stacked_names
+    from train.distributed import init_distributed
+    from train.parallel import build_model, shard
+    ctx = init_distributed(ep_size, "cpu", fsdp)
     out = []
     for kw in META_CONFIGS:
         config = whole_model(**kw).config
-        torch.manual_seed(0)
-        model = build_on_meta(lambda: MiniMindForCausalLM(config), world_mesh())
+        torch.manual_seed(rank)  # (the global RNG is not what the weights come from)
+        model = build_model(lambda: MiniMindForCausalLM(config), "cpu", seed, ctx.ep_mesh if ep_size > 1 else None)
+        held = [local_shard(p).shape[0] for m in model.modules() if isinstance(m, MOEFeedForward)
+                for p in m.experts.parameters()]
         tied = model.lm_head.weight is model.model.embed_tokens.weight
-        out.append(dict(tensors={n: local_shard(t).clone() for n, t in
-                                 [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]},
-                        rng=torch.get_rng_state(), tied=tied,
-                        aux_loss=[m.aux_loss.clone() for m in model.modules() if isinstance(m, MOEFeedForward)]))
+        if ctx.distributed:
+            shard(model, ctx)
+        with stacked_names():
+            whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        out.append(dict(tensors={k: v.clone() for k, v in whole.items()}, held=held, tied=tied))
     return out
 
 
-def test_build_on_meta_gives_each_rank_its_share_of_the_same_weights():
-    """The model built on the meta device (train/parallel.py: build_on_meta), at 1 and 2 ranks: each rank
-    holds exactly its rows of every stacked expert weight and every other tensor whole, bitwise the plain
-    build's of the same seed, with the RNG left in the same state and a tied head still tied."""
-    for world in (1, 2):
-        per_rank = spawn(meta_build_worker, world)
-        for i, kw in enumerate(META_CONFIGS):
-            plain = whole_model(**kw)
-            rng = torch.get_rng_state()
-            expected = dict([*plain.named_parameters(remove_duplicate=False), *plain.named_buffers()])
-            for rank, results in enumerate(per_rank):
-                got = results[i]
-                assert got["tensors"].keys() == expected.keys(), got["tensors"].keys() ^ expected.keys()
-                for name, t in expected.items():
-                    want = t.chunk(world)[rank] if name.endswith(("gate_up_proj", "down_proj")) else t
-                    assert torch.equal(got["tensors"][name], want), (world, rank, kw, name)
-                assert torch.equal(got["rng"], rng), (world, rank, kw)
-                assert got["tied"] == plain.config.tie_word_embeddings
-                assert all(torch.equal(a, torch.zeros(())) for a in got["aux_loss"])
+def test_weights_are_a_function_of_the_seed_alone():
+    """The trainer's build (train/parallel.py: build_model: meta device, each rank's experts only, then
+    drawn by key) gives, gathered whole, the same tensors bit for bit in one process and at 2 and 4 ranks
+    under EP, EP + FSDP and FSDP alone, whatever the global RNG holds; each EP rank allocates only its
+    E / ep_size experts; a tied head stays tied; another seed gives other weights. The reference draws each
+    tensor by its own key (`keyed_normal`), not through init_weights."""
+    from model.model_minimind import MiniMindForCausalLM, keyed_normal
+    from model.moe import stacked_names
+    from train.parallel import build_model
+    wants = []
+    for kw in META_CONFIGS:  # the one-process reference, each tensor from its key
+        config = whole_model(**kw).config
+        with stacked_names():
+            shapes = {k: v.shape for k, v in MiniMindForCausalLM(config).state_dict().items()}
+        want = {}
+        for name, shape in shapes.items():
+            if name.endswith("norm.weight"):
+                want[name] = torch.ones(shape)
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                want[name] = torch.stack([keyed_normal(shape[1:], config.initializer_range, 5, f"{name}.{e}")
+                                          for e in range(shape[0])])
+            elif not (name == "lm_head.weight" and config.tie_word_embeddings):
+                want[name] = keyed_normal(shape, config.initializer_range, 5, name)
+        wants.append((config, want))
+    for world, ep_size, fsdp in ((1, 1, False), (2, 2, True), (4, 4, False), (4, 2, True), (2, 1, True)):
+        per_rank = spawn(keyed_build_worker, world, ep_size, fsdp, 5, init_group=False)
+        for i, (config, want) in enumerate(wants):
+            for rank, got in enumerate(per_rank):
+                got, where = got[i], (world, ep_size, fsdp, rank, i)
+                tensors = {k: v for k, v in got["tensors"].items()
+                           if not (k == "lm_head.weight" and config.tie_word_embeddings)}
+                assert tensors.keys() == want.keys(), (where, tensors.keys() ^ want.keys())
+                for name, t in want.items():
+                    assert torch.equal(tensors[name], t), (where, name)
+                assert got["held"] == [config.num_experts // ep_size] * len(got["held"]), (where, got["held"])
+                assert got["tied"] == config.tie_word_embeddings, where
+    other = build_model(lambda: MiniMindForCausalLM(wants[0][0]), "cpu", 6)
+    assert not torch.equal(other.model.embed_tokens.weight, wants[0][1]["model.embed_tokens.weight"])
 
 
-TESTS = [test_build_on_meta_gives_each_rank_its_share_of_the_same_weights, test_capacity_under_ep, test_fused_path_under_ep_2_ranks, test_fused_path_under_ep_4_ranks,
+TESTS = [test_weights_are_a_function_of_the_seed_alone, test_capacity_under_ep, test_fused_path_under_ep_2_ranks, test_fused_path_under_ep_4_ranks,
          test_rank_without_routed_pairs_2_ranks, test_rank_without_routed_pairs_4_ranks,
          test_pad_to_capacity_uneven_batches, test_ep_equals_single_process_2_ranks,
          test_ep_equals_single_process_4_ranks, test_dispatch_combine_roundtrip, test_deterministic]

@@ -16,7 +16,7 @@ import torch
 import testlib  # noqa: E402
 from testlib import ROOT, Skip, run, run_script  # noqa: F401
 from model import hf_adapter
-from model.hf_adapter import ExportError, from_hf_config
+from model.hf_adapter import ExportError, from_hf_config, from_hf_state_dict
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, RMSNorm
 from train.checkpoint import save_checkpoint
 from train.hf_folder import load_hf_checked
@@ -191,7 +191,8 @@ def test_layout_ambiguous_shapes_and_no_expert_left_at_init():
     """The expert widths where a transposed or mis-split weight still fits (2F == D, F == D: unsloth-zoo 849):
     transformers' logits equal ours, the trainer's engines' too; an export then an import brings back every
     expert tensor to the bit, drops none, and leaves none at its initial value (a fresh model of the same
-    seed: what a converter that skipped the experts would give, as Megatron-Bridge PR 4706)."""
+    seed: what a converter that skipped the experts would give, as Megatron-Bridge PR 4706); transformers'
+    in-memory state_dict (its fused experts) imports to the same bits."""
     from train.engines import engines_for
     for width in (32, 64):
         ours, run_dir = tiny_run(True, True, 2, expert_width=width)
@@ -214,6 +215,11 @@ def test_layout_ambiguous_shapes_and_no_expert_left_at_init():
         for key in experts:
             assert torch.equal(back[key], source[key]), f"F={width}: {key} changed in the round trip"
             assert not torch.equal(back[key], fresh[key]), f"F={width}: {key} is at its initial value"
+        fused = from_hf_state_dict(hf.state_dict(), from_hf_config(hf.config))  # transformers' own layout
+        assert {k for k in fused if k.endswith(("experts.gate_up_proj", "experts.down_proj"))}, sorted(fused)[:8]
+        again = MiniMindForCausalLM(from_hf_config(hf.config))
+        again.load_state_dict(fused, strict=True)
+        assert all(torch.equal(again.state_dict()[k], v) for k, v in source.items()), f"F={width}: fused import"
 
 
 def test_bf16_export_loads_and_agrees():

@@ -85,50 +85,33 @@ def test_checkpoint_roundtrip():
         raise AssertionError("a mis-shaped attention_mask was accepted")
 
 
-def test_checkpoint_layout_and_the_per_expert_one_converted():
+def test_checkpoint_layout():
     """The module's state_dict keeps HF's per-expert keys (the user's acceptance test pins them); checkpoints
     hold the stacked tensors under their own names (`model_state`, `optimizer_state`: torch's state_dict
-    helpers). A checkpoint from before (per-expert weights, AdamW state listed per expert parameter: E x gate,
-    up, down in a layer's place, [F, D] / [D, F]) is converted to the same state bitwise."""
-    from testlib import optimizer_state_per_expert
+    helpers)."""
     from train.checkpoint import model_state, optimizer_state
-    from train.legacy_checkpoint import converted
     model = tiny(cpu_engines=True, moe_impl="fused").train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 97, (2, 8))
     model(ids, labels=ids).loss.backward()
     optimizer.step()
-    E, F, D, L = 4, 32, 64, 2
+    E, F, D = 4, 32, 64
     keys = set(model.state_dict())
     assert {f"model.layers.0.mlp.experts.{E - 1}.{p}_proj.weight" for p in ("gate", "up", "down")} <= keys
     assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in keys)
     want = {"model": model_state(model), "optimizer": optimizer_state(model, optimizer)}
     assert want["model"]["model.layers.0.mlp.experts.gate_up_proj"].shape == (E, 2 * F, D)
     assert "model.layers.1.mlp.experts.down_proj" in want["optimizer"]["state"]
-    legacy = optimizer_state_per_expert(optimizer, model)
-    per_expert_params = len(list(model.parameters())) + L * (3 * E - 2)  # each layer's 2 stacks as 3E tensors
-    assert sum(len(g["params"]) for g in legacy["param_groups"]) == per_expert_params
-    shapes = sorted({tuple(st["exp_avg"].shape) for st in legacy["state"].values() if st["exp_avg"].dim() == 2})
-    assert (F, D) in shapes and (D, F) in shapes and not any(st["exp_avg"].dim() == 3 for st in legacy["state"].values())
-    got = converted({"model": model.state_dict(), "optimizer": legacy, "config": model.config.to_dict()}, model,
-                    optimizer)
-    assert set(got["model"]) == set(want["model"]) and all(torch.equal(got["model"][k], v)
-                                                          for k, v in want["model"].items())
-    assert got["optimizer"]["param_groups"] == want["optimizer"]["param_groups"]
-    for name, state in want["optimizer"]["state"].items():
-        assert all(torch.equal(v, got["optimizer"]["state"][name][k]) for k, v in state.items()), name
 
 
 def test_experts_load_and_pickle_edge_cases():
     """Per-expert loading: a misshapen entry is a size-mismatch error naming its key (a wrong gate / up
     split too) whose slot keeps its weights while the entries that fit load, absent experts are reported missing by their own keys while
     the rest load (strict=False), entries of mixed dtypes load exactly;
-    a model on the grouped experts engine pickles; a stack frozen in half round-trips its optimizer state."""
+    a model on the grouped experts engine pickles."""
     import io
 
     from train.engines import engines_for
-    from testlib import optimizer_state_per_expert
-    from train.legacy_checkpoint import optimizer_state_stacked
     layer = MOEFeedForward(MiniMindConfig(hidden_size=32, num_experts=4, num_experts_per_tok=2,
                                           moe_intermediate_size=16))
     state = dict(layer.state_dict())
@@ -157,16 +140,6 @@ def test_experts_load_and_pickle_edge_cases():
     config = MiniMindConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                             num_key_value_heads=1, num_experts=4, moe_intermediate_size=16, moe_impl="fused")
     torch.save(MiniMindForCausalLM(config, engines_for(config, "cpu", torch.float32, compiled=True)), io.BytesIO())
-    model = tiny(moe_impl="fused")
-    for p in [model.model.layers[0].mlp.experts.down_proj]:
-        p.requires_grad_(False)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    model(torch.randint(0, 97, (2, 8)), labels=torch.randint(0, 97, (2, 8))).loss.backward()
-    optimizer.step()
-    fresh = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    fresh.load_state_dict(optimizer_state_stacked(optimizer_state_per_expert(optimizer, model), fresh, model))
-    for i, st in optimizer.state_dict()["state"].items():
-        assert all(torch.equal(v, fresh.state_dict()["state"][i][k]) for k, v in st.items()), i
 
 
 def forward_allocations(layer, x):
@@ -560,7 +533,7 @@ def test_empty_inputs_refused_or_kept_in_the_graph():
 
 TESTS = [test_config_errors_name_the_field, test_config_defaults_and_roundtrip,
          test_readme_states_the_main_jobs_parameter_counts, test_checkpoint_roundtrip,
-         test_no_expert_weight_copy_per_forward, test_checkpoint_layout_and_the_per_expert_one_converted,
+         test_no_expert_weight_copy_per_forward, test_checkpoint_layout,
          test_experts_load_and_pickle_edge_cases,
          test_forward_loss_and_aux, test_chunked_lm_loss_is_the_torch_loss, test_tied_and_untied_embeddings, test_causal, test_kv_cache_matches_full_forward,
          test_generate_cache_equals_no_cache, test_generate_stops_at_eos_and_max_len, test_generate_at_the_edges, test_overfit_one_batch,

@@ -214,20 +214,34 @@ def _damaged_checkpoints(src):
         paths[case] = os.path.join(folder, case.replace(" ", "_").replace("%", "") + ".pt")
         open(paths[case], "wb").write(content)
     no_checksum = {k: v for k, v in good.items() if k != CHECKSUM_KEY}
+    per_expert = {**good, "model": per_expert_weights(good)}
+    old_checksum = {**no_checksum, "checksum": "0" * 64}  # (the key of the tensors-only SHA-256 once written)
     for case, obj in (("pickled int", 7), ("missing tensor", missing), ("wrong shape", wrong_shape),
-                      ("invalid config", bad_config), ("no checksum", no_checksum)):
-        if isinstance(obj, dict) and obj is not no_checksum:
+                      ("invalid config", bad_config), ("no checksum", no_checksum), ("per-expert weights", per_expert),
+                      ("old checksum", old_checksum)):
+        if isinstance(obj, dict) and obj is not no_checksum and obj is not old_checksum:
             obj[CHECKSUM_KEY] = checksum(obj)  # as if written so: the structure is what is wrong
         paths[case] = os.path.join(folder, case.replace(" ", "_") + ".pt")
         atomic_torch_save(obj, paths[case])
     return paths
 
 
+def per_expert_weights(ckpt):
+    """A checkpoint's weights under the per-expert names train/ saved until commit bac3f7d (the module's own
+    state_dict keys)."""
+    from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+    model = MiniMindForCausalLM(MiniMindConfig.from_dict(ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
 def test_every_malformed_checkpoint_is_a_one_line_error():
-    """10 kinds of damage: load_checkpoint raises ValueError naming the file for each; the structural ones
-    also give one line and exit 2 from the entry points that read a checkpoint (each through the same
-    check_weights_fit_config): a wrong shape from --resume and generate.py, an invalid config from
-    --init_from and export_hf.py."""
+    """12 kinds of damage: load_checkpoint raises ValueError naming the file for each, a checkpoint of the
+    format before the stacked expert names (per-expert weights, or the older tensors-only checksum) naming
+    the commit that wrote it last; the structural ones also give one line and exit 2 from the entry points
+    that read a checkpoint (each through the same check_weights_fit_config): a wrong shape from --resume and
+    generate.py, an invalid config from --init_from and export_hf.py, per-expert weights from --resume and
+    export_hf.py."""
     out = os.path.join(_TMP, "matrix")
     assert cli(*TINY, "--data_path", data_file(), "--max_steps", "2", "--out_dir", out).returncode == 0
     paths = _damaged_checkpoints(os.path.join(out, "ckpt.pt"))
@@ -236,15 +250,33 @@ def test_every_malformed_checkpoint_is_a_one_line_error():
             load_checkpoint(path)
         except ValueError as e:
             assert os.path.basename(path) in str(e) and "\n" not in str(e), (case, e)
+            assert ("e10cf75" in str(e)) == (case in ("per-expert weights", "old checksum")), (case, e)
         else:
             raise AssertionError(f"{case}: loaded")
-    for case in ("wrong shape", "invalid config"):
+    import torch.distributed.checkpoint as dcp
+    from train.checkpoint import CHECKSUM_KEY, _file_sha256, atomic_torch_save, checksum
+    good = load_checkpoint(os.path.join(out, "ckpt.pt"))
+    sharded = os.path.join(_TMP, "matrix_sharded")  # a sharded checkpoint under the per-expert names
+    dcp.save({"model": per_expert_weights(good)}, checkpoint_id=sharded, no_dist=True)
+    state = {"config": good["config"], "files": {n: _file_sha256(os.path.join(sharded, n)) for n in os.listdir(sharded)}}
+    state[CHECKSUM_KEY] = checksum(state)
+    atomic_torch_save(state, os.path.join(sharded, "state.pt"))
+    try:
+        load_checkpoint(sharded, weights=False)
+    except ValueError as e:
+        assert sharded in str(e) and "e10cf75" in str(e) and "\n" not in str(e), e
+    else:
+        raise AssertionError("a per-expert sharded checkpoint loaded")
+    for case in ("wrong shape", "invalid config", "per-expert weights"):
         run_dir = os.path.join(_TMP, "matrix_" + case.replace(" ", "_"))
         os.makedirs(run_dir, exist_ok=True)
         os.replace(paths[case], os.path.join(run_dir, "ckpt.pt"))
         entry_points = ((["--resume", "--out_dir", run_dir], "train/pretrain.py"),
                         (["--ckpt", run_dir, "--tokenizer", os.path.join(out, "tokenizer"), "--prompt", "the"],
                          "scripts/generate.py")) if case == "wrong shape" else (
+                       (["--resume", "--out_dir", run_dir], "train/pretrain.py"),
+                       (["--ckpt", run_dir, "--tokenizer", os.path.join(out, "tokenizer"),
+                         "--out", run_dir + "_export"], "scripts/export_hf.py")) if case == "per-expert weights" else (
                        ([*TINY, "--init_from", run_dir, "--tokenizer", os.path.join(out, "tokenizer"),
                          "--out_dir", run_dir + "_init"], "train/pretrain.py"),
                        (["--ckpt", run_dir, "--tokenizer", os.path.join(out, "tokenizer"),

@@ -175,7 +175,7 @@ def _grads_after(model, micro_batches, n_global, world=1, grad_accum=None):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _close(a, b, rel=1e-6):
+def _close(a, b, rel=2e-6):
     for k in a:
         scale = b[k].abs().max().clamp(min=1e-12)
         assert (a[k] - b[k]).abs().max() <= rel * scale, (k, float((a[k] - b[k]).abs().max() / scale))
@@ -183,8 +183,10 @@ def _close(a, b, rel=1e-6):
 
 def test_accumulation_is_a_token_mean():
     """Micro-batches with 11 and 101 supervised tokens, accumulated, give the gradient of one batch holding
-    both (a mean over the 112 tokens, not a mean of the two means), 1e-6 relative; the plain model and the
-    trainer's (built with its CPU engines)."""
+    both (a mean over the 112 tokens, not a mean of the two means), 2e-6 of each gradient's largest entry
+    (fp32 reassociation: two partial sums added where one batch sums at once; 1.1e-6 measured on q_norm's
+    weight, whose gradient sums over every position and head); the plain model and the trainer's (built
+    with its CPU engines)."""
     a, b = _batch(11, 0), _batch(101, 1)
     both = (torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]))
     for cpu_engines in (False, True):
@@ -199,8 +201,8 @@ def _ddp_rank(rank, world):
 
 
 def test_two_rank_ddp_is_the_same_token_mean():
-    """The same two micro-batches on two DDP ranks (gloo) give the one-batch gradient, 1e-6 relative (the
-    trainer's model: built with its CPU engines)."""
+    """The same two micro-batches on two DDP ranks (gloo) give the one-batch gradient, 2e-6 relative as
+    above (the trainer's model: built with its CPU engines)."""
     a, b = _batch(11, 0), _batch(101, 1)
     want = _grads_after(_model(cpu_engines=True), [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]))], 112)
     got = spawn_ranks(_ddp_rank, 2)

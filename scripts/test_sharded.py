@@ -275,59 +275,6 @@ def test_copied_run_folders_resume():
             assert max(losses(out)) == 3, (follow, world)
 
 
-def write_legacy_sharded(folder):
-    """Rewrite a sharded checkpoint's folder in the layout before the stacked expert names: DCP entries under
-    per-expert names (`experts.{e}.{gate,up,down}_proj.weight`), the optimizer as {parameter name: {step,
-    exp_avg, exp_avg_sq}} under the same names, its hyperparameters as state.pt's "optimizer_groups"."""
-    import torch.distributed.checkpoint as dcp
-    from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-    from model.moe import stacked_names
-    from train.checkpoint import CHECKSUM_KEY, _file_sha256, atomic_torch_save, checksum, read_sharded_state
-    from train.legacy_checkpoint import _read_whole
-    state, whole = read_sharded_state(folder), _read_whole(folder)
-    config = MiniMindConfig.from_dict(state["config"])
-
-    def per_expert(stacked):  # {stacked name: tensor} -> {per-expert name: tensor}
-        holder = MiniMindForCausalLM(config)
-        with stacked_names():
-            holder.load_state_dict(stacked, strict=False)
-        return {k: v.clone() for k, v in holder.state_dict().items()}
-    saved = whole["optimizer"]["state"]
-    moments = {m: per_expert({k: v[m] for k, v in saved.items()}) for m in ("exp_avg", "exp_avg_sq")}
-    step = next(iter(saved.values()))["step"]
-    optimizer = {n: {"step": step, **{m: moments[m][n] for m in moments}} for n in moments["exp_avg"]}
-    for name in os.listdir(folder):
-        os.remove(os.path.join(folder, name))
-    dcp.save({"model": per_expert(whole["model"]), "optimizer": optimizer}, checkpoint_id=folder, no_dist=True)
-    state = {k: v for k, v in state.items() if k not in ("files", CHECKSUM_KEY)}
-    state["optimizer_groups"] = [{k: v for k, v in g.items() if k != "params"}
-                                 for g in whole["optimizer"]["param_groups"]]
-    state["files"] = {n: _file_sha256(os.path.join(folder, n)) for n in sorted(os.listdir(folder))}
-    state[CHECKSUM_KEY] = checksum(state)
-    atomic_torch_save(state, os.path.join(folder, "state.pt"))
-
-
-def test_legacy_sharded_checkpoint_resumes_to_the_bit():
-    """A sharded checkpoint in the layout before the stacked expert names (`write_legacy_sharded`) resumes
-    in one process and on 2 ranks (EP 2) and saves again (train/legacy_checkpoint.py converts it): every
-    tensor of the model and the optimizer, the data position, the RNG state equal to the bit to the same
-    checkpoint in today's layout."""
-    from train.checkpoint import is_legacy, load_checkpoint
-    src = _sharded_run("legacy_src")
-    want = everything(src)
-    for world in (1, 2):
-        out = os.path.join(_TMP, f"legacy_{world}")
-        shutil.copytree(src, out, symlinks=True)
-        write_legacy_sharded(os.path.realpath(os.path.join(out, "ckpt")))
-        assert is_legacy(load_checkpoint(out, weights=False))
-        argv = ["--resume", "--out_dir", out, "--no_progress"] + layout(world, world)
-        if world == 1:
-            resave_worker(0, 1, argv)
-        else:
-            spawn_ranks(resave_worker, world, argv, init_group=False)
-        assert_identical(want, everything(out), f"legacy at {world} rank(s)")
-
-
 def kill_worker(rank, world, argv, victim, where):
     """Train with `argv`; rank `victim` dies by SIGKILL `where`: at the second checkpoint "writing" (its
     shards written, before they are hashed and the others finish) or "publishing" (rank 0 with state.pt
@@ -563,7 +510,7 @@ def test_two_nodes():
 
 
 TESTS = [test_rank_holds_only_its_experts, test_resume_across_layouts, test_resume_same_layout_is_bitwise,
-         test_resharding_keeps_every_bit, test_legacy_sharded_checkpoint_resumes_to_the_bit, test_fsdp_matches_one_process, test_damaged_shard_is_one_error_line,
+         test_resharding_keeps_every_bit, test_fsdp_matches_one_process, test_damaged_shard_is_one_error_line,
          test_copied_run_folders_resume, test_kill_keeps_the_previous_checkpoint_and_the_run_continues_bitwise,
          test_disk_full_at_a_sharded_save_is_one_error_line,
          test_tools_read_a_sharded_run, test_chat_eval_sft_and_torchtitan_export_read_a_sharded_run,

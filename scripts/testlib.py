@@ -89,42 +89,6 @@ def tiny_run():
     return folder
 
 
-def optimizer_state_per_expert(optimizer, model):
-    """optimizer.state_dict() with each stacked expert tensor's state as per-expert entries (views), listed by
-    position: the layout of checkpoints before the stacked expert names (train/legacy_checkpoint.py)."""
-    import torch
-    from train.legacy_checkpoint import _per_expert_slots
-    saved, params = optimizer.state_dict(), [p for g in optimizer.param_groups for p in g["params"]]
-    slots = _per_expert_slots(model, params)
-    state = {n: {k: v[where] if torch.is_tensor(v) and v.dim() else v for k, v in saved["state"][i].items()}
-             for n, (i, where) in enumerate(slots) if i in saved["state"]}
-    group_of = [j for j, g in enumerate(saved["param_groups"]) for _ in g["params"]]  # group of each parameter
-    groups = [{**g, "params": [n for n, (i, _) in enumerate(slots) if group_of[i] == j]}
-              for j, g in enumerate(saved["param_groups"])]
-    return {"state": state, "param_groups": groups}
-
-
-def write_legacy_checkpoint(path):
-    """Rewrite the ckpt.pt at `path` in the layout of checkpoints before the stacked expert names: per-expert
-    weight keys, the optimizer state listed by position per expert (`optimizer_state_per_expert`)."""
-    import argparse
-
-    from model.moe import stacked_names
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-    from train.checkpoint import CHECKSUM_KEY, atomic_torch_save, checksum, load_checkpoint, model_from_checkpoint
-    from train.loop import make_optimizer
-    ckpt = load_checkpoint(path)
-    model = model_from_checkpoint(ckpt)
-    args = argparse.Namespace(learning_rate=ckpt["args"]["learning_rate"], weight_decay=ckpt["args"]["weight_decay"])
-    optimizer = make_optimizer(model, args)
-    with stacked_names():
-        set_optimizer_state_dict(model, optimizer, ckpt["optimizer"])
-    ckpt["model"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ckpt["optimizer"] = optimizer_state_per_expert(optimizer, model)
-    ckpt[CHECKSUM_KEY] = checksum(ckpt)
-    atomic_torch_save(ckpt, path)
-
-
 def run_script(script, *argv, cwd=None):
     """`python <ROOT>/<script> *argv` run inside this process (runpy, as `__main__`): a CompletedProcess with
     the exit code (a SystemExit's, 0 when the script returns, 1 and the traceback in stderr for an uncaught
@@ -158,7 +122,8 @@ def run_script(script, *argv, cwd=None):
         if cwd is not None:
             os.chdir(cwd)
         for h, stream in saved_streams.items():
-            h.stream = err if stream in (sys.stderr, sys.__stderr__) else out if stream in (sys.stdout, sys.__stdout__) else stream
+            h.stream = (err if stream in (sys.stderr, sys.__stderr__)
+                        else out if stream in (sys.stdout, sys.__stdout__) else stream)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
             try:
                 runpy.run_path(path, run_name="__main__")

@@ -26,13 +26,14 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from data.atomic import atomic_file
 from model.moe import stacked_names
-from train import legacy_checkpoint
 from train.distributed import PeerFailed
 from train.run_dir import (CKPT_NAME, SHARDED_NAME, SHARDED_STATE, checkpoint_in, is_sharded, publish_sharded,
                            remove_sharded)
 
-PER_EXPERT_KEY = re.compile(r"\.experts\.\d+\.")  # a checkpoint from before the stacked names
-CHECKSUM_KEY, LEGACY_CHECKSUM_KEY = "sha256", "checksum"
+PER_EXPERT_KEY = re.compile(r"\.experts\.\d+\.")  # a training checkpoint from before the stacked names
+CHECKSUM_KEY = "sha256"
+LEGACY = ("a checkpoint from before the stacked expert names (one tensor per expert, written by train/ before "
+          "commit bac3f7d); commit e10cf75 is the last that reads it: resume or export it there, or retrain")
 
 
 def atomic_torch_save(obj, path):
@@ -79,14 +80,11 @@ def save_run(out_dir, model, optimizer, extra, ctx, sharded):
 def load_into(ckpt, model, optimizer, ctx):
     """Fill the live `model` and `optimizer` in place from a checkpoint (`load_checkpoint`'s dict), whatever
     the layouts (one process, DDP, EP, FSDP; every rank calls it): a sharded one read by each rank for what
-    it holds (DCP reshards), a ckpt.pt set from rank 0's whole state (broadcast, each rank keeping its part).
-    Checkpoints from before the stacked expert names are converted (train/legacy_checkpoint.py)."""
+    it holds (DCP reshards), a ckpt.pt set from rank 0's whole state (broadcast, each rank keeping its part)."""
     whole = StateDictOptions(full_state_dict=True, broadcast_from_rank0=ctx.distributed)
     if "folder" in ckpt:
         verify_shards(ckpt["folder"], ckpt["files"], ctx.rank, ctx.world_size, ctx.cpu_group)
-    if is_legacy(ckpt):
-        state, options = legacy_checkpoint.converted(ckpt, model, optimizer), whole
-    elif "folder" in ckpt:
+    if "folder" in ckpt:
         state, options = {"model": model_state(model), "optimizer": optimizer_state(model, optimizer)}, None
         _dcp_load(state, ckpt["folder"], ctx.distributed)
     else:
@@ -96,11 +94,11 @@ def load_into(ckpt, model, optimizer, ctx):
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
 
 
-def is_legacy(ckpt):
-    """Whether a checkpoint (`load_checkpoint`'s dict) predates the stacked expert names: its experts saved
-    one tensor per expert and projection, its optimizer state listed by position."""
-    keys = _saved_tensors(ckpt["folder"]) if "folder" in ckpt else ckpt["model"]
-    return any(PER_EXPERT_KEY.search(key) for key in keys)
+def refuse_legacy(saved_keys, path):
+    """Raise ValueError (one line, naming `path`) when a training checkpoint's weight keys are per expert
+    (`LEGACY`); exports and HF imports may be (the model loads both layouts), checkpoints may not."""
+    if any(PER_EXPERT_KEY.search(key) for key in saved_keys):
+        raise ValueError(f"{path}: {LEGACY}")
 
 
 def _leaves(obj, prefix=""):
@@ -118,17 +116,16 @@ def _leaves(obj, prefix=""):
         yield prefix, obj
 
 
-def checksum(state, tensors_only=False):
+def checksum(state):
     """SHA-256 (hex) over everything in the dict `state` except its own CHECKSUM_KEY: each tensor's name, dtype,
-    shape and bytes, each other value's name, type and repr (with `tensors_only`, the tensors alone: what
-    checkpoints written before the whole was covered carry as "checksum")."""
+    shape and bytes, each other value's name, type and repr."""
     h = hashlib.sha256()
-    for name, v in _leaves({k: v for k, v in state.items() if k not in (CHECKSUM_KEY, LEGACY_CHECKSUM_KEY)}):
+    for name, v in _leaves({k: v for k, v in state.items() if k != CHECKSUM_KEY}):
         if isinstance(v, torch.Tensor):
             t = v.detach().cpu().contiguous()
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif not tensors_only:
+        else:
             h.update(f"{name}|{type(v).__name__}|{v!r}|".encode())
     return h.hexdigest()
 
@@ -136,14 +133,12 @@ def checksum(state, tensors_only=False):
 def verify(ckpt, path):
     """Raise ValueError (one line, naming the file) unless the checkpoint carries a SHA-256 that matches its
     contents."""
-    if CHECKSUM_KEY in ckpt:
-        ok = checksum(ckpt) == ckpt[CHECKSUM_KEY]
-    elif LEGACY_CHECKSUM_KEY in ckpt:
-        ok = checksum(ckpt, tensors_only=True) == ckpt[LEGACY_CHECKSUM_KEY]
-    else:
+    if CHECKSUM_KEY not in ckpt:
+        if "checksum" in ckpt:  # (the tensors-only SHA-256 of checkpoints older still)
+            raise ValueError(f"{path}: {LEGACY}")
         raise ValueError(f"{path}: the checkpoint carries no checksum (not written by train/, or damaged); use "
                          f"another checkpoint")
-    if not ok:
+    if checksum(ckpt) != ckpt[CHECKSUM_KEY]:
         raise ValueError(f"{path}: checksum mismatch: the file is damaged (its contents changed after it was "
                          f"written); use another checkpoint")
 
@@ -171,6 +166,7 @@ def load_checkpoint(path, weights=True):
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {sorted(missing)}")
     verify(ckpt, path)
+    refuse_legacy(ckpt["model"], path)
     check_weights_fit_config(ckpt, path)
     return ckpt
 
@@ -216,7 +212,7 @@ def check_weights_fit_config(ckpt, path):
             want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         per_expert = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     have = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in ckpt["model"].items()}
-    if set(have) & (set(per_expert) - set(want)):  # (a checkpoint from before the stacked names)
+    if set(have) & (set(per_expert) - set(want)):  # (per-expert weights: an HF import of that layout)
         want = per_expert
     problems = ([f"missing {k}" for k in want if k not in have] + [f"unexpected {k}" for k in have if k not in want]
                 + [f"{k} is {have[k]}, the config needs {want[k]}" for k in want if k in have and have[k] != want[k]])
@@ -264,8 +260,9 @@ def _gather_from_ranks(value, rank, world, group):
 def save_sharded(out_dir, model, optimizer, extra, ctx):
     """Write the sharded checkpoint of a run (every rank calls it): `model_state` and `optimizer_state` by
     DCP into a temp folder, each rank hashing its share of the files, rank 0 adding state.pt (`extra`, the
-    config, the hashes) and publishing it (`_publish`). A crash before the publish leaves the
-    previous checkpoint in place (the temp folder is swept by the next save or run). (`publish_sharded`: train/run_dir.py)"""
+    config, the hashes) and publishing it (`_publish`). A crash before the publish leaves the previous
+    checkpoint in place (the temp folder is swept by the next save or run). (`publish_sharded`:
+    train/run_dir.py)"""
     folder = [tempfile.mkdtemp(dir=out_dir, prefix=f".{SHARDED_NAME}.tmp") if ctx.is_main else None]
     dist.broadcast_object_list(folder, src=0, group=ctx.cpu_group)
     folder = folder[0]
@@ -275,7 +272,8 @@ def save_sharded(out_dir, model, optimizer, extra, ctx):
         raise _write_failed(e, out_dir, folder, extra.get("step", 0), ctx) from None
     names = sorted(os.listdir(folder))  # (DCP returns after its metadata is written: every rank sees all files)
     mine = {n: _file_sha256(os.path.join(folder, n)) for n in names[ctx.rank::ctx.world_size]}
-    files = {n: h for part in _gather_from_ranks(mine, ctx.rank, ctx.world_size, ctx.cpu_group) for n, h in part.items()}
+    files = {n: h for part in _gather_from_ranks(mine, ctx.rank, ctx.world_size, ctx.cpu_group)
+             for n, h in part.items()}
     if not ctx.is_main:
         return
     state = {**extra, "config": model.config.to_dict(), "files": files}
@@ -342,6 +340,7 @@ def load_sharded(folder, weights=True):
     state = read_sharded_state(folder)
     verify_shards(folder, {n: h for n, h in state["files"].items() if n == ".metadata"})  # (read here: checked first)
     saved = {k[len("model."):]: v for k, v in _saved_tensors(folder).items() if k.startswith("model.")}
+    refuse_legacy(saved, folder)
     state["model"] = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (shape, dtype) in saved.items()}
     check_weights_fit_config(state, folder)
     if weights:

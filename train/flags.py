@@ -33,8 +33,8 @@ UNLIMITED_STEPS = 10**12  # --max_steps of a run given --time_budget_s on its co
 # The flags' own ranges; a flag named like a MiniMindConfig field is checked against the field's range
 # (model/config.py: FIELD_RANGES) except --vocab_size, which sizes the tokenizer a run trains.
 RANGES = {
-    **dict.fromkeys(("max_steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_tokens", "save_interval",
-                     "log_interval", "ep_size", "tokenizer_sample_mb"), AT_LEAST_1),
+    **dict.fromkeys(("max_steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_tokens",
+                     "save_interval", "log_interval", "ep_size", "tokenizer_sample_mb"), AT_LEAST_1),
     **dict.fromkeys(("warmup_steps", "weight_decay", "grad_clip", "stop_after", "sample_tokens", "time_budget_s",
                      "data_workers"), AT_LEAST_0),
     "learning_rate": POSITIVE,
@@ -157,14 +157,16 @@ def add_model_flags(parser):
            "masked loop, 1 host sync per layer; the layer's default)", choices=("sorted", "fused"))
     _field(group, "moe_expert_alignment", "pad each expert's rows to a multiple of this")
     _field(group, "router_aux_loss_coef", "load-balancing loss weight")
-    _field(group, "router_aux_loss_type", "balance loss (model/router.py)", choices=("minimind", "switch", "sequence", "none"))
+    _field(group, "router_aux_loss_type", "balance loss (model/router.py)",
+           choices=("minimind", "switch", "sequence", "none"))
     _field(group, "router_z_loss_coef", "router z-loss weight (ST-MoE; 0 = off)")
     _field(group, "router_dtype", "float32: router logits/softmax/top-k in fp32 under autocast", choices=("float32",))
 
 
 def add_train_flags(parser, default_out_dir):
     group = parser.add_argument_group("optimisation")
-    group.add_argument("--max_steps", type=int, default=1300, help="optimizer steps (with --time_budget_s an upper bound)")
+    group.add_argument("--max_steps", type=int, default=1300,
+                       help="optimizer steps (with --time_budget_s an upper bound)")
     group.add_argument("--batch_size", type=int, default=16, help="sequences per micro-batch and rank")
     group.add_argument("--seq_len", type=int, default=128, help="tokens per sequence")
     group.add_argument("--grad_accum", type=int, default=1, help="micro-batches per optimizer step")
@@ -181,8 +183,8 @@ def add_train_flags(parser, default_out_dir):
     group.add_argument("--out_dir", default=default_out_dir, help="where checkpoint, tokenizer and plots go")
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     group.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                       help="autocast dtype; auto = bfloat16 on CUDA, and on a CPU where bf16 trains faster than fp32 (AMX; "
-                       "AVX512-BF16 on AMD), else float32; a resume keeps the run's")
+                       help="autocast dtype; auto = bfloat16 on CUDA, and on a CPU where bf16 trains faster than "
+                       "fp32 (AMX; AVX512-BF16 on AMD), else float32; a resume keeps the run's")
     group.add_argument("--threads", default="auto", help="CPU threads, fixed for the run (train/threads.py): auto = "
                        "OMP_NUM_THREADS or the cores torch may use; a resume keeps the run's count")
     group.add_argument("--eval_interval", type=int, default=250, help="steps between validation runs")
@@ -195,8 +197,9 @@ def add_train_flags(parser, default_out_dir):
     group.add_argument("--overwrite", action="store_true", help="start a new run in an --out_dir that holds one")
     group.add_argument("--init_from", default=None, help="start from these weights (a run dir / checkpoint, or an HF "
                        "folder from export_hf.py); architecture and tokenizer from there, optimizer and step fresh")
-    group.add_argument("--upcycle_from", default=None, help="start an MoE from a dense run's weights (sparse upcycling): "
-                       "trunk and tokenizer from there, each FFN cut into the experts the MoE flags describe")
+    group.add_argument("--upcycle_from", default=None, help="start an MoE from a dense run's weights (sparse "
+                       "upcycling): trunk and tokenizer from there, each FFN cut into the experts the MoE flags "
+                       "describe")
     group.add_argument("--ep_size", type=int, default=1, help="expert-parallel group size (divides the world size and "
                        "num_experts); launch with torchrun --nproc_per_node N")
     group.add_argument("--fsdp", action="store_true", help="shard the dense parameters, grads and optimizer state "
@@ -240,7 +243,8 @@ def parse_args(stage, argv=None):
         args = _merge_resume(parser, stage, args, argv)
     elif args.time_budget_s and given(argv, "time_budget_s") and not given(argv, "max_steps"):
         args.max_steps = UNLIMITED_STEPS  # the budget plans the run (a resume keeps the checkpoint's value)
-    trains_tokenizer = getattr(args, "tokenizer", None) is None and not (args.resume or args.init_from or args.upcycle_from)
+    trains_tokenizer = (getattr(args, "tokenizer", None) is None
+                        and not (args.resume or args.init_from or args.upcycle_from))
     check_ranges(parser, args, {k: r for k, r in ALL_RANGES.items() if k != "vocab_size" or trains_tokenizer})
     if args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         parser.error("--fsdp shards over the ranks of a torchrun launch; this is one process (drop --fsdp)")
@@ -278,9 +282,11 @@ def _merge_resume(parser, stage, args, argv):
     parser.set_defaults(**{k: v for k, v in saved.items() if k not in PER_INVOCATION and k != "stage"})
     args = parser.parse_args(argv)
     args.resume = path
-    changed = [f"--{k}" for k in architecture_fields() if k in saved and k != "vocab_size" and getattr(args, k) != saved[k]]
+    changed = [f"--{k}" for k in architecture_fields()
+               if k in saved and k != "vocab_size" and getattr(args, k) != saved[k]]
     if changed:
-        print(f"warning: {', '.join(changed)} ignored on resume: the architecture comes from the checkpoint", file=sys.stderr)
+        print(f"warning: {', '.join(changed)} ignored on resume: the architecture comes from the checkpoint",
+              file=sys.stderr)
     if given(argv, "threads") and saved.get("threads", "auto") not in ("auto", args.threads):
         print(f"note: --threads {args.threads} instead of the run's {saved['threads']}: from here the steps round "
               f"differently from an uninterrupted run's", file=sys.stderr)
@@ -298,7 +304,8 @@ def _merge_resume(parser, stage, args, argv):
         global_batch = saved["batch_size"] * saved_world
         if given(argv, "batch_size"):
             if args.batch_size * world != global_batch:
-                print(f"note: the global batch changes from {global_batch} to {args.batch_size * world}", file=sys.stderr)
+                print(f"note: the global batch changes from {global_batch} to {args.batch_size * world}",
+                      file=sys.stderr)
         elif global_batch % world:
             parser.error(f"the checkpoint's global batch of {global_batch} ({saved_world} ranks x "
                          f"{saved['batch_size']}) does not divide over {world} ranks; pass --batch_size")
@@ -353,7 +360,8 @@ def build_config(args, base=None, vocab_size=None):
     if args.seq_len > config.max_position_embeddings:
         raise ValueError(f"--seq_len {args.seq_len} exceeds --max_position_embeddings {config.max_position_embeddings}")
     if args.ep_size > 1 and not config.use_moe:
-        raise ValueError(f"--ep_size {args.ep_size} needs an MoE model (--use_moe 1): a dense model has no experts to shard")
+        raise ValueError(f"--ep_size {args.ep_size} needs an MoE model (--use_moe 1): "
+                         "a dense model has no experts to shard")
     if args.ep_size > 1 and config.num_experts % args.ep_size:
         raise ValueError(f"--ep_size {args.ep_size} must divide --num_experts {config.num_experts}")
     return config

@@ -64,8 +64,6 @@ def load_hf_checked(hf_dir):
         state = from_hf_state_dict(hf_state, config)
     except KeyError as e:  # the tied embedding is missing
         raise ValueError(f"{where}: the weights do not fit the config: missing {e.args[0]}") from None
-    except (IndexError, RuntimeError) as e:  # a fused expert tensor of the wrong rank
-        raise ValueError(f"{where}: the weights do not fit the config ({type(e).__name__}: {one_line(e)})") from None
     ckpt = {"config": config.to_dict(), "model": {k: v.float() for k, v in state.items()}}
     check_weights_fit_config(ckpt, where)
     return model_from_checkpoint(ckpt)

@@ -59,14 +59,16 @@ def weights_source(args):
                 if os.path.exists(os.path.join(cand, "tokenizer.json"))), None) if source_dir else None
     if args.tokenizer is not None or source_dir is None:
         if init_model is not None and own is not None and tokens_of(own) != tokens_of(args.tokenizer):
-            print(f"warning: --tokenizer {args.tokenizer} is not the tokenizer of {args.init_from or args.upcycle_from} "
+            print(f"warning: --tokenizer {args.tokenizer} is not the tokenizer of "
+                  f"{args.init_from or args.upcycle_from} "
                   f"({own}): the same ids stand for other text, so its trained embeddings start out wrong",
                   file=sys.stderr)
         return init_model, args.tokenizer
     if own is not None:
         return init_model, own
     if init_model is not None:  # a fresh tokenizer would not match the trained embeddings
-        raise ValueError(f"{args.init_from or args.upcycle_from}: no tokenizer next to the weights; pass --tokenizer DIR")
+        raise ValueError(f"{args.init_from or args.upcycle_from}: no tokenizer next to the weights; "
+                         "pass --tokenizer DIR")
     return init_model, None
 
 
@@ -101,7 +103,8 @@ def upcycle(model, dense, seed=0):
             gate.copy_(ffn.gate_proj.weight[rows])
             up.copy_(ffn.up_proj.weight[rows])
             down.copy_(ffn.down_proj.weight[:, rows] * (G / config.routed_scaling_factor))
-        copies = torch.randn(config.num_experts // G, config.hidden_size, generator=generator) * config.initializer_range
+        copies = (torch.randn(config.num_experts // G, config.hidden_size, generator=generator)
+                  * config.initializer_range)
         moe.gate.weight.copy_(copies.repeat_interleave(G, dim=0))
         if moe.shared_experts is not None:
             moe.shared_experts.down_proj.weight.zero_()

@@ -39,9 +39,9 @@ from train.checkpoint import load_checkpoint, load_into, save_run
 from train.init_weights import upcycle, upcycled_base, weights_source
 from train.distributed import (PeerFailed, check_same_on_all_ranks, clip_grad_norm_sharded, init_distributed,
                                main_rank_first, no_grad_sync, shutdown)
-from train.parallel import build_on_meta, ep_dispatchers, install as install_ep, moe_layers, shard
-from train.report import (LoadTelemetry, MetricsLog, Progress, describe_model, load_summary, open_wandb, plot_expert_load,
-                          plot_loss_curve)
+from train.parallel import build_model, ep_dispatchers, install as install_ep, moe_layers, shard
+from train.report import (LoadTelemetry, MetricsLog, Progress, describe_model, load_summary, open_wandb,
+                          plot_expert_load, plot_loss_curve)
 from train.run_dir import abandon_run_dir, checkpoint_in, claim_run_dir, copy_tokenizer, run_dir_of
 from train.stage import Stage, StageData
 from train.threads import set_run_threads
@@ -146,7 +146,8 @@ def fit_budget(state, args, step_s, spread_s, log, announce=False):
         why = f"--max_steps {args.max_steps} fit --time_budget_s {args.time_budget_s:g}"
     else:
         why = f"what fits --time_budget_s {args.time_budget_s:g}" + (
-            f"; --time_budget_s 0 trains all --max_steps {args.max_steps}" if args.max_steps < flags.UNLIMITED_STEPS else "")
+            f"; --time_budget_s 0 trains all --max_steps {args.max_steps}"
+            if args.max_steps < flags.UNLIMITED_STEPS else "")
     head = f"re-plan: {old} -> " if moves and not announce else "plan: "
     log(f"{head}{state.plan.end} steps ({why}): about {left} more training at {step_s:.3f} s/step"
         + (f" (the warmup, --warmup_steps {args.warmup_steps}, is longer)"
@@ -293,7 +294,8 @@ def train(args, stage, log=print):
     """Run (or resume) the training job of `args` (`stage`'s parse_args); one process, or every rank of a
     torchrun launch (DDP, plus EP with --ep_size > 1). Returns a summary dict."""
     t_start = time.time()
-    device_type = args.device.split(":")[0] if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = (args.device.split(":")[0] if args.device != "auto"
+                   else ("cuda" if torch.cuda.is_available() else "cpu"))
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but CUDA is not available")
     ctx = init_distributed(args.ep_size, device_type, args.fsdp)
@@ -326,7 +328,7 @@ def setup(stage, args, ctx, device_type, log):
     """The Run and TrainState of `args` on this rank, with the step-0 evaluation of a new run done. Raises
     ValueError / DataError for bad input; a run that fails or is interrupted here in a folder it created leaves
     no folder behind."""
-    torch.manual_seed(args.seed)  # the same on every rank: identical initial weights everywhere
+    torch.manual_seed(args.seed)  # the same on every rank (dropout); the weights are drawn by key (build_model)
     device = f"cuda:{ctx.local_rank}" if device_type == "cuda" and args.device in ("auto", "cuda") else (
         args.device if device_type == "cuda" else "cpu")
     if device_type == "cuda":
@@ -360,13 +362,11 @@ def setup(stage, args, ctx, device_type, log):
             how = ("every parameter sharded over the ranks by FSDP2" if args.fsdp else
                    f"the experts sharded over the {ctx.world_size // ctx.ep_size} rank(s) holding them, the rest "
                    f"replicated (FSDP2)" if ctx.ep_size > 1 else "the parameters replicated by DDP")
-            log(f"distributed: world size {ctx.world_size} ({dist.get_backend()}), data parallel size {ctx.world_size}, "
-                f"expert parallel size {ctx.ep_size}{experts}; {how}")
+            log(f"distributed: world size {ctx.world_size} ({dist.get_backend()}), "
+                f"data parallel size {ctx.world_size}, expert parallel size {ctx.ep_size}{experts}; {how}")
         engines = engines_for(config, device, dtype, compiled=args.compile)
-        if ctx.ep_size > 1 and init_model is None:  # each rank builds its experts only, the same weights
-            model = build_on_meta(lambda: MiniMindForCausalLM(config, engines), ctx.ep_mesh)
-        else:
-            model = MiniMindForCausalLM(config, engines)
+        model = build_model(lambda: MiniMindForCausalLM(config, engines), device, args.seed,
+                            ctx.ep_mesh if ctx.ep_size > 1 and init_model is None else None)
         if init_model is not None and args.upcycle_from:
             upcycle(model, init_model, args.seed)
             log(f"upcycled the dense model {args.upcycle_from} into {config.num_experts} experts per layer")
@@ -374,9 +374,8 @@ def setup(stage, args, ctx, device_type, log):
             model.load_state_dict(init_model.state_dict(), strict=True)
             log(f"initialised weights from {args.init_from}")
         log(describe_model(model, config, device, dtype))
-        if ctx.ep_size > 1:  # (before the device: it never holds the other ranks' experts)
+        if ctx.ep_size > 1:  # (after loading whole weights: --init_from, --upcycle_from)
             install_ep(model, ctx.ep_mesh, config.num_experts)
-        model = model.to(device)
         train_model = wrap(model, args, ctx, device_type)
         optimizer = make_optimizer(model, args)
         # fp16 autocast needs loss scaling on CUDA; a disabled scaler is a no-op for fp32 / bf16
@@ -390,8 +389,9 @@ def setup(stage, args, ctx, device_type, log):
         metrics = MetricsLog(args.out_dir, ctx.is_main,
                              open_wandb(args, config, args.out_dir) if ctx.is_main else None,
                              resumed=(run_dir_of(args.resume), state.step) if ckpt else None)
-        run = Run(args=args, stage=stage, ctx=ctx, device=device, dtype=dtype, threads=threads, config=config, data=data,
-                  model=model, train_model=train_model, optimizer=optimizer, metrics=metrics, log=log, lock=lock)
+        run = Run(args=args, stage=stage, ctx=ctx, device=device, dtype=dtype, threads=threads, config=config,
+                  data=data, model=model, train_model=train_model, optimizer=optimizer, metrics=metrics, log=log,
+                  lock=lock)
         if state.step == 0:
             evaluate_and_record(run, state, None, first=True)
     except BaseException:  # (Ctrl-C included)
@@ -473,8 +473,9 @@ def wrap(model, args, ctx, device_type):
 
 def train_step(run, state):
     """One optimizer step: micro-steps with gradient accumulation (DDP / FSDP2 reduce the grads in the last
-    backward), clipping, the optimizer step, then the router's own step. Returns (lr, LM-loss part, router-loss part, grad norm, load [L, E] or None); the parts are
-    this rank's, detached: summed over ranks they give the global batch's losses."""
+    backward), clipping, the optimizer step, then the router's own step. Returns (lr, LM-loss part,
+    router-loss part, grad norm, load [L, E] or None); the parts are this rank's, detached: summed over
+    ranks they give the global batch's losses."""
     args, ctx = run.args, run.ctx
     lr = lr_at(state.step, state.plan, args.learning_rate, args.warmup_steps)
     for g in run.optimizer.param_groups:
@@ -708,7 +709,8 @@ def save(run, state, plots=True):
             f"the weights or optimizer state are not finite after step {state.step}; stopped without saving (the "
             f"last checkpoint in {run.args.out_dir} is untouched); lower --learning_rate, then --resume")
     out = run.args.out_dir
-    extra = {**state.state_dict(), "args": flags.flags_to_save(run.args, run.config, DTYPE_NAMES[run.dtype], run.threads),
+    extra = {**state.state_dict(),
+             "args": flags.flags_to_save(run.args, run.config, DTYPE_NAMES[run.dtype], run.threads),
              **run.data.identity, "world_size": run.ctx.world_size, "ep_size": run.ctx.ep_size}
     save_run(out, run.model, run.optimizer, extra, run.ctx, sharded(run.args, run.ctx))
     if not run.ctx.is_main:
@@ -716,7 +718,8 @@ def save(run, state, plots=True):
     atomic_write_text(os.path.join(out, "config.json"), run.config.to_json_string())
     if not plots:
         return
-    plot_loss_curve(run.metrics.records, os.path.join(out, "loss.png"), run.data.unigram_entropy, bits_per_byte(run, 1.0))
+    plot_loss_curve(run.metrics.records, os.path.join(out, "loss.png"), run.data.unigram_entropy,
+                    bits_per_byte(run, 1.0))
     if state.telemetry.total is not None:
         plot_expert_load(state.telemetry.run_fractions(), os.path.join(out, "expert_load.png"),
                          f"share of routed tokens per expert, steps {state.start_step + 1}-{state.step}")
@@ -749,7 +752,8 @@ def finish(run, state):
                "ep_bytes": [(d.bytes_sent, d.bytes_k_copies) for d in ep_dispatchers(run.model)]}
     run.log(f"final val loss {val:.4f}" + (f" ({bpb:.3f} bits/byte)" if bpb is not None else "")
             + (f" vs step-0 {first:.4f} ({change_in_percent(val, first)})" if first else "")
-            + (f"; unigram entropy of the validation tokens {unigram:.4f} ({'below' if val < unigram else 'NOT below'} it)"
+            + (f"; unigram entropy of the validation tokens {unigram:.4f} "
+               f"({'below' if val < unigram else 'NOT below'} it)"
                if unigram is not None else ""))
     run.log(f"checkpoint: {summary['checkpoint']}\nloss curve: {summary['loss_curve']}")
     if state.telemetry.total is not None:
@@ -797,5 +801,6 @@ def run_cli(stage, args, log=print):
         print(f"note: rank {os.environ.get('RANK', '?')} stops: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # in setup or the step-0 evaluation, or a second signal (the first saves and stops)
-        sys.stderr.write(f"\ninterrupted: nothing saved (the last checkpoint in {args.out_dir}, if any, is untouched)\n")
+        sys.stderr.write(f"\ninterrupted: nothing saved (the last checkpoint in {args.out_dir}, "
+                         "if any, is untouched)\n")
         sys.exit(130)

@@ -30,9 +30,9 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
-from torch.overrides import TorchFunctionMode
 
 from model.dispatch import RowLayout, sum_rows
+from model.model_minimind import init_weights
 from model.moe import MOEFeedForward
 from model.router import tokens_per_expert
 
@@ -142,8 +142,9 @@ def install(model, ep_mesh, num_experts):
     """Expert parallelism on every MoE layer of `model`: an AllToAllDispatcher over `ep_mesh`'s group
     (wrapping the layer's own), and the layer's stacked expert weights become DTensors sharded on the expert
     dimension over `ep_mesh`, this rank holding its E / ep_size experts (a copy: the whole stack is freed;
-    moved to the mesh's device first). Returns the dispatchers. Raises ValueError when ep_size does not
-    divide num_experts."""
+    moved to the mesh's device first; a model on the meta device gets this rank's share there, so
+    `to_empty` never allocates the other ranks' experts). Returns the dispatchers. Raises ValueError when
+    ep_size does not divide num_experts."""
     rank = ep_mesh.get_local_rank()
     for moe in moe_layers(model):
         if isinstance(moe.dispatcher, AllToAllDispatcher):
@@ -151,102 +152,34 @@ def install(model, ep_mesh, num_experts):
         moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), num_experts, moe.dispatcher)
         for name in ("gate_up_proj", "down_proj"):
             whole = getattr(moe.experts, name)
-            if isinstance(whole, DTensor):  # (built on this rank's share: build_on_meta)
+            if isinstance(whole, DTensor):  # (installed on the meta device already)
                 continue
             mine = whole.detach().chunk(ep_mesh.size(), dim=0)[rank].clone()
             setattr(moe.experts, name, nn.Parameter(experts_shard(mine, ep_mesh), requires_grad=whole.requires_grad))
     return ep_dispatchers(model)
 
 
-class InitCalls(TorchFunctionMode):
-    """Within (and within `torch.device("meta")`), records in order each call that gives a meta tensor
-    values: in-place initialisers (`normal_`, `fill_`, `nn.init.kaiming_uniform_`, ...) on a tensor or a
-    view of one, and factories other than `empty` (`ones`, `zeros`, ...). `calls`: (function, target, args,
-    kwargs, in_place), target the meta tensor written (a view: its storage, offset and strides say where)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = getattr(func, "__name__", "")
-        if not args and "tensor" in kwargs:  # (nn.init's functions, called by keyword)
-            args, kwargs = (kwargs["tensor"],), {k: v for k, v in kwargs.items() if k != "tensor"}
-        first = args[0] if args else None
-        if name.endswith("_") and not name.endswith("__") and isinstance(first, torch.Tensor) and first.is_meta:
-            self.calls.append((func, first, args[1:], kwargs, True))
-        elif (isinstance(out, torch.Tensor) and out.is_meta and not name.startswith("empty")
-              and not any(isinstance(a, torch.Tensor) for a in args)):
-            self.calls.append((func, out, args, kwargs, False))
-        return out
-
-
-def storage_key(tensor):
-    """What identifies `tensor`'s storage (shared by its views and by a Parameter made of it)."""
-    return tensor.untyped_storage()._cdata
-
-
 @torch.no_grad()
-def build_on_meta(build, ep_mesh):
-    """`build()` (a model constructor) with every tensor on the meta device, then each rank's share made
-    real: the stacked expert weights as DTensors sharded on the expert dimension over `ep_mesh` holding this
-    rank's rows only (on the mesh's device, as `install` leaves them), every other tensor whole on the CPU.
-    The values are the ones `build()` gives to the bit, the CPU's RNG stream included: the recorded calls
-    (InitCalls) are replayed in their order, each on a scratch tensor of its target's shape (a stacked
-    weight's is one expert's: `Experts.reset_each`), and the part this rank keeps is copied in. So a rank's
-    peak memory at build is its share plus one scratch tensor, and the weights stay a function of the seed
-    alone, whatever the world size or ep_size."""
-    with torch.device("meta"), InitCalls() as log:
+def build_model(build, device, seed, ep_mesh=None):
+    """`build()` (a MiniMindForCausalLM constructor) on the meta device, then made real on `device`: under
+    expert parallelism (`ep_mesh`) each stacked expert weight as this rank's share only (`install`), never
+    the whole; the weights then drawn by key (model_minimind.init_weights), so they are a function of `seed`
+    alone at any world size, ep_size and FSDP layout (FSDP shards them afterwards)."""
+    with torch.device("meta"):
         model = build()
-    rank, ranks = ep_mesh.get_local_rank(), ep_mesh.size()
-    stacked = {storage_key(p) for moe in moe_layers(model) for p in moe.experts.parameters()}
-    kept = {}  # storage key -> (this rank's part of the storage, flat, as a real tensor; its first index)
-
-    def kept_part(meta):
-        key = storage_key(meta)
-        if key not in kept:
-            numel = meta.untyped_storage().nbytes() // meta.element_size()
-            first, last = (numel // ranks * rank, numel // ranks * (rank + 1)) if key in stacked else (0, numel)
-            kept[key] = (torch.empty(last - first, dtype=meta.dtype), first)
-        return kept[key]
-    for func, target, args, kwargs, in_place in log.calls:
-        if in_place:
-            value = torch.empty(target.shape, dtype=target.dtype)
-            func(value, *args, **kwargs)
-        else:
-            value = func(*args, **{**kwargs, "device": "cpu"})
-        part, first = kept_part(target)
-        start = target.storage_offset()
-        end = start + sum((n - 1) * step for n, step in zip(target.shape, target.stride())) + 1
-        if first <= start and end <= first + part.numel():
-            part.as_strided(target.shape, target.stride(), start - first).copy_(value)
-        elif start < first + part.numel() and end > first:
-            raise AssertionError(f"{func.__name__} writes across the ranks' shares of a stacked expert weight")
-    real = {}  # id of a meta tensor of the model -> its real one (a tied weight stays one Parameter)
-
-    def materialised(meta):
-        if id(meta) not in real:
-            part, first = kept_part(meta)
-            if storage_key(meta) in stacked:
-                value = experts_shard(part.view(-1, *meta.shape[1:]), ep_mesh)
-            else:
-                value = part.as_strided(meta.shape, meta.stride(), meta.storage_offset())
-            real[id(meta)] = nn.Parameter(value, meta.requires_grad) if isinstance(meta, nn.Parameter) else value
-        return real[id(meta)]
-    for module in model.modules():
-        for table in (module._parameters, module._buffers, module.__dict__):
-            for name, value in list(table.items()):
-                if isinstance(value, torch.Tensor) and value.is_meta:
-                    table[name] = materialised(value)
+    if ep_mesh is not None:
+        install(model, ep_mesh, model.config.num_experts)
+    model.to_empty(device=device)
+    model.tie_weights()
+    init_weights(model, model.config.initializer_range, seed)
     return model
 
 
 def experts_shard(local, ep_mesh):
     """This rank's rows `local` of a stacked expert weight as the DTensor sharded on the expert dimension
-    over `ep_mesh` (moved to the mesh's device first)."""
-    return DTensor.from_local(local.to(ep_mesh.device_type), ep_mesh, [Shard(0)], run_check=False)
+    over `ep_mesh` (moved to the mesh's device first; on the meta device it stays there)."""
+    local = local if local.is_meta else local.to(ep_mesh.device_type)
+    return DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
 
 
 def ep_dispatchers(model):

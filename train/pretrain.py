@@ -45,7 +45,8 @@ def load_data(args, tokenizer_dir, global_batch_size, log):
     windows = fixed_windows(data["val"], args.seq_len, args.eval_tokens)
     return StageData(
         tokenizer=data["tokenizer"], tokenizer_dir=data["tokenizer_dir"],
-        train_batches=WindowBatches(data["train"], args.seq_len, global_batch_size, seed=args.seed, name="training data"),
+        train_batches=WindowBatches(data["train"], args.seq_len, global_batch_size, seed=args.seed,
+                                    name="training data"),
         val_batches=[(w[:, :-1], w[:, 1:]) for w in windows.split(args.batch_size)],
         identity={"train_tokens": len(data["train"]), "data_fingerprint": data_fingerprint(data["index"])},
         unigram_entropy=data["index"]["val_unigram_entropy"])

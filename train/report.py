@@ -74,7 +74,8 @@ def open_wandb(args, config, out_dir):
         return None
     import wandb
     netrc = os.path.expanduser("~/.netrc")
-    logged_in = bool(os.environ.get("WANDB_API_KEY")) or (os.path.exists(netrc) and "api.wandb.ai" in open(netrc).read())
+    logged_in = (bool(os.environ.get("WANDB_API_KEY"))
+                 or (os.path.exists(netrc) and "api.wandb.ai" in open(netrc).read()))
     mode = os.environ.get("WANDB_MODE") or ("online" if logged_in else "offline")
     return wandb.init(project=args.wandb_project, mode=mode, dir=out_dir,
                       config={**vars(args), "model": config.to_dict()})

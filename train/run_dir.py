@@ -75,9 +75,9 @@ def _sweep_sharded_folders(out_dir, keep=None):
 
 def claim_run_dir(out_dir, resume, overwrite, is_main):
     """Create out_dir, refuse it when it holds another run (without --overwrite: a new run, or a resume of a
-    checkpoint whose run folder is not out_dir; `resume`, the checkpoint path, or None), lock it (rank 0) and clean temp leftovers.
-    Returns the open lock file (closing it releases the lock), None on other ranks. Raises ValueError saying
-    what to do."""
+    checkpoint whose run folder is not out_dir; `resume`, the checkpoint path, or None), lock it (rank 0) and
+    clean temp leftovers. Returns the open lock file (closing it releases the lock), None on other ranks.
+    Raises ValueError saying what to do."""
     os.makedirs(out_dir, exist_ok=True)
     held = checkpoint_in(out_dir)
     if (not overwrite and os.path.exists(held)
@@ -110,7 +110,8 @@ def remove_temp_leftovers(out_dir):
     for name in os.listdir(out_dir):
         if _TEMP.match(name):
             path = os.path.join(out_dir, name)
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+            (shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) and not os.path.islink(path)
+             else os.remove(path))
 
 
 def abandon_run_dir(out_dir, lock):

@@ -95,7 +95,8 @@ def load_data(args, tokenizer_dir, global_batch_size, log):
     val_batches = list(zip(x.split(args.batch_size), y.split(args.batch_size), seg.split(args.batch_size)))
     return StageData(tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
                      train_batches=PackedBatches(train, args.seq_len, global_batch_size, pad, seed=args.seed),
-                     val_batches=val_batches, identity={"train_conversations": len(train), "train_sha1": train.sha1[:16]})
+                     val_batches=val_batches,
+                     identity={"train_conversations": len(train), "train_sha1": train.sha1[:16]})
 
 
 STAGE = Stage(name="sft", description=__doc__, default_out_dir="checkpoints/sft", add_data_flags=add_data_flags,

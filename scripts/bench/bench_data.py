@@ -99,8 +99,9 @@ def _memory_kb(pid):
 
 def timed_run(cmd, cwd):
     """Run cmd; returns dict(wall, prep_s (from the start until the 'data:' line), first_step_s (the trainer's
-    "setup: N s to the first step" line, None when it prints none (an old tree)), prep_rss_mb / train_rss_mb (peak RSS of the process before / after the data line),
-    prep_tree_mb (peak PSS of the process and its workers before the data line))."""
+    "setup: N s to the first step" line, None when it prints none (an old tree)), prep_rss_mb / train_rss_mb
+    (peak RSS of the process before / after the data line), prep_tree_mb (peak PSS of the process and its
+    workers before the data line))."""
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     marks, peaks, out = {}, {"prep": 0, "prep_tree": 0, "train": 0}, []
@@ -138,7 +139,8 @@ def import_seconds(tree):
 
 PREP_ONLY = ("import sys, time; sys.path.insert(0, sys.argv[1]); from data.prepare import prepare_data; "
              "from model.config import MiniMindConfig; t = time.time(); "
-             "prepare_data(sys.argv[2], vocab_size=MiniMindConfig.vocab_size, cache_dir=sys.argv[3], log=lambda *a: None); "
+             "prepare_data(sys.argv[2], vocab_size=MiniMindConfig.vocab_size, cache_dir=sys.argv[3], "
+             "log=lambda *a: None); "
              "print(f'data: prepare_data took {time.time() - t:.3f} s', flush=True)")
 
 
@@ -217,11 +219,13 @@ def main(argv=None):
             prep_rss = f"{r['prep_rss_mb']:.0f}" if cold else "-"
             tree = f"{r['prep_tree_mb']:.0f}" if cold else "-"
             row = (f"{size:>6} {label:>5} {'cold' if cold else 'warm':>5} {r['docs']:>10} {r['tokens']:>13} "
-                   f"{prep_s:>9} {rate:>7} {prep_rss:>11} {tree:>8} {r['train_rss_mb']:>12.0f} {first:>10.1f} {r['wall']:>7.1f}")
+                   f"{prep_s:>9} {rate:>7} {prep_rss:>11} {tree:>8} {r['train_rss_mb']:>12.0f} "
+                   f"{first:>10.1f} {r['wall']:>7.1f}")
             rows.append(row)
             print(head + "\n" + row if len(rows) == 1 else row, flush=True)
     print(f"\nuptime after: {os.getloadavg()}")
-    print("\npreparation alone (prepare_data, after the imports, empty cache):\n" + prep_head + "\n" + "\n".join(prep_rows))
+    print("\npreparation alone (prepare_data, after the imports, empty cache):\n" + prep_head + "\n"
+          + "\n".join(prep_rows))
     print("\ntraining runs (--max_steps %d; cold: empty cache, so preparation included):\n" % args.steps + head + "\n"
           + "\n".join(rows))
 

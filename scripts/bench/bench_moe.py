@@ -94,7 +94,8 @@ def hf_block(moe, implementation):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
     c = moe.config
-    cfg = Qwen3MoeConfig(hidden_size=c.hidden_size, num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+    cfg = Qwen3MoeConfig(hidden_size=c.hidden_size, num_experts=c.num_experts,
+                         num_experts_per_tok=c.num_experts_per_tok,
                          moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
                          hidden_act="silu", num_attention_heads=1, num_key_value_heads=1, head_dim=8)
     cfg._experts_implementation = implementation
@@ -232,7 +233,8 @@ def main(argv=None):
     if device == "cpu" and not args.os_malloc:
         tuned = keep_freed_memory()
     say(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
-        f"{args.dtype}, threads {torch.get_num_threads()}" + (", freed memory kept for reuse (mallopt)" if tuned else ""))
+        f"{args.dtype}, threads {torch.get_num_threads()}"
+        + (", freed memory kept for reuse (mallopt)" if tuned else ""))
     say("each cell: median ms, then (ratio to dense); syncs = sync-inducing calls per forward (on CPU, fused "
         "reads its per-expert row counts from CPU memory for oneDNN: a memory read, not a sync)\n")
     summary, figures, profiles = [], {}, []
@@ -306,7 +308,8 @@ def main(argv=None):
                                               "fwd_bwd_vs_dense": med[key, True] / med["dense", True]} for key in cell}
             if args.profile:
                 profiles += [f"== {name} (D={d}, E={e}, k={k}, F={f}), N={n}, {key}: fwd+bwd x 3, by {device} time\n"
-                             + kernel_profile(cell[key], x, device, autocast) for key in ("fused", "dense") if key in cell]
+                             + kernel_profile(cell[key], x, device, autocast)
+                             for key in ("fused", "dense") if key in cell]
             for key in wanted:
                 if (key == "dense-onednn" and not onednn) or (key == "fused-grouped" and not cpu_gemms):
                     continue
@@ -314,15 +317,18 @@ def main(argv=None):
                     say(f"{key:<15}   skipped: per-pair weight copies need ~{batched_gb:.0f} GiB")
                     continue
                 fw, fb = med[key, False], med[key, True]
-                line = (f"{key:<15}{fw:>9.2f}{fw / med['dense', False]:>8.2f}x{fb:>12.2f}{fb / med['dense', True]:>8.2f}x"
+                line = (f"{key:<15}{fw:>9.2f}{fw / med['dense', False]:>8.2f}x"
+                        f"{fb:>12.2f}{fb / med['dense', True]:>8.2f}x"
                         f"{mems[key]:>10.0f}{syncs[key]:>7}")
                 if device == "cuda":
                     tflops = 3 * 6 * n * k * d * f / (fb * 1e-3) / 1e12
                     line += f"{tflops:>9.1f}" + (f"{100 * tflops / peak:>7.1f}%" if peak else f"{'n/a':>8}")
                 say(line)
             if "fused-grouped" in cell and "fused" in cell:
-                say(f"CPU expert GEMMs: fused-grouped / fused = {med['fused-grouped', False] / med['fused', False]:.3f} fwd, "
-                    f"{med['fused-grouped', True] / med['fused', True]:.3f} fwd+bwd (> 1: the per-expert GEMMs are faster)")
+                say("CPU expert GEMMs: fused-grouped / fused = "
+                    f"{med['fused-grouped', False] / med['fused', False]:.3f} fwd, "
+                    f"{med['fused-grouped', True] / med['fused', True]:.3f} fwd+bwd "
+                    "(> 1: the per-expert GEMMs are faster)")
             ours = min(med["sorted", True], med["fused", True]) if "fused" in cell and "sorted" in cell else None
             if ours is not None:
                 hf = {key: med[key, True] for key in cell if key.startswith("hf")}

@@ -57,7 +57,8 @@ def held_bytes(params, optimizer, experts):
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
     nbytes = lambda ts: sum(local(t).numel() * t.element_size() for t in ts)  # noqa: E731
     out = {}
-    for part, ps in (("experts", [p for p in params if p in experts]), ("dense", [p for p in params if p not in experts])):
+    for part, ps in (("experts", [p for p in params if p in experts]),
+                     ("dense", [p for p in params if p not in experts])):
         state = [v for p in ps for v in optimizer.state.get(p, {}).values() if torch.is_tensor(v) and v.dim()]
         out[part] = [nbytes(ps), nbytes([p.grad for p in ps if p.grad is not None]), nbytes(state)]
     return out

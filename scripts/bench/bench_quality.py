@@ -31,10 +31,10 @@ row's 2F active FFN width, and the trainer's --routed_scaling_factor, k):
             other half, on other batches (--seed + 1): its steps and seconds count both phases
 --steps N compares at equal steps instead of equal time (each row N optimizer steps).
 
-Defaults: D=256, 4 layers, batch 16 x 128 tokens (the main job's), the trainer's LR and warmup, 240 s per row; evaluation on
-the trainer's 16384 validation tokens at step 0 and at the end only. Each run adds ~10-20 s of setup and
-evaluation around its budget (the first run on a fresh machine also builds the data cache, ~1 min), so the
-default six rows take about 30 minutes on 2 CPU cores.
+Defaults: D=256, 4 layers, batch 16 x 128 tokens (the main job's), the trainer's LR and warmup, 240 s per row;
+evaluation on the trainer's 16384 validation tokens at step 0 and at the end only. Each run adds ~10-20 s of
+setup and evaluation around its budget (the first run on a fresh machine also builds the data cache, ~1 min),
+so the default six rows take about 30 minutes on 2 CPU cores.
 
 Prints the command line of every run (rerun one with it), then the table and the val-bpb differences
 (dense vs the best MoE row); writes results.json and results.md, and per row
@@ -61,8 +61,8 @@ def row_flags(row, f):
     """The model flags of a row; f is the width of one expert of the top-2 rows."""
     if row == "dense":
         return ["--use_moe", "0", "--intermediate_size", str(2 * f)]
-    e, k, width, impl = {"wide": (16, 2, f, "fused"), "fine": (16, 4, f // 2, "fused"), "shared": (16, 3, f // 2, "fused"),
-                         "upcycled": (4, 2, f, "fused")}.get(row, (4, 2, f, row))
+    e, k, width, impl = {"wide": (16, 2, f, "fused"), "fine": (16, 4, f // 2, "fused"),
+                         "shared": (16, 3, f // 2, "fused"), "upcycled": (4, 2, f, "fused")}.get(row, (4, 2, f, row))
     return ["--use_moe", "1", "--num_experts", str(e), "--num_experts_per_tok", str(k), "--moe_intermediate_size",
             str(width), "--moe_impl", impl] + (["--n_shared_experts", "1"] if row == "shared" else [])
 
@@ -83,7 +83,8 @@ def command(args, row, out_dir, length=None, extra=(), seed=None):
     argv = [sys.executable, os.path.join(ROOT, "train", "pretrain.py"), "--out_dir", out_dir,
             *length, "--hidden_size", str(args.hidden_size),
             "--num_hidden_layers", str(args.num_hidden_layers), "--batch_size", str(args.batch_size),
-            "--seq_len", str(args.seq_len), "--seed", str(args.seed if seed is None else seed), "--eval_tokens", str(args.eval_tokens),
+            "--seq_len", str(args.seq_len), "--seed", str(args.seed if seed is None else seed),
+            "--eval_tokens", str(args.eval_tokens),
             "--eval_interval", "1000000000", "--save_interval", "1000000000", "--no_progress", "--sample_tokens", "0",
             *row_flags(row, args.moe_intermediate_size), *extra]
     for flag in ("data_path", "tokenizer", "vocab_size", "learning_rate"):
@@ -156,7 +157,8 @@ def run_row(args, row, flags):
         records = read_records(os.path.join(run_dir, "metrics.jsonl"))
         if row == "upcycled":  # count the dense phase's steps and seconds too
             dense = [r for r in read_records(os.path.join(dense_dir, "metrics.jsonl")) if "train_loss" in r][-1]
-            records = [{**r, "step": r["step"] + dense["step"], "train_time_s": r["train_time_s"] + dense["train_time_s"]}
+            records = [{**r, "step": r["step"] + dense["step"],
+                        "train_time_s": r["train_time_s"] + dense["train_time_s"]}
                        if "train_loss" in r else r for r in records]
         last_train = [r for r in records if "train_loss" in r][-1]
         last_val = [r for r in records if "val_loss" in r][-1]
@@ -219,7 +221,8 @@ def parse_cli(argv=None):
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--learning_rate", type=float, default=None, help="None: the trainer's default")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--eval_tokens", type=int, default=16384, help="validation tokens of the step-0 and final evaluations")
+    p.add_argument("--eval_tokens", type=int, default=16384,
+                   help="validation tokens of the step-0 and final evaluations")
     p.add_argument("--data_path", default=None, help="training text (see train/pretrain.py); None: the embedded corpus")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir; None: the corpus's cached BPE (one for all rows)")
     p.add_argument("--vocab_size", type=int, default=None, help="BPE size when one is trained; None: the trainer's")
@@ -245,8 +248,8 @@ def main(argv=None):
     flags = {row: resolved_flags(args, row) for row in args.rows}
     os.makedirs(args.out_dir, exist_ok=True)
     length = f"{args.steps} steps" if args.steps else f"{args.budget_s:g} s of training"
-    print(f"{'equal-steps' if args.steps else 'iso-time'} benchmark: rows {', '.join(args.rows)}; {length} each, one at a time; "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"{'equal-steps' if args.steps else 'iso-time'} benchmark: rows {', '.join(args.rows)}; "
+          f"{length} each, one at a time; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
     results = []
     for row in args.rows:
         r = run_row(args, row, flags[row])

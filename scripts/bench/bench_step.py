@@ -248,8 +248,8 @@ def split(args):
 def main_job_rate(tree, args):
     out = tempfile.mkdtemp(prefix="bench_step_")
     cmd = [sys.executable, os.path.join(tree, "train/pretrain.py"), "--out_dir", os.path.join(out, "run"),
-           "--max_steps", str(args.steps), "--time_budget_s", "0", "--no_progress", "--eval_interval", "100000", "--save_interval", "100000",
-           "--sample_tokens", "0",
+           "--max_steps", str(args.steps), "--time_budget_s", "0", "--no_progress", "--eval_interval", "100000",
+           "--save_interval", "100000", "--sample_tokens", "0",
            *args.extra.split()]
     subprocess.run(cmd, cwd=tree, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rates = [json.loads(line).get("tok_per_s") for line in open(os.path.join(out, "run", "metrics.jsonl"))]
@@ -286,7 +286,8 @@ def main(argv=None):
     p.add_argument("--old_tree", default=None, help="another checkout: compare the main job's tokens/s")
     p.add_argument("--extra", default="", help="old-tree mode: flags added to both main jobs")
     p.add_argument("--split", action="store_true", help="time per step split into attention, FFN, LM head, AdamW")
-    ranges = {**dict.fromkeys(("hidden_size", "num_layers", "batch_size", "seq_len", "steps", "rounds"), AT_LEAST_1), "busy": AT_LEAST_0}
+    ranges = {**dict.fromkeys(("hidden_size", "num_layers", "batch_size", "seq_len", "steps", "rounds"), AT_LEAST_1),
+              "busy": AT_LEAST_0}
     args = p.parse_args(argv, ranges=ranges)
     if args.split:
         split(args)

@@ -177,7 +177,8 @@ def main(argv=None):
     def make(row):
         torch.manual_seed(0)  # the same weights in every MoE row
         config = model_config(args, row)
-        model = MiniMindForCausalLM(config, engines_for(config, device, ptdtype)).to(device).train()  # the trainer's engines
+        # the trainer's engines
+        model = MiniMindForCausalLM(config, engines_for(config, device, ptdtype)).to(device).train()
         if row == "masked":  # MiniMind's loop in place of steps 3-5 of every MoE layer
             for layer in model.model.layers:
                 layer.mlp.forward = functools.partial(masked_moe_forward, layer.mlp)
@@ -192,7 +193,8 @@ def main(argv=None):
         # the trainer's optimizer step (train/loop.py): torch's fused AdamW after clipping
         return step_model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), flops
 
-    rate_args = (device, ptdtype, args.batch_size * args.seq_len, args.hidden_size, args.top_k * args.moe_intermediate_size)
+    rate_args = (device, ptdtype, args.batch_size * args.seq_len, args.hidden_size,
+                 args.top_k * args.moe_intermediate_size)
     rate = gemm_rate(*rate_args)
     runs = {row: make(row) for row in rows}
     g = torch.Generator().manual_seed(0)
@@ -226,7 +228,8 @@ def main(argv=None):
           f"threads {torch.get_num_threads()}{', compiled' if args.compile else ''}"
           f"{', freed memory kept (mallopt)' if kept else ''}; model D={args.hidden_size} "
           f"L={args.num_layers} heads {args.num_heads}/{args.num_kv_heads} E={args.num_experts} k={args.top_k} "
-          f"F={args.moe_intermediate_size}, batch {args.batch_size}x{args.seq_len}, {args.rounds} rounds x {args.steps} steps; "
+          f"F={args.moe_intermediate_size}, batch {args.batch_size}x{args.seq_len}, "
+          f"{args.rounds} rounds x {args.steps} steps; "
           f"GEMM rate {rate / 1e9:,.0f} GFLOP/s at [{rate_args[2]}, {rate_args[3]}] @ [{rate_args[3]}, {rate_args[4]}]")
     base = rows[0]
     results = {}
@@ -234,7 +237,8 @@ def main(argv=None):
         tokens_per_s = tokens / s
         share = tokens_per_s * runs[row][2] / rate
         mfu = tokens_per_s * runs[row][2] / (peak * 1e12) if peak else None
-        results[row] = {"tokens_per_s": tokens_per_s, "time_vs_" + base: s / spent[base], "gemm_share": share, "mfu": mfu}
+        results[row] = {"tokens_per_s": tokens_per_s, "time_vs_" + base: s / spent[base], "gemm_share": share,
+                        "mfu": mfu}
         print(f"  {row:<7} {tokens_per_s:>12,.0f} tokens/s   step time {s / spent[base]:5.2f}x {base}   "
               f"{100 * share:5.1f}% of the GEMM rate" + (f"   MFU {100 * mfu:5.1f}%" if mfu is not None else ""))
     if args.json:

@@ -54,7 +54,8 @@ def figures(folder):
             lambda v, f=floor: v >= f, "{:.1%}")
     for key, floor in (("E=8", 2.5), ("E=64", 2.5), ("main", 1.5)):
         rows = steps[key]
-        value = (rows["hf"]["time_vs_dense"] / rows["fused"]["time_vs_dense"]) if "hf" in rows and "fused" in rows else None
+        value = ((rows["hf"]["time_vs_dense"] / rows["fused"]["time_vs_dense"])
+                 if "hf" in rows and "fused" in rows else None)
         add(f"transformers Qwen3-MoE (grouped_mm) step / ours, {model(key)}", f">= {floor}x", value,
             lambda v, f=floor: v >= f, "{:.2f}x")
     quality = {r["row"]: r for r in (load(folder, os.path.join("quality", "results.json")) or {}).get("results", [])

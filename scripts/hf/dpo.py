@@ -38,7 +38,8 @@ def preference_dataset(pairs, seed=0):
     rejected = wrong_answers(pairs, 1, seed)
     return Dataset.from_list([{"prompt": [{"role": "user", "content": q}],
                                "chosen": [{"role": "assistant", "content": a}],
-                               "rejected": [{"role": "assistant", "content": r[0]}]} for (q, a), r in zip(pairs, rejected)])
+                               "rejected": [{"role": "assistant", "content": r[0]}]}
+                              for (q, a), r in zip(pairs, rejected)])
 
 
 @torch.no_grad()
@@ -67,7 +68,8 @@ def accuracies(before, after):
     per token, which answers of different lengths need), before and after, and the reward accuracy (share of pairs
     whose implicit DPO reward margin, the log-ratio to the starting model of chosen minus that of rejected, is > 0)."""
     def share(pairs, per_token):
-        return sum(c / (nc if per_token else 1) > r / (nr if per_token else 1) for (c, nc), (r, nr) in pairs) / len(pairs)
+        return sum(c / (nc if per_token else 1) > r / (nr if per_token else 1)
+                   for (c, nc), (r, nr) in pairs) / len(pairs)
     return {"preference_accuracy_before": share(before, False), "preference_accuracy_after": share(after, False),
             "per_token_preference_accuracy_before": share(before, True),
             "per_token_preference_accuracy_after": share(after, True),
@@ -82,16 +84,17 @@ def dpo(model_dir, out_dir, steps=100, batch_size=16, lr=5e-4, beta=0.1, sft_wei
     check_out_dir(out_dir)
     quiet_hf()
     model, tokenizer = load_export(model_dir)
-    train, held_out = preference_dataset(qa_pairs("train", max_train), seed), preference_dataset(qa_pairs("val", max_eval), seed)
+    train, held_out = (preference_dataset(qa_pairs("train", max_train), seed),
+                       preference_dataset(qa_pairs("val", max_eval), seed))
     log(f"preference pairs: {len(train)} train, {len(held_out)} held out")
     before = pair_logprobs(model, tokenizer, held_out)
     with tempfile.TemporaryDirectory() as tmp:
         args = DPOConfig(output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch_size,
                          learning_rate=lr, beta=beta, loss_type=["sigmoid", "sft"] if sft_weight else ["sigmoid"],
                          loss_weights=[1.0, sft_weight] if sft_weight else None, warmup_steps=steps // 10,
-                         lr_scheduler_type="cosine", max_length=model.config.max_position_embeddings, logging_steps=max(steps // 5, 1),
-                         save_strategy="no", report_to="none", seed=seed, use_cpu=not torch.cuda.is_available(),
-                         disable_tqdm=True, dataloader_num_workers=0)
+                         lr_scheduler_type="cosine", max_length=model.config.max_position_embeddings,
+                         logging_steps=max(steps // 5, 1), save_strategy="no", report_to="none", seed=seed,
+                         use_cpu=not torch.cuda.is_available(), disable_tqdm=True, dataloader_num_workers=0)
         guard = non_finite_guard()
         trainer = DPOTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer, callbacks=[guard])
         trainer.train()
