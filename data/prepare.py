@@ -24,16 +24,14 @@ PARALLEL_FROM_BYTES = 32 << 20  # below this a process pool costs more to start 
 
 
 def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=None, cache_dir=CACHE_DIR, log=print,
-                 text_field="text", tokenizer_sample_mb=TOKENIZER_SAMPLE_MB, workers=None, progress=False,
-                 engine="auto"):
+                 text_field="text", tokenizer_sample_mb=TOKENIZER_SAMPLE_MB, workers=None, progress=False):
     """Load or build everything training needs. data_path None: the embedded stdlib-docstring corpus; else
     anything data/sources.py reads, every VAL_EVERY-th document held out. tokenizer_dir None: a `vocab_size` BPE
     trained on the first `tokenizer_sample_mb` MB of training documents. workers: tokenization processes (None:
-    one per core, at most 8, over PARALLEL_FROM_BYTES, else 0 = in process). engine: "auto" (tiktoken where it
-    gives the tokenizer's ids, data/fast_bpe.py) or "tokenizers". Raises ValueError without tokenizer_dir and
-    vocab_size. Returns dict(tokenizer, tokenizer_dir, train, val (1-D read-only np.memmap of ids), index (the
-    cache's index.json), source (description)). Raises DataError for missing, empty or malformed input (file
-    and line)."""
+    one per core, at most 8, over PARALLEL_FROM_BYTES, else 0 = in process). Raises ValueError without
+    tokenizer_dir and vocab_size. Returns dict(tokenizer, tokenizer_dir, train, val (1-D read-only np.memmap of
+    ids), index (the cache's index.json), source (description)). Raises DataError for missing, empty or
+    malformed input (file and line)."""
     if tokenizer_dir is None and vocab_size is None:
         raise ValueError("prepare_data: a vocab_size is needed to train a tokenizer "
                          "(the trainer's is model/config.py's)")
@@ -59,7 +57,7 @@ def prepare_data(data_path=None, tokenizer_dir=None, vocab_size=None, cache_dir=
                                               fingerprint, cache_dir, log)
         try:
             cache = _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cache_dir, workers,
-                                 progress, log, engine)
+                                 progress, log)
         except DataError:  # a bad line after the tokenizer's sample: nothing of this corpus stays in the cache
             if trained:
                 shutil.rmtree(tokenizer_dir, ignore_errors=True)
@@ -116,7 +114,7 @@ def _tokenizer(source, val_source, tokenizer_dir, vocab_size, sample_mb, fingerp
     return load_tokenizer(path), path
 
 
-def _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cache_dir, workers, progress, log, engine):
+def _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cache_dir, workers, progress, log):
     tokenizer_json = os.path.join(tokenizer_dir, "tokenizer.json")
     tok_sha1 = file_sha1(tokenizer_json)
     path = _cache_entry(cache_dir, "tokens", f"{fingerprint}|{tok_sha1}|{VAL_EVERY}|{val_source is not None}", 16)
@@ -133,10 +131,10 @@ def _token_cache(source, val_source, tokenizer, tokenizer_dir, fingerprint, cach
     t0 = time.time()
     with _progress_bar(total) if progress and total > PARALLEL_FROM_BYTES else contextlib.nullcontext() as bar:
         index = build_token_cache(path, split_documents(source, val_source), tokenizer_json, tokenizer.eos_token_id,
-                                  len(tokenizer), meta, workers, bar.update if bar is not None else None, engine)
+                                  len(tokenizer), meta, workers, bar.update if bar is not None else None)
     seconds = time.time() - t0
     log(f"tokenized {total / 1e6:,.1f} MB in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-9):.1f} MB/s, "
-        f"{max(workers, 1)} process{'es' if workers > 1 else ''}, {index['encoder']})")
+        f"{max(workers, 1)} process{'es' if workers > 1 else ''})")
     return open_token_cache(path)
 
 

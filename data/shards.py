@@ -7,8 +7,8 @@ and `index.json`: dtype, per-split token / document / UTF-8 byte counts, tokeniz
 split's unigram entropy (nats). Written atomically (data/atomic.py); `open_token_cache` returns None for an
 index that does not match its files (rebuild).
 Tokenization runs in `workers` processes (converting ids to arrays is single-threaded Python work) on batches
-of about BATCH_BYTES, with tiktoken where it reproduces the tokenizer (data/fast_bpe.py), else `tokenizers`;
-at most two batches per worker are in flight, so memory is bounded whatever the corpus size.
+of about BATCH_BYTES with `tokenizers`; at most two batches per worker are in flight, so memory is bounded
+whatever the corpus size.
 """
 import itertools
 import json
@@ -22,7 +22,6 @@ from types import SimpleNamespace
 import numpy as np
 
 from data.atomic import atomic_dir, atomic_write_text
-from data.fast_bpe import encode, same_ids, tiktoken_for
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
@@ -32,17 +31,14 @@ BATCH_DOCS = 4096
 _encoder = None  # texts -> ids lists: set by TokenEncoder before its workers fork (a spawned worker builds its own)
 
 
-def _make_encoder(tokenizer_json, use_tiktoken):
-    """texts -> lists of ids, with tiktoken (data/fast_bpe.py) or `tokenizers`."""
-    if use_tiktoken:
-        enc = tiktoken_for(tokenizer_json)
-        return lambda texts: [encode(enc, t) for t in texts]
+def _make_encoder(tokenizer_json):
+    """texts -> lists of ids (`tokenizers`)."""
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(tokenizer_json)
     return lambda texts: [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
 
 
-def _init_worker(tokenizer_json, use_tiktoken, parent_pid):
+def _init_worker(tokenizer_json, parent_pid):
     """A pool worker; on Linux it gets SIGKILL when the parent dies (no orphan keeps the inherited cache lock)."""
     global _encoder
     if sys.platform.startswith("linux"):
@@ -52,7 +48,7 @@ def _init_worker(tokenizer_json, use_tiktoken, parent_pid):
         if os.getppid() != parent_pid:  # the parent died before prctl took effect
             os._exit(1)
     if _encoder is None:  # spawned (not Linux): build it here
-        _encoder = _make_encoder(tokenizer_json, use_tiktoken)
+        _encoder = _make_encoder(tokenizer_json)
 
 
 def _encode_batch(texts, eos_id, dtype):
@@ -69,22 +65,16 @@ def _encode_batch(texts, eos_id, dtype):
 
 
 class TokenEncoder:
-    """Context manager encoding batches in `workers` processes (0: in this one), with tiktoken where it gives the
-    tokenizer's ids (also on `first_texts`); `map(batches)` yields (batch, `_encode_batch` result) in order."""
+    """Context manager encoding batches in `workers` processes (0: in this one); `map(batches)` yields (batch,
+    `_encode_batch` result) in order."""
 
-    def __init__(self, tokenizer_json, eos_id, dtype, workers, first_texts=(), engine="auto"):
+    def __init__(self, tokenizer_json, eos_id, dtype, workers):
         self.tokenizer_json, self.eos_id, self.dtype, self.workers = tokenizer_json, eos_id, dtype, workers
         self.pool = None
-        enc = tiktoken_for(tokenizer_json) if engine == "auto" else None
-        if enc is not None and first_texts:
-            from tokenizers import Tokenizer
-            enc = enc if same_ids(enc, Tokenizer.from_file(tokenizer_json), first_texts) else None
-        self.use_tiktoken = enc is not None
-        self.engine = "tiktoken" if enc is not None else "tokenizers"
 
     def __enter__(self):
         global _encoder
-        _encoder = _make_encoder(self.tokenizer_json, self.use_tiktoken)  # once; forked workers inherit it
+        _encoder = _make_encoder(self.tokenizer_json)  # once; forked workers inherit it
         if self.workers > 0:
             # fork where it is safe (Linux), as torch's DataLoader does (a spawned worker re-imports the caller)
             method = "fork" if sys.platform.startswith("linux") else "spawn"
@@ -93,7 +83,7 @@ class TokenEncoder:
             try:
                 self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context(method),
                                                 initializer=_init_worker,
-                                                initargs=(self.tokenizer_json, self.use_tiktoken, os.getpid()))
+                                                initargs=(self.tokenizer_json, os.getpid()))
                 self.pool.submit(int).result()  # the processes start now, while the variable is set
             finally:
                 (os.environ.pop("TOKENIZERS_PARALLELISM") if saved is None
@@ -153,22 +143,17 @@ class _SplitWriter:
             f.close()
 
 
-def build_token_cache(path, documents, tokenizer_json, eos_id, vocab_size, meta, workers=0, progress=None,
-                      engine="auto"):
+def build_token_cache(path, documents, tokenizer_json, eos_id, vocab_size, meta, workers=0, progress=None):
     """Tokenize `documents` ((split, text, where)) into the folder `path`, or leave nothing there on any exception
     (e.g. DataError for a malformed line). `meta` goes into index.json; `progress`: None or callable(n_chars) per
-    batch; engine: "auto" (tiktoken where it reproduces the tokenizer) or "tokenizers". Returns the index dict."""
+    batch. Returns the index dict."""
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32  # while every id fits
     with atomic_dir(path) as tmp:
         writers = {s: _SplitWriter(tmp, s) for s in SPLITS}
         counts_V = np.zeros(max(vocab_size, 1), dtype=np.int64)
         try:
-            batches = _batches(documents)
-            first = next(batches, None)  # its texts check the fast encoder against `tokenizers`
-            batches = itertools.chain([first] if first else [], batches)
-            with TokenEncoder(tokenizer_json, eos_id, dtype, workers, first[0][:500] if first else (),
-                              engine) as encoder:
-                for (texts, is_val, size), (ids, lengths, nbytes) in encoder.map(batches):
+            with TokenEncoder(tokenizer_json, eos_id, dtype, workers) as encoder:
+                for (texts, is_val, size), (ids, lengths, nbytes) in encoder.map(_batches(documents)):
                     if is_val.any():
                         tok_is_val = np.repeat(is_val, lengths)
                         writers["val"].write(ids[tok_is_val], lengths[is_val], nbytes[is_val])
@@ -187,8 +172,7 @@ def build_token_cache(path, documents, tokenizer_json, eos_id, vocab_size, meta,
             split_rule = (f"held-out documents gave under 1% of the tokens: they went back into training, and "
                           f"validation is the last {splits['val']['tokens']:,} tokens of the stream instead")
         index = dict(meta, format=FORMAT_VERSION, dtype=np.dtype(dtype).name, vocab_size=vocab_size,
-                     splits=splits, val_unigram_entropy=entropy(counts_V), split_rule=split_rule,
-                     encoder=encoder.engine)
+                     splits=splits, val_unigram_entropy=entropy(counts_V), split_rule=split_rule)
         atomic_write_text(os.path.join(tmp, "index.json"), json.dumps(index, indent=1))
     return index
 

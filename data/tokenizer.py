@@ -25,11 +25,18 @@ CHAT_TEMPLATE = (
 )
 
 
+def _byte_decoder():
+    """GPT-2's byte-level alphabet, reversed: the printable character each byte is written as -> the byte."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    rest = [b for b in range(256) if b not in bs]  # the other bytes are written as chr(256), chr(257)...
+    return {chr(c): b for b, c in zip(bs + rest, bs + [256 + n for n in range(len(rest))])}
+
+
 def token_byte_lengths(tokenizer):
     """int64 [len(tokenizer)]: UTF-8 bytes each token id stands for (0 for specials), for bits per byte; exact via
     GPT-2's byte alphabet for byte-level BPE tokens (even part of a character), else `decode` of the id."""
     import numpy as np
-    from data.fast_bpe import _byte_decoder
     special, to_byte = set(tokenizer.all_special_ids), _byte_decoder()
     out = np.zeros(len(tokenizer), dtype=np.int64)
     for token, i in tokenizer.get_vocab().items():

@@ -315,32 +315,6 @@ def test_memmap_windows_equal_in_memory_windows():
             assert xa.dtype == torch.int64 and torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
-def test_tiktoken_gives_the_tokenizers_ids():
-    """Token caches built with the fast encoder (tiktoken, data/fast_bpe.py) equal those built with HF
-    `tokenizers`, on English-like text, the embedded corpus, unicode, code, special-token text and
-    whitespace runs; a tokenizer tiktoken cannot reproduce (here: one with a normalizer) falls back."""
-    import random
-    from data.fast_bpe import tiktoken_for
-    rng = random.Random(0)
-    alphabet = "abc XYZ é中🙂\n\t  ,.'s'll 123 <|endoftext|> <|im_end|> def f(x):\r\n"
-    odd = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 300))) for _ in range(400)]
-    with tempfile.TemporaryDirectory() as d:
-        path = _jsonl(os.path.join(d, "c.jsonl"), _corpus_docs(600) + odd)
-        with open(default_corpus()["train"], encoding="utf-8") as f:  # 400 documents of the embedded corpus
-            embedded = _write(os.path.join(d, "embedded.jsonl"), "".join(next(f) for _ in range(400)))
-        for data_path in (path, embedded):
-            a = quiet_prepare(data_path, os.path.join(d, "a"), engine="tokenizers")
-            b = quiet_prepare(data_path, os.path.join(d, "b"), engine="auto")
-            assert a["index"]["encoder"] == "tokenizers" and b["index"]["encoder"] == "tiktoken", b["index"]["encoder"]
-            assert all(np.array_equal(x, y) for x, y in zip(_tokens(a), _tokens(b))), data_path
-        tok_json = os.path.join(b["tokenizer_dir"], "tokenizer.json")
-        spec = json.load(open(tok_json))
-        spec["normalizer"] = {"type": "Lowercase"}
-        odd_json = os.path.join(d, "lower.json")
-        json.dump(spec, open(odd_json, "w"))
-        assert tiktoken_for(tok_json) is not None and tiktoken_for(odd_json) is None
-
-
 def test_odd_inputs_an_adversary_tried():
     """A BOM, bare-CR line ends, files sorted by full path, a corpus of two documents (validation from the
     tail, never empty), hf:<local folder> noticing an edit, a bad line in an hf: folder and a damaged
@@ -467,7 +441,7 @@ TESTS = [test_default_corpus_is_deterministic_real_prose, test_tokenizer_roundtr
          test_formats_give_the_same_documents, test_malformed_line_near_the_end_leaves_nothing_in_the_cache,
          test_damaged_cache_is_rebuilt_with_a_message, test_two_processes_prepare_one_corpus_at_once,
          test_tokenizer_trained_on_a_bounded_sample, test_memmap_windows_equal_in_memory_windows,
-         test_tiktoken_gives_the_tokenizers_ids, test_odd_inputs_an_adversary_tried, test_long_whitespace_free_document_prepares,
+         test_odd_inputs_an_adversary_tried, test_long_whitespace_free_document_prepares,
          test_killed_preparation_leaves_no_orphan_and_no_partial_cache]
 
 if __name__ == "__main__":
