@@ -6,7 +6,8 @@ test_resume_equals_continuous_run; SIGTERM: test_reliability.py and, under torch
 stopped by SIGINT and the resume under OMP_NUM_THREADS=1 are processes of their own (torch reads OMP_NUM_THREADS
 at start); the other runs train inside the test process (no start-up to pay) with torch's thread count set to 2,
 so the suite's one-thread workers do not hide a thread-count effect.
-The bf16 leg is skipped where bf16 is emulated (no AVX512-BF16, no AMX: --dtype auto never picks it there).
+The bf16 leg is skipped where bf16 is emulated (no AVX512-BF16, no AMX, or oneDNN capped below them by
+ONEDNN_MAX_CPU_ISA: --dtype auto never picks it there).
 
     python scripts/test_reproducible.py
 """
@@ -107,8 +108,9 @@ def test_main_job_is_bitwise_reproducible_in_the_other_dtype():
         raise Skip("needs 2 cores")
     facts = cpu_facts()
     other = "float32" if bf16_pays(facts)[0] else "bfloat16"
-    if other == "bfloat16" and not (facts["amx"] or facts["avx512_bf16"]):
-        raise Skip("bf16 is emulated on this CPU (no AVX512-BF16, no AMX): --dtype auto never picks it here, and "
+    if other == "bfloat16" and not (facts["onednn_bf16"] and (facts["amx"] or facts["avx512_bf16"])):
+        raise Skip("bf16 is emulated on this CPU (no AVX512-BF16, no AMX, or oneDNN capped below them): --dtype "
+                   "auto never picks it here, and "
                    "PyTorch's reference bf16 GEMMs take tens of times fp32's at the main job's shape")
     main_job_runs(other)
 

@@ -6,7 +6,7 @@ gradients sum over batch x sequence tokens), and every bf16 training step differ
 count once (`--threads auto`: the count torch starts with, i.e. OMP_NUM_THREADS or the cores it may use), the
 checkpoint records it and `--resume` reuses it, so a run's result depends only on its flags, data and seed. What
 this gives up: speed when another process takes a core (each OpenMP region then waits for the descheduled
-thread; `scripts/bench/bench_step.py --busy 1` measures it); pass `--threads 1` on a busy machine.
+thread); pass `--threads 1` on a busy machine.
 """
 import ctypes
 import ctypes.util

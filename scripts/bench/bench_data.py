@@ -2,17 +2,14 @@
 
     python scripts/bench/bench_data.py                          # 20, 100 and 400 MB
     python scripts/bench/bench_data.py --sizes_mb 20 1500       # up to the size of MiniMind's pretrain_hq.jsonl
-    python scripts/bench/bench_data.py --sizes_mb 400 --old_tree /work/old   # side by side with an old commit
 
 For every size it runs `train/pretrain.py --data_path corpus.jsonl --max_steps 20` twice in a fresh
 process each: cold (an empty data cache: preparation + training) and warm (the prepared cache), after
-timing `prepare_data` alone (in a fresh process, after its imports, on an empty cache) for every tree, and
+timing `prepare_data` alone (in a fresh process, after its imports, on an empty cache), and
 prints one row per run: documents, tokens, preparation time and MB/s, peak RSS during preparation and
 during training (and the PSS of the preparing process plus its tokenizer workers), the trainer's own
 count of seconds from its start (after Python's imports) to its first training step (its "setup:" line),
-and the whole run's wall time. With `--old_tree DIR` (a `git
-worktree` of another commit) the cold run is repeated there, alternating with ours, so both see the
-same machine. Memory is sampled every 0.1 s from /proc.
+and the whole run's wall time. Memory is sampled every 0.1 s from /proc.
 
 The corpora are English-like jsonl ({"text": ...} per line), 1-40 sentences of 12 words per document,
 seeded, written once under --work_dir (see `synthetic_corpus` for the two kinds of word draws).
@@ -183,18 +180,14 @@ def main(argv=None):
     p.add_argument("--sizes_mb", type=int, nargs="+", default=[20, 100, 400], help="corpus sizes (MB)")
     p.add_argument("--work_dir", default="/tmp/bench_data", help="where corpora and runs go")
     p.add_argument("--steps", type=int, default=20, help="training steps per run")
-    p.add_argument("--old_tree", default=None, help="a worktree of another commit to run cold alongside ours")
-    p.add_argument("--old_max_mb", type=int, default=400, help="skip the old tree above this size")
     p.add_argument("--corpus", default="longtail", choices=("longtail", "plain"),
                    help="longtail: Zipf words over a 2M vocabulary, like real text; plain: the embedded corpus's words")
-    ranges = {"steps": AT_LEAST_1, "old_max_mb": AT_LEAST_1}
+    ranges = {"steps": AT_LEAST_1}
     args = p.parse_args(argv, ranges=ranges)
     if any(size < 1 for size in args.sizes_mb):
         p.error(f"--sizes_mb must be >= 1 each, got {args.sizes_mb}")
     os.makedirs(args.work_dir, exist_ok=True)
-    trees = [("ours", ROOT)] + ([("old", os.path.abspath(args.old_tree))] if args.old_tree else [])
-    imports = {label: import_seconds(tree) for label, tree in trees}
-    print(f"uptime before: {os.getloadavg()}; import seconds: {imports}", flush=True)
+    print(f"uptime before: {os.getloadavg()}; import seconds: {import_seconds(ROOT):.1f}", flush=True)
     head = (f"{'size':>6} {'tree':>5} {'run':>5} {'documents':>10} {'train tokens':>13} {'data at s':>9} {'MB/s':>7} "
             f"{'prep RSS MB':>11} {'+workers':>8} {'train RSS MB':>12} {'1st step s':>10} {'wall s':>7}")
     rows, prep_rows = [], []
@@ -204,11 +197,9 @@ def main(argv=None):
         corpus = synthetic_corpus(os.path.join(args.work_dir, f"corpus-{args.corpus}-{size}mb.jsonl"), size,
                                   kind=args.corpus)
         mb = os.path.getsize(corpus) / 1e6
-        for label, tree in trees:  # the preparation alone, each tree in turn
-            if label == "ours" or size <= args.old_max_mb:
-                seconds, rss, pss = prep_only(tree, corpus, args.work_dir)
-                prep_rows.append(f"{size:>6} {label:>5} {seconds:>8.1f} {mb / seconds:>9.2f} {rss:>11.0f} {pss:>8.0f}")
-                print(prep_rows[-1], flush=True)
+        seconds, rss, pss = prep_only(ROOT, corpus, args.work_dir)  # the preparation alone
+        prep_rows.append(f"{size:>6} {'ours':>5} {seconds:>8.1f} {mb / seconds:>9.2f} {rss:>11.0f} {pss:>8.0f}")
+        print(prep_rows[-1], flush=True)
         runs = [("ours", ROOT, True), ("ours", ROOT, False)]
         for label, tree, cold in runs:
             r = bench(tree, label, corpus, args.work_dir, args.steps, cold)

@@ -1,9 +1,7 @@
-"""Whole training steps on CPU, side by side: which engines make the step fast on this machine, and what a
-busy machine does to it.
+"""Whole training steps on CPU, side by side: which engines make the step fast on this machine, and where the
+step's time goes.
 
     python scripts/bench/bench_step.py                    # engines: fp32 MKL / oneDNN linears, bf16, attention kernels
-    python scripts/bench/bench_step.py --busy 1           # the same with 1 busy process beside it, threads 2 vs 1
-    python scripts/bench/bench_step.py --old_tree /work/old --steps 150   # main job vs another checkout's, alternating
     python scripts/bench/bench_step.py --split            # time per step: attention, FFN / MoE, LM head, optimizer
 
 Engines mode: the main job's model (D=256, 4 layers, E=4 top-2, F=384, batch 16 x 128; `--impl`,
@@ -15,26 +13,18 @@ under bf16 autocast, then adding train/engines.py's engines one by one (each var
 Engines holding only the chosen ones: written-out attention, chunked LM-head loss, fused MoE engines) and
 torch's fused AdamW: the last is what the trainer runs.
 
-Busy mode (`--busy N`): starts N single-threaded busy loops first (the other jobs of a shared machine) and
-times 1, 2, ... threads, printing each as a share of the idle figure measured just before.
-
 Split mode (`--split`): where a step's time goes, dense vs MoE at equal active parameters (dense FFN of
 width 2F vs E=4 top-2 experts of width F, `--impl`), in the engines the main job picks: forward + backward
 of all attention sublayers (with their norms), of all FFN / MoE sublayers, of the LM head with the loss,
 and the AdamW step, each timed alone on the same activations (ms per step; their sum is close to a step).
 
-Old-tree mode: runs `train/pretrain.py --max_steps N` in this checkout and in `--old_tree` alternately
-(`--rounds` each, fresh out dirs, no evaluation or checkpoint before the end) and reads tokens/s from
-metrics.jsonl (total tokens / total time of the log intervals after the first); `--busy` applies there
-too. Check `uptime` first: numbers from a loaded machine are noise.
+Two commits compare in two `git worktree`s, each running this script in turn (scripts/README.md).
+Check `uptime` first: numbers from a loaded machine are noise.
 """
 import contextlib
 import dataclasses
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # scripts/bench
@@ -130,38 +120,6 @@ def engines(args):
         print(f"  {name:28s} {tokens / t:8.0f} tokens/s  {tokens / t / base:5.2f}x")
 
 
-@contextlib.contextmanager
-def busy_loops(n):
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        time.sleep(0.5 if n else 0)
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-
-
-def busy(args):
-    name = "the trainer's engines (bf16, every engine, fused AdamW)"
-    step = make_step(args, *VARIANTS["+ fused AdamW"])
-    counts = [n for n in (os.cpu_count(), 2, 1) if n <= os.cpu_count()]
-    idle = {}
-    for n in dict.fromkeys(counts):
-        torch.set_num_threads(n)
-        timed(step, 2)
-        idle[n] = args.steps / timed(step, args.steps)
-    tokens = args.batch_size * args.seq_len
-    print(f"{name}, MoE {args.impl}; idle, then with {args.busy} busy process(es)")
-    with busy_loops(args.busy):
-        for n in dict.fromkeys(counts):
-            torch.set_num_threads(n)
-            timed(step, 2)
-            rate = args.steps / timed(step, args.steps)
-            print(f"  threads={n}: idle {idle[n] * tokens:7.0f} tokens/s, busy {rate * tokens:7.0f} tokens/s "
-                  f"= {rate / max(idle.values()):.0%} of the best idle figure")
-
-
 SPLIT_ROWS = {  # name: (num_experts, top-k, expert width); equal active FFN width 768
     "dense F=768": (0, 0, 768), "E=4 k=2 F=384": (4, 2, 384), "E=16 k=4 F=192": (16, 4, 192),
     "E=64 k=8 F=96": (64, 8, 96)}
@@ -245,34 +203,9 @@ def split(args):
         print(f"  {name:16s}" + "".join(f"{row[c]:10.2f}" if row[c] is not None else f"{'':10s}" for c in cols))
 
 
-def main_job_rate(tree, args):
-    out = tempfile.mkdtemp(prefix="bench_step_")
-    cmd = [sys.executable, os.path.join(tree, "train/pretrain.py"), "--out_dir", os.path.join(out, "run"),
-           "--max_steps", str(args.steps), "--time_budget_s", "0", "--no_progress", "--eval_interval", "100000",
-           "--save_interval", "100000", "--sample_tokens", "0",
-           *args.extra.split()]
-    subprocess.run(cmd, cwd=tree, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    rates = [json.loads(line).get("tok_per_s") for line in open(os.path.join(out, "run", "metrics.jsonl"))]
-    rates = [r for r in rates if r][1:]
-    return len(rates) / sum(1 / r for r in rates)  # equal tokens per interval: total tokens / total time
-
-
-def old_tree(args):
-    trees = {"this checkout": ROOT, "old tree": os.path.abspath(args.old_tree)}
-    results = {k: [] for k in trees}
-    with busy_loops(args.busy):
-        for _ in range(args.rounds):
-            for name, tree in trees.items():
-                results[name].append(main_job_rate(tree, args))
-                print(f"  {name}: {results[name][-1]:.0f} tokens/s", flush=True)
-    mean = {k: sum(v) / len(v) for k, v in results.items()}
-    print(f"main job ({args.steps} steps, {args.busy} busy process(es)): this checkout {mean['this checkout']:.0f} "
-          f"tokens/s, old tree {mean['old tree']:.0f}: {mean['this checkout'] / mean['old tree']:.2f}x")
-
-
 def main(argv=None):
     keep_freed_memory()  # as the trainer does on CPU
-    from train.flags import AT_LEAST_0, AT_LEAST_1, Parser
+    from train.flags import AT_LEAST_1, Parser
     p = Parser(description=__doc__)
     p.add_argument("--impl", default="fused", choices=("sorted", "fused"))
     p.add_argument("--use_moe", type=int, default=1, choices=(0, 1))
@@ -280,21 +213,13 @@ def main(argv=None):
     p.add_argument("--num_layers", type=int, default=4)
     p.add_argument("--batch_size", type=int, default=16, help="the main job's")
     p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=5, help="steps per variant per round (old-tree mode: per run)")
+    p.add_argument("--steps", type=int, default=5, help="steps per variant per round")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--busy", type=int, default=0, help="busy single-threaded processes to run beside")
-    p.add_argument("--old_tree", default=None, help="another checkout: compare the main job's tokens/s")
-    p.add_argument("--extra", default="", help="old-tree mode: flags added to both main jobs")
     p.add_argument("--split", action="store_true", help="time per step split into attention, FFN, LM head, AdamW")
-    ranges = {**dict.fromkeys(("hidden_size", "num_layers", "batch_size", "seq_len", "steps", "rounds"), AT_LEAST_1),
-              "busy": AT_LEAST_0}
+    ranges = dict.fromkeys(("hidden_size", "num_layers", "batch_size", "seq_len", "steps", "rounds"), AT_LEAST_1)
     args = p.parse_args(argv, ranges=ranges)
     if args.split:
         split(args)
-    elif args.old_tree:
-        old_tree(args)
-    elif args.busy:
-        busy(args)
     else:
         engines(args)
 
