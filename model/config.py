@@ -4,9 +4,10 @@ neither torch nor transformers, so the trainer's flags parse in a blink): saved 
 inside every checkpoint (`to_dict`), from where resume and export read the architecture
 (`from_dict`).
 
-The defaults are the main job's model (train/pretrain.py; the flags take their defaults from here).
-Fields declared with `_training(...)` say how to train, not what function the model computes: they
-may change on --resume / --init_from and the HF export has nothing to carry for them.
+The defaults are the main job's model (train/pretrain.py). Each field is declared once (`knob`):
+default, meaning, allowed values, whether it is a training choice; the trainer's flags of the same
+names are built from it. Loss weights above 10 and a bias step above 1 (the router scores are
+probabilities) are typos.
 """
 import json
 import math
@@ -52,89 +53,89 @@ class Range:
 
 
 AT_LEAST_1, AT_LEAST_0, POSITIVE = Range(1), Range(0), Range(0, lo_open=True)
-# The numbers each numeric field accepts (None, where a field allows it, is not checked here). The
-# trainer's flags of the same names show these in --help and check them at parse time
-# (train/flags.py). Loss weights above 10 and a bias step above 1 (the router scores are
-# probabilities) are typos.
-FIELD_RANGES = {
-    **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "intermediate_size", "num_experts",
-                     "num_experts_per_tok", "moe_intermediate_size",
-                     "shared_expert_intermediate_size", "moe_expert_alignment"), AT_LEAST_1),
-    **dict.fromkeys(("n_shared_experts", "initializer_range"), AT_LEAST_0),
-    **dict.fromkeys(("rope_theta", "rms_norm_eps", "capacity_factor", "routed_scaling_factor"),
-                    POSITIVE),
-    # RoPE tables are built for all of them (2 x 4 bytes x head_dim each)
-    "max_position_embeddings": Range(1, 2**20),
-    "dropout": Range(0, 1, hi_open=True),
-    "router_aux_loss_coef": Range(0, 10), "router_z_loss_coef": Range(0, 10),
-    "router_bias_update_rate": Range(0, 1),
-}
 
 
-def _training(default):
-    return field(default=default, metadata={"training": True})
+def knob(default, doc, allowed=None, flag=True, training=False):
+    """A MiniMindConfig field, declared once: its default, what it means (with `flag`, the help of
+    the trainer's flag of the same name, train/flags.py, which takes its type, default and
+    `allowed` from here), the values it accepts (a Range, checked for numbers, None passing where
+    the type allows it; or a tuple of choices), and whether it says how to train rather than what
+    function the model computes (`training`: it may change on --resume / --init_from; the HF
+    export has nothing to carry for it)."""
+    return field(default=default, metadata={"doc": doc, "allowed": allowed, "flag": flag,
+                                            "training": training})
 
 
 @dataclass(kw_only=True)
 class MiniMindConfig:
     """Raises TypeError naming the field for a value of the wrong type (`hidden_size="64"`) or an
-    unknown field, ConfigError (a ValueError) naming the fields for a value outside FIELD_RANGES or
-    a bad combination."""
+    unknown field, ConfigError (a ValueError) naming the fields for a value outside its `allowed`
+    or a bad combination."""
 
     model_type: typing.ClassVar[str] = "minimind"
 
-    vocab_size: int = 6400
-    hidden_size: int = 256                  # model width D
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4            # query heads; divide hidden_size unless head_dim is set
-    num_key_value_heads: int = 2            # GQA; divide num_attention_heads
-    # None: hidden_size // num_attention_heads (even, for RoPE)
-    head_dim: int | None = None
-    # dense SwiGLU width; None: ceil(D * pi / 64) * 64 (MiniMind's rule)
-    intermediate_size: int | None = None
-    max_position_embeddings: int = 2048     # longest sequence [tokens]
-    rope_theta: float = 1e6                 # RoPE base (MiniMind-3 / Qwen3)
-    rms_norm_eps: float = 1e-6
-    dropout: float = 0.0                    # on attention weights and residual branches
-    tie_word_embeddings: bool = True        # the LM head shares the input embedding
-    use_moe: bool = True                    # every FFN a mixture of experts (model/moe.py)
-    num_experts: int = 4                    # E
-    num_experts_per_tok: int = 2            # top-k, 1 <= k <= E
-    moe_intermediate_size: int | None = 384  # SwiGLU width of one expert; None: intermediate_size
-    # shared experts (DeepSeekMoE, Qwen2-MoE): a dense
-    # SwiGLU every token takes beside its routed experts
-    n_shared_experts: int = 0
-    # its width; None: n_shared_experts * moe_intermediate_size
-    shared_expert_intermediate_size: int | None = None
-    # renormalise the k chosen router probabilities to sum to 1
-    norm_topk_prob: bool = True
-    # multiplies the combine weights (DeepSeek-V2/V3's routed_scaling_factor)
-    routed_scaling_factor: float = 1.0
-    router_aux_loss_coef: float = _training(0.01)  # balance-loss weight (0 = off)
-    # None: dropless; else an expert takes <= ceil(cf * T * K / E) pairs
-    capacity_factor: float | None = None
-    # which pairs an over-full expert keeps: "probs" (highest weight) | "position"
-    moe_drop_policy: str = "probs"
-    # pad every expert's rows to the capacity (fixed GEMM shapes)
-    moe_pad_to_capacity: bool = False
-    moe_expert_alignment: int = _training(1)  # pad every expert's rows to a multiple of this
-    # "sorted": one host sync per layer, bitwise the masked loop (scripts/moe_reference.py);
-    # "fused": no host sync, equal up to rounding (what training runs, train/flags.py)
-    moe_impl: str = _training("sorted")
-    # balance loss per layer (model/router.py): "minimind" (coef * K when balanced), "switch" (coef
-    # when balanced), "sequence" (DeepSeek-V3 sequence-wise) or "none"
-    router_aux_loss_type: str = _training("minimind")
-    router_z_loss_coef: float = _training(0.0)  # ST-MoE router z-loss weight
-    # aux-loss-free balancing (DeepSeek-V3): > 0 adds an fp32 buffer `expert_bias` that steers the
-    # top-k choice, moved this much per optimizer step towards balance
-    router_bias_update_rate: float = 0.0
-    # "float32": the router in fp32 under autocast (Megatron-LM)
-    router_dtype: str | None = _training(None)
-    initializer_range: float = 0.02
-    pad_token_id: int | None = 0
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = 0
+    # (the trainer's --vocab_size, a data flag, sizes the tokenizer it trains)
+    vocab_size: int = knob(6400, "vocabulary size", AT_LEAST_1, flag=False)
+    hidden_size: int = knob(256, "model width D", AT_LEAST_1)
+    num_hidden_layers: int = knob(4, "transformer blocks", AT_LEAST_1)
+    num_attention_heads: int = knob(4, "attention (query) heads; divide hidden_size unless "
+                                    "head_dim is set", AT_LEAST_1)
+    num_key_value_heads: int = knob(2, "key/value heads (GQA); divide num_attention_heads",
+                                    AT_LEAST_1)
+    head_dim: int | None = knob(None, "per-head width; None: hidden_size // num_attention_heads "
+                                "(even, for RoPE)", flag=False)
+    intermediate_size: int | None = knob(None, "dense FFN width (None: ceil(D * pi / 64) * 64, "
+                                         "MiniMind's rule)", AT_LEAST_1)
+    # (RoPE tables are built for all of them: 2 x 4 bytes x head_dim each)
+    max_position_embeddings: int = knob(2048, "longest sequence the model supports",
+                                        Range(1, 2**20))
+    rope_theta: float = knob(1e6, "RoPE base (MiniMind-3 / Qwen3)", POSITIVE, flag=False)
+    rms_norm_eps: float = knob(1e-6, "RMSNorm epsilon", POSITIVE, flag=False)
+    dropout: float = knob(0.0, "dropout probability on attention weights and residual branches",
+                          Range(0, 1, hi_open=True))
+    tie_word_embeddings: bool = knob(True, "the LM head shares the input embedding", flag=False)
+    use_moe: bool = knob(True, "1: MoE feed-forward (model/moe.py), 0: dense")
+    num_experts: int = knob(4, "experts per MoE layer (E)", AT_LEAST_1)
+    num_experts_per_tok: int = knob(2, "experts per token (top-k), 1 <= k <= E", AT_LEAST_1)
+    moe_intermediate_size: int | None = knob(384, "SwiGLU width of one expert; None: "
+                                             "intermediate_size", AT_LEAST_1)
+    n_shared_experts: int = knob(0, "shared experts (DeepSeekMoE, Qwen2-MoE): a dense SwiGLU every "
+                                 "token takes beside the routed ones", AT_LEAST_0)
+    shared_expert_intermediate_size: int | None = knob(
+        None, "shared experts' width (None: n_shared_experts x moe_intermediate_size)", AT_LEAST_1)
+    norm_topk_prob: bool = knob(True, "renormalise the k chosen router probabilities to sum to 1",
+                                flag=False)
+    routed_scaling_factor: float = knob(1.0, "combine weights times this (DeepSeek-V2/V3; the "
+                                        "trainer's default: top-k)", POSITIVE)
+    router_aux_loss_coef: float = knob(0.01, "load-balancing loss weight (0 = off)", Range(0, 10),
+                                       training=True)
+    capacity_factor: float | None = knob(None, "expert capacity = ceil(factor * tokens * top_k / "
+                                         "experts); None: dropless", POSITIVE)
+    moe_drop_policy: str = knob("probs", "which pairs an over-full expert keeps: the highest "
+                                "weight or the earliest", ("probs", "position"))
+    moe_pad_to_capacity: bool = knob(False, "pad every expert's rows to the capacity (fixed GEMM "
+                                     "shapes)")
+    moe_expert_alignment: int = knob(1, "pad each expert's rows to a multiple of this", AT_LEAST_1,
+                                     training=True)
+    moe_impl: str = knob("sorted", "MoE dispatch: fused (no host sync; training's default) or "
+                         "sorted (bitwise MiniMind's masked loop, 1 host sync per layer; the "
+                         "layer's default)", ("sorted", "fused"), training=True)
+    router_aux_loss_type: str = knob("minimind", "balance loss (model/router.py): minimind (coef * "
+                                     "K when balanced), switch (coef), sequence (DeepSeek-V3's "
+                                     "sequence-wise) or none",
+                                     ("minimind", "switch", "sequence", "none"), training=True)
+    router_z_loss_coef: float = knob(0.0, "router z-loss weight (ST-MoE; 0 = off)", Range(0, 10),
+                                     training=True)
+    router_bias_update_rate: float = knob(0.0, "aux-loss-free balancing (DeepSeek-V3): an fp32 "
+                                          "buffer expert_bias steers the top-k choice, moved this "
+                                          "much per optimizer step (e.g. 1e-3; 0 = off)",
+                                          Range(0, 1))
+    router_dtype: str | None = knob(None, "float32: router logits / softmax / top-k in fp32 under "
+                                    "autocast (Megatron-LM)", (None, "float32"), training=True)
+    initializer_range: float = knob(0.02, "std of the initial weights", AT_LEAST_0, flag=False)
+    pad_token_id: int | None = knob(0, "padding token id", flag=False)
+    bos_token_id: int | None = knob(None, "beginning-of-sequence token id", flag=False)
+    eos_token_id: int | list[int] | None = knob(0, "end-of-sequence token id(s)", flag=False)
 
     @classmethod
     def training_fields(cls):
@@ -168,10 +169,16 @@ class MiniMindConfig:
 
     def __post_init__(self):
         self._check_types()
-        for name, allowed in FIELD_RANGES.items():
-            value = getattr(self, name)
-            self._check(value is None or value in allowed,
-                        f"{{{name}}} must be {allowed.worded(value)}, got {value}", **{name: None})
+        for name, f in self.__dataclass_fields__.items():
+            value, allowed = getattr(self, name), f.metadata.get("allowed")
+            if isinstance(allowed, Range):
+                self._check(value is None or value in allowed,
+                            f"{{{name}}} must be {allowed.worded(value)}, got {value}",
+                            **{name: None})
+            elif allowed is not None:  # (the value's repr is literal text in the template)
+                got = repr(value).replace("{", "{{").replace("}", "}}")
+                self._check(value in allowed, f"{{{name}}} must be one of {allowed}, got {got}",
+                            **{name: None})
         if self.head_dim is None:
             self._check(self.hidden_size % self.num_attention_heads == 0,
                         "{num_attention_heads} must divide {hidden_size}",
@@ -203,14 +210,6 @@ class MiniMindConfig:
         self._check(not self.moe_pad_to_capacity or self.capacity_factor is not None,
                     "{moe_pad_to_capacity} needs {capacity_factor} to be set",
                     moe_pad_to_capacity=True, capacity_factor=None)
-        for name, allowed in (("moe_drop_policy", ("probs", "position")),
-                              ("moe_impl", ("sorted", "fused")),
-                              ("router_aux_loss_type", ("minimind", "switch", "sequence", "none")),
-                              ("router_dtype", (None, "float32"))):
-            # (literal text in the template)
-            got = repr(getattr(self, name)).replace("{", "{{").replace("}", "}}")
-            self._check(getattr(self, name) in allowed,
-                        f"{{{name}}} must be one of {allowed}, got {got}", **{name: None})
         self._check(self.router_bias_update_rate == 0 or self.use_moe,
                     "{router_bias_update_rate} needs {use_moe} "
                     "(a dense model has no router)",

@@ -18,8 +18,8 @@ import torch  # noqa: E402
 
 from data.chat import tokenize_conversation  # noqa: E402
 from data.tokenizer import stop_token_ids  # noqa: E402
-from generate import RANGES, load_model  # noqa: E402
-from train.flags import Parser, run_tool, utf8_text  # noqa: E402
+from generate import load_model  # noqa: E402
+from train.flags import Parser, Range, add, run_tool, utf8_text  # noqa: E402
 
 
 class Chat:
@@ -74,14 +74,15 @@ def main(argv=None):
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (None: tokenizer/ next to the checkpoint)")
     p.add_argument("--prompt", default=None, type=utf8_text, help="ask this one question, print the answer and exit")
     p.add_argument("--system", default=None, type=utf8_text, help="a system turn at the start of every conversation")
-    p.add_argument("--max_new_tokens", type=int, default=200, help="longest answer, in tokens")
-    p.add_argument("--temperature", type=float, default=0.7,
-                   help="0 = greedy (small models repeat themselves greedily)")
-    p.add_argument("--top_k", type=int, default=40, help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--top_p", type=float, default=0.95, help="nucleus sampling mass (1.0 = off)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    add(p, "--max_new_tokens", allowed=Range(1), type=int, default=200, help="longest answer, in tokens")
+    add(p, "--temperature", allowed=Range(0), type=float, default=0.7,
+        help="0 = greedy (small models repeat themselves greedily)")
+    add(p, "--top_k", allowed=Range(0), type=int, default=40, help="keep the k most likely tokens (0 = off)")
+    add(p, "--top_p", allowed=Range(0, 1, lo_open=True), type=float, default=0.95,
+        help="nucleus sampling mass (1.0 = off)")
+    add(p, "--seed", allowed=Range(0, 2**32 - 1), type=int, default=0, help="sampling seed")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    args = p.parse_args(argv, ranges=RANGES)
+    args = p.parse_args(argv)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(p, args, device)
     if not tokenizer.chat_template:

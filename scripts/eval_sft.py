@@ -75,15 +75,14 @@ def answer(model, tok, prompt_ids, max_new_tokens):
 
 
 def main(argv=None):
-    from train.flags import AT_LEAST_0, AT_LEAST_1, Parser
+    from train.flags import AT_LEAST_0, AT_LEAST_1, Parser, add
     p = Parser(description=__doc__)
     p.add_argument("--base", default="checkpoints/pretrain", help="the pretrained run (or its export)")
     p.add_argument("--sft", default="checkpoints/sft", help="the fine-tuned run (or its export)")
-    p.add_argument("--n", type=int, default=20, help="held-out questions")
-    p.add_argument("--examples", type=int, default=3, help="answers to print")
-    p.add_argument("--max_new_tokens", type=int, default=60, help="longest answer")
-    ranges = {"n": AT_LEAST_1, "examples": AT_LEAST_0, "max_new_tokens": AT_LEAST_1}
-    args = p.parse_args(argv, ranges=ranges)
+    add(p, "--n", allowed=AT_LEAST_1, type=int, default=20, help="held-out questions")
+    add(p, "--examples", allowed=AT_LEAST_0, type=int, default=3, help="answers to print")
+    add(p, "--max_new_tokens", allowed=AT_LEAST_1, type=int, default=60, help="longest answer")
+    args = p.parse_args(argv)
     try:
         (base, base_tok), (sft, sft_tok) = load(args.base), load(args.sft)
     except (DataError, FileNotFoundError, ValueError) as e:

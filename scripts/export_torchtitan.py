@@ -31,7 +31,7 @@ from model.config import MiniMindConfig  # noqa: E402
 from model.hf_adapter import ExportError, check_exportable  # noqa: E402
 from train.checkpoint import load_checkpoint  # noqa: E402
 from train.run_dir import run_tokenizer  # noqa: E402
-from train.flags import AT_LEAST_1, Parser, run_tool  # noqa: E402
+from train.flags import AT_LEAST_1, Parser, add, run_tool  # noqa: E402
 
 TORCHTITAN_EPS = 1e-6  # torchtitan's Qwen3 RMSNorm eps (models/qwen3: _EPS), fixed
 
@@ -247,14 +247,16 @@ def main(argv=None):
                    "(default off: a Qwen3-MoE export cannot hold the bias)")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: tokenizer/ next to the checkpoint)")
     p.add_argument("--force", action="store_true", help="replace an earlier export at --out")
-    p.add_argument("--steps", type=int, default=SCHEDULE["steps"], help="minimind_pretrain's training steps")
-    p.add_argument("--sft_steps", type=int, default=SCHEDULE["sft_steps"], help="minimind_sft's training steps")
-    p.add_argument("--checkpoint_interval", type=int, default=SCHEDULE["checkpoint_interval"],
-                   help="steps between torchtitan's checkpoints (both configs)")
+    add(p, "--steps", allowed=AT_LEAST_1, type=int, default=SCHEDULE["steps"],
+        help="minimind_pretrain's training steps")
+    add(p, "--sft_steps", allowed=AT_LEAST_1, type=int, default=SCHEDULE["sft_steps"],
+        help="minimind_sft's training steps")
+    add(p, "--checkpoint_interval", allowed=AT_LEAST_1, type=int, default=SCHEDULE["checkpoint_interval"],
+        help="steps between torchtitan's checkpoints (both configs)")
     p.add_argument("--dataset", default=SCHEDULE["dataset"], choices=("c4", "c4_test", "c4_validation"),
                    help="minimind_pretrain's dataset, one torchtitan 0.3.0 registers (other text: its "
                    "--dataloader.dataset / --dataloader.dataset_path at launch)")
-    args = p.parse_args(argv, ranges=dict.fromkeys(("steps", "sft_steps", "checkpoint_interval"), AT_LEAST_1))
+    args = p.parse_args(argv)
     export(args.ckpt, args.out, args.ep, args.fsdp, args.load_balance_coeff, args.tokenizer, force=args.force,
            schedule={k: getattr(args, k) for k in SCHEDULE})
 

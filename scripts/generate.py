@@ -21,10 +21,8 @@ from model.hf_adapter import is_hf_folder  # noqa: E402
 from train.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
 from train.hf_folder import load_hf_checked  # noqa: E402
 from train.run_dir import run_tokenizer  # noqa: E402
-from train.flags import Parser, Range, run_tool, utf8_text  # noqa: E402
+from train.flags import Parser, Range, add, run_tool, utf8_text  # noqa: E402
 
-RANGES = {"max_new_tokens": Range(1), "num_samples": Range(1), "temperature": Range(0), "top_k": Range(0),
-          "top_p": Range(0, 1, lo_open=True), "seed": Range(0, 2**32 - 1)}
 
 
 def generate_hf(args, model, ids, streamer):
@@ -44,15 +42,17 @@ def main(argv=None):
     p.add_argument("--ckpt", default="checkpoints/pretrain", help="checkpoint file or run directory")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (None: tokenizer/ next to the checkpoint)")
     p.add_argument("--prompt", default="The", type=utf8_text, help="text to continue")
-    p.add_argument("--max_new_tokens", type=int, default=100, help="tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top_k", type=int, default=40, help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--top_p", type=float, default=0.95, help="nucleus sampling mass (1.0 = off)")
-    p.add_argument("--num_samples", type=int, default=1, help="independent samples (one is printed as it comes)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    add(p, "--max_new_tokens", allowed=Range(1), type=int, default=100, help="tokens to generate")
+    add(p, "--temperature", allowed=Range(0), type=float, default=0.8, help="0 = greedy")
+    add(p, "--top_k", allowed=Range(0), type=int, default=40, help="keep the k most likely tokens (0 = off)")
+    add(p, "--top_p", allowed=Range(0, 1, lo_open=True), type=float, default=0.95,
+        help="nucleus sampling mass (1.0 = off)")
+    add(p, "--num_samples", allowed=Range(1), type=int, default=1,
+        help="independent samples (one is printed as it comes)")
+    add(p, "--seed", allowed=Range(0, 2**32 - 1), type=int, default=0, help="sampling seed")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--no_cache", action="store_true", help="recompute the prefix each step (no KV cache)")
-    args = p.parse_args(argv, ranges=RANGES)
+    args = p.parse_args(argv)
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():

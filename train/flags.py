@@ -1,12 +1,13 @@
 """Command-line flags shared by every training stage, and how a resume merges them with the checkpoint's.
 
-A flag that sets a `MiniMindConfig` field is named like the field and takes its default from it, so the
-config is built by name (`build_config`) and a new field takes two edits: the field in model/config.py
-and its flag here. The one place training departs from the layer's defaults is model/config.py:
+Each flag is declared once: name, type, default, allowed values (`add`: a Range, shown in --help and
+checked at parse time) and help. A flag that sets a `MiniMindConfig` field is built from the field's
+declaration (model/config.py: `knob`), so the config is built by name (`build_config`) and a new field
+is one edit. The one place training departs from the layer's defaults is model/config.py:
 `TRAINING_DEFAULTS` (`trained_config`: the main job's model).
 
-`parse_args` checks everything that needs neither data nor the model: each flag's range (its field's
-FIELD_RANGES entry, or `RANGES`; shown in --help), the device, and on --resume the flags saved in the
+`parse_args` checks everything that needs neither data nor the model: each flag's range, the device,
+and on --resume the flags saved in the
 checkpoint; `build_config` checks how the model's fields combine (MiniMindConfig's own validation, its
 ConfigError worded in flags). An error is one line naming the flag as typed, exit code 2; nothing is
 written before that. `args` is not changed after parsing: what a run resolved later (the architecture
@@ -16,9 +17,10 @@ import argparse
 import os
 import re
 import sys
+import typing
 
-from model.config import (AT_LEAST_0, AT_LEAST_1, FIELD_RANGES, POSITIVE, TRAINING_DEFAULTS,
-                          ConfigError, MiniMindConfig, Range, trained_config)
+from model.config import (AT_LEAST_0, AT_LEAST_1, POSITIVE, TRAINING_DEFAULTS, ConfigError, MiniMindConfig, Range,
+                          trained_config)
 
 CONFIG_FIELDS = set(MiniMindConfig.__dataclass_fields__)
 # Flags a resume never takes from the checkpoint: they describe this invocation, not the run.
@@ -28,21 +30,6 @@ TRUNK_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention
                 "head_dim", "intermediate_size", "max_position_embeddings", "rope_theta", "rms_norm_eps", "dropout",
                 "tie_word_embeddings", "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id")
 UNLIMITED_STEPS = 10**12  # --max_steps of a run given --time_budget_s on its command line without --max_steps
-
-
-# The flags' own ranges; a flag named like a MiniMindConfig field is checked against the field's range
-# (model/config.py: FIELD_RANGES) except --vocab_size, which sizes the tokenizer a run trains.
-RANGES = {
-    **dict.fromkeys(("max_steps", "batch_size", "seq_len", "grad_accum", "eval_interval", "eval_tokens",
-                     "save_interval", "log_interval", "ep_size", "tokenizer_sample_mb"), AT_LEAST_1),
-    **dict.fromkeys(("warmup_steps", "weight_decay", "grad_clip", "stop_after", "sample_tokens", "time_budget_s",
-                     "data_workers"), AT_LEAST_0),
-    "learning_rate": POSITIVE,
-    "seed": Range(0, 2**32 - 1),
-    "vocab_size": Range(259),  # 256 bytes + 3 special tokens (data/tokenizer.py)
-}
-# Every range a trainer flag has
-ALL_RANGES = {**{k: r for k, r in FIELD_RANGES.items() if k != "vocab_size"}, **RANGES}
 
 
 class Parser(argparse.ArgumentParser):
@@ -57,13 +44,23 @@ class Parser(argparse.ArgumentParser):
         sys.stderr.write(f"usage: {self.prog} [flags]; see --help\nerror: {message}\n")
         sys.exit(2)
 
-    def parse_args(self, args=None, namespace=None, ranges=None):
-        """argparse's, with `ranges` ({dest: Range}) shown in --help and each value checked against its
-        range (parser.error naming the flag)."""
-        show_ranges(self, ranges or {})
+    def parse_args(self, args=None, namespace=None, check=True):
+        """argparse's, then (with `check`) each value against its flag's allowed range (`add`; parser.error
+        naming the flag)."""
         parsed = super().parse_args(args, namespace)
-        check_ranges(self, parsed, ranges or {})
+        if check:
+            check_ranges(self, parsed)
         return parsed
+
+
+def add(group, *names, allowed=None, **kw):
+    """group.add_argument(*names, **kw), with the values the flag allows (`allowed`: a Range) declared with it:
+    shown in --help, checked by Parser.parse_args."""
+    if allowed is not None:
+        kw["help"] = f"{kw.get('help', '')} (allowed: {allowed})"
+    action = group.add_argument(*names, **kw)
+    action.allowed = allowed
+    return action
 
 
 def utf8_text(value):
@@ -102,116 +99,87 @@ class Switch(argparse.Action):
         setattr(namespace, self.dest, option_string == self.option_strings[0])
 
 
-def check_ranges(parser, args, ranges):
-    """parser.error naming the flag whose value is outside its range."""
-    for dest, allowed in ranges.items():
-        value = getattr(args, dest, None)
-        if value is not None and value not in allowed:
-            parser.error(f"--{dest} must be {allowed.worded(value)}, got {value}")
-
-
-def show_ranges(parser, ranges):
-    """Add each flag's allowed range to its --help text."""
+def check_ranges(parser, args, skip=()):
+    """parser.error naming the flag whose value is outside its range (`add`), but for the flags in `skip`."""
     for action in parser._actions:
-        if action.dest in ranges:
-            action.help = f"{action.help} (allowed: {ranges[action.dest]})"
-
-
-def _field(group, name, help, **kw):
-    """A flag for the MiniMindConfig field `name`, defaulting to the field's default (bools as 0/1)."""
-    default = TRAINING_DEFAULTS.get(name, MiniMindConfig.__dataclass_fields__[name].default)
-    if isinstance(default, bool):
-        kw.update(type=int, choices=(0, 1))
-        default = flag_value(default)
-    elif default is not None and "choices" not in kw:
-        kw.setdefault("type", type(default))
-    group.add_argument(f"--{name}", default=default, help=help, **kw)
+        allowed, value = getattr(action, "allowed", None), getattr(args, action.dest, None)
+        if allowed is not None and value is not None and action.dest not in skip and value not in allowed:
+            parser.error(f"--{action.dest} must be {allowed.worded(value)}, got {value}")
 
 
 def add_model_flags(parser):
-    group = parser.add_argument_group("model (MiniMindConfig fields, model/config.py; on --resume / --init_from the "
-                                      "architecture comes from the weights)")
-    _field(group, "hidden_size", "model width D")
-    _field(group, "num_hidden_layers", "transformer blocks")
-    _field(group, "num_attention_heads", "attention (query) heads")
-    _field(group, "num_key_value_heads", "key/value heads (GQA)")
-    _field(group, "intermediate_size", "dense FFN width (None: ~pi*D)", type=int)
-    _field(group, "use_moe", "1: MoE feed-forward, 0: dense")
-    _field(group, "num_experts", "experts per MoE layer")
-    _field(group, "num_experts_per_tok", "experts per token (top-k)")
-    _field(group, "moe_intermediate_size", "SwiGLU width of one expert")
-    _field(group, "n_shared_experts", "shared experts: a dense SwiGLU every token takes beside the routed ones")
-    _field(group, "shared_expert_intermediate_size", "shared experts' width (None: n_shared_experts x "
-           "moe_intermediate_size)", type=int)
-    _field(group, "routed_scaling_factor", "combine weights times this (DeepSeek-V3); default: top-k", type=float)
-    _field(group, "capacity_factor", "expert capacity = ceil(factor * tokens * top_k / experts); None: dropless",
-           type=float)
-    _field(group, "moe_drop_policy", "which pairs an over-full expert keeps", choices=("probs", "position"))
-    _field(group, "moe_pad_to_capacity", "pad every expert's rows to the capacity (fixed GEMM shapes)")
-    _field(group, "router_bias_update_rate", "aux-loss-free balancing: selection bias step per optimizer step "
-           "(DeepSeek-V3; e.g. 1e-3; 0 = off)")
-    _field(group, "dropout", "dropout probability")
-    _field(group, "max_position_embeddings", "longest sequence the model supports")
-    group = parser.add_argument_group("training choices (MiniMindConfig training fields: may change on --resume)")
-    _field(group, "moe_impl", "MoE dispatch: fused (no host sync; training's default) or sorted (bitwise MiniMind's "
-           "masked loop, 1 host sync per layer; the layer's default)", choices=("sorted", "fused"))
-    _field(group, "moe_expert_alignment", "pad each expert's rows to a multiple of this")
-    _field(group, "router_aux_loss_coef", "load-balancing loss weight")
-    _field(group, "router_aux_loss_type", "balance loss (model/router.py)",
-           choices=("minimind", "switch", "sequence", "none"))
-    _field(group, "router_z_loss_coef", "router z-loss weight (ST-MoE; 0 = off)")
-    _field(group, "router_dtype", "float32: router logits/softmax/top-k in fp32 under autocast", choices=("float32",))
+    """A flag for each MiniMindConfig field declared with one (model/config.py: `knob`), in two groups: the
+    architecture and the training choices; its type, default (TRAINING_DEFAULTS first; bools as 0/1), allowed
+    values and help from the field."""
+    groups = {False: parser.add_argument_group("model (MiniMindConfig fields, model/config.py; on --resume / "
+                                               "--init_from the architecture comes from the weights)"),
+              True: parser.add_argument_group("training choices (MiniMindConfig training fields: may change on "
+                                              "--resume)")}
+    for name, f in MiniMindConfig.__dataclass_fields__.items():
+        if not f.metadata.get("flag"):
+            continue
+        default, allowed = TRAINING_DEFAULTS.get(name, f.default), f.metadata["allowed"]
+        kind = next(t for t in typing.get_args(f.type) or (f.type,) if t is not type(None))
+        if kind is bool:
+            kw = dict(type=int, choices=(0, 1), default=flag_value(default))
+        elif isinstance(allowed, tuple):
+            kw = dict(choices=tuple(c for c in allowed if c is not None), default=default)
+        else:
+            kw = dict(type=kind, default=default, allowed=allowed)
+        add(groups[f.metadata["training"]], f"--{name}", help=f.metadata["doc"], **kw)
 
 
 def add_train_flags(parser, default_out_dir):
     group = parser.add_argument_group("optimisation")
-    group.add_argument("--max_steps", type=int, default=1300,
-                       help="optimizer steps (with --time_budget_s an upper bound)")
-    group.add_argument("--batch_size", type=int, default=16, help="sequences per micro-batch and rank")
-    group.add_argument("--seq_len", type=int, default=128, help="tokens per sequence")
-    group.add_argument("--grad_accum", type=int, default=1, help="micro-batches per optimizer step")
-    group.add_argument("--learning_rate", type=float, default=3e-3, help="peak learning rate")
-    group.add_argument("--warmup_steps", type=int, default=50, help="linear warmup steps, then cosine to lr/10")
-    group.add_argument("--time_budget_s", type=float, default=0.0,
-                       help="seconds of training (not setup, evaluation or saving; a resume continues them), checked "
-                       "every step: the measured step time plans the run's steps (at most --max_steps; re-planned when "
-                       "the speed drifts) and the cosine runs over them. 0 = train --max_steps steps")
-    group.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay on matrices")
-    group.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0 = off)")
-    group.add_argument("--seed", type=int, default=1337, help="seed for init and data order")
+    add(group, "--max_steps", type=int, default=1300, allowed=AT_LEAST_1,
+        help="optimizer steps (with --time_budget_s an upper bound)")
+    add(group, "--batch_size", type=int, default=16, allowed=AT_LEAST_1, help="sequences per micro-batch and rank")
+    add(group, "--seq_len", type=int, default=128, allowed=AT_LEAST_1, help="tokens per sequence")
+    add(group, "--grad_accum", type=int, default=1, allowed=AT_LEAST_1, help="micro-batches per optimizer step")
+    add(group, "--learning_rate", type=float, default=3e-3, allowed=POSITIVE, help="peak learning rate")
+    add(group, "--warmup_steps", type=int, default=50, allowed=AT_LEAST_0,
+        help="linear warmup steps, then cosine to lr/10")
+    add(group, "--time_budget_s", type=float, default=0.0, allowed=AT_LEAST_0,
+        help="seconds of training (not setup, evaluation or saving; a resume continues them), checked every step: "
+        "the measured step time plans the run's steps (at most --max_steps; re-planned when the speed drifts) and "
+        "the cosine runs over them. 0 = train --max_steps steps")
+    add(group, "--weight_decay", type=float, default=0.1, allowed=AT_LEAST_0, help="AdamW weight decay on matrices")
+    add(group, "--grad_clip", type=float, default=1.0, allowed=AT_LEAST_0, help="max global grad norm (0 = off)")
+    add(group, "--seed", type=int, default=1337, allowed=Range(0, 2**32 - 1), help="seed for init and data order")
     group = parser.add_argument_group("run")
-    group.add_argument("--out_dir", default=default_out_dir, help="where checkpoint, tokenizer and plots go")
-    group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    group.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                       help="autocast dtype; auto = bfloat16 on CUDA, and on a CPU where bf16 trains faster than "
-                       "fp32 (AMX; AVX512-BF16 on AMD), else float32; a resume keeps the run's")
-    group.add_argument("--threads", default="auto", help="CPU threads, fixed for the run (train/threads.py): auto = "
-                       "OMP_NUM_THREADS or the cores torch may use; a resume keeps the run's count")
-    group.add_argument("--eval_interval", type=int, default=250, help="steps between validation runs")
-    group.add_argument("--eval_tokens", type=int, default=16384, help="validation tokens per evaluation")
-    group.add_argument("--save_interval", type=int, default=250, help="steps between checkpoints")
-    group.add_argument("--log_interval", type=int, default=10, help="steps between progress/metrics updates")
-    group.add_argument("--resume", nargs="?", const="auto", default=None,
-                       help="resume from a checkpoint (path, or out_dir/ckpt.pt without a value); architecture and "
-                       "unspecified flags come from it")
-    group.add_argument("--overwrite", action="store_true", help="start a new run in an --out_dir that holds one")
-    group.add_argument("--init_from", default=None, help="start from these weights (a run dir / checkpoint, or an HF "
-                       "folder from export_hf.py); architecture and tokenizer from there, optimizer and step fresh")
-    group.add_argument("--upcycle_from", default=None, help="start an MoE from a dense run's weights (sparse "
-                       "upcycling): trunk and tokenizer from there, each FFN cut into the experts the MoE flags "
-                       "describe")
-    group.add_argument("--ep_size", type=int, default=1, help="expert-parallel group size (divides the world size and "
-                       "num_experts); launch with torchrun --nproc_per_node N")
-    group.add_argument("--fsdp", action="store_true", help="shard the dense parameters, grads and optimizer state "
-                       "over the ranks with FSDP2 (DDP replicates them); checkpoints are then sharded")
-    group.add_argument("--stop_after", type=int, default=0, help="stop after this many steps of this invocation, "
-                       "with a checkpoint (0 = run to max_steps)")
-    group.add_argument("--compile", "--no_compile", action=Switch, help="torch.compile the model")
-    group.add_argument("--wandb", "--no_wandb", action=Switch, help="log to Weights & Biases, offline unless logged in")
-    group.add_argument("--wandb_project", default="minimind-moe", help="wandb project name")
-    group.add_argument("--sample_tokens", type=int, default=48, help="tokens to sample at the end (0 = none)")
-    group.add_argument("--show_load", type=int, default=1, choices=(0, 1), help="expert load in the progress bar")
-    group.add_argument("--no_progress", "--progress", action=Switch, help="no progress bar, logs only")
+    add(group, "--out_dir", default=default_out_dir, help="where checkpoint, tokenizer and plots go")
+    add(group, "--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    add(group, "--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+        help="autocast dtype; auto = bfloat16 on CUDA, and on a CPU where bf16 trains faster than fp32 (AMX; "
+        "AVX512-BF16 on AMD), else float32; a resume keeps the run's")
+    add(group, "--threads", default="auto", help="CPU threads, fixed for the run (train/threads.py): auto = "
+        "OMP_NUM_THREADS or the cores torch may use; a resume keeps the run's count")
+    add(group, "--eval_interval", type=int, default=250, allowed=AT_LEAST_1, help="steps between validation runs")
+    add(group, "--eval_tokens", type=int, default=16384, allowed=AT_LEAST_1, help="validation tokens per evaluation")
+    add(group, "--save_interval", type=int, default=250, allowed=AT_LEAST_1, help="steps between checkpoints")
+    add(group, "--log_interval", type=int, default=10, allowed=AT_LEAST_1,
+        help="steps between progress/metrics updates")
+    add(group, "--resume", nargs="?", const="auto", default=None,
+        help="resume from a checkpoint (path, or out_dir/ckpt.pt without a value); architecture and unspecified "
+        "flags come from it")
+    add(group, "--overwrite", action="store_true", help="start a new run in an --out_dir that holds one")
+    add(group, "--init_from", default=None, help="start from these weights (a run dir / checkpoint, or an HF folder "
+        "from export_hf.py); architecture and tokenizer from there, optimizer and step fresh")
+    add(group, "--upcycle_from", default=None, help="start an MoE from a dense run's weights (sparse upcycling): "
+        "trunk and tokenizer from there, each FFN cut into the experts the MoE flags describe")
+    add(group, "--ep_size", type=int, default=1, allowed=AT_LEAST_1, help="expert-parallel group size (divides the "
+        "world size and num_experts); launch with torchrun --nproc_per_node N")
+    add(group, "--fsdp", action="store_true", help="shard the dense parameters, grads and optimizer state over the "
+        "ranks with FSDP2 (DDP replicates them); checkpoints are then sharded")
+    add(group, "--stop_after", type=int, default=0, allowed=AT_LEAST_0,
+        help="stop after this many steps of this invocation, with a checkpoint (0 = run to max_steps)")
+    add(group, "--compile", "--no_compile", action=Switch, help="torch.compile the model")
+    add(group, "--wandb", "--no_wandb", action=Switch, help="log to Weights & Biases, offline unless logged in")
+    add(group, "--wandb_project", default="minimind-moe", help="wandb project name")
+    add(group, "--sample_tokens", type=int, default=48, allowed=AT_LEAST_0,
+        help="tokens to sample at the end (0 = none)")
+    add(group, "--show_load", type=int, default=1, choices=(0, 1), help="expert load in the progress bar")
+    add(group, "--no_progress", "--progress", action=Switch, help="no progress bar, logs only")
 
 
 def build_parser(stage):
@@ -220,7 +188,6 @@ def build_parser(stage):
     add_model_flags(parser)
     add_train_flags(parser, stage.default_out_dir)
     parser.set_defaults(**stage.defaults)
-    show_ranges(parser, ALL_RANGES)
     return parser
 
 
@@ -238,14 +205,14 @@ def parse_args(stage, argv=None):
     """Parse a stage's flags and check what needs no data. With --resume the flags saved in the checkpoint
     become the defaults (flags given now win; the architecture stays the checkpoint's)."""
     parser = build_parser(stage)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv, check=False)
     if args.resume:
         args = _merge_resume(parser, stage, args, argv)
     elif args.time_budget_s and given(argv, "time_budget_s") and not given(argv, "max_steps"):
         args.max_steps = UNLIMITED_STEPS  # the budget plans the run (a resume keeps the checkpoint's value)
     trains_tokenizer = (getattr(args, "tokenizer", None) is None
                         and not (args.resume or args.init_from or args.upcycle_from))
-    check_ranges(parser, args, {k: r for k, r in ALL_RANGES.items() if k != "vocab_size" or trains_tokenizer})
+    check_ranges(parser, args, skip=() if trains_tokenizer else ("vocab_size",))
     if args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         parser.error("--fsdp shards over the ranks of a torchrun launch; this is one process (drop --fsdp)")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
@@ -280,7 +247,7 @@ def _merge_resume(parser, stage, args, argv):
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
     parser.set_defaults(**{k: v for k, v in saved.items() if k not in PER_INVOCATION and k != "stage"})
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv, check=False)
     args.resume = path
     changed = [f"--{k}" for k in architecture_fields()
                if k in saved and k != "vocab_size" and getattr(args, k) != saved[k]]

@@ -14,24 +14,25 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from model.config import MiniMindConfig  # noqa: E402
+from model.config import MiniMindConfig, Range  # noqa: E402
 from train import flags  # noqa: E402
 from train.stage import Stage, StageData  # noqa: E402
 
 
 def add_data_flags(g):
-    g.add_argument("--data_path", default=None,
-                   help="training text: a .jsonl / .json / .txt / .parquet file, a directory or a quoted glob of them, "
-                   "a datasets.save_to_disk folder, or hf:NAME (datasets.load_dataset); every 20th document is held "
-                   "out. None: the embedded Python-stdlib docstring corpus")
-    g.add_argument("--text_field", default="text", help="the text field of jsonl / parquet / datasets records")
-    g.add_argument("--tokenizer", default=None, help="existing tokenizer dir; None: train a BPE on the data (cached)")
-    g.add_argument("--vocab_size", type=int, default=MiniMindConfig.vocab_size,
-                   help="BPE vocabulary size when training a tokenizer")
-    g.add_argument("--tokenizer_sample_mb", type=int, default=16,
-                   help="a new BPE is trained on the first this-many MB of training documents")
-    g.add_argument("--data_workers", type=int, default=None,
-                   help="processes tokenizing a new corpus; None: one per core above 32 MB of input, else 0")
+    flags.add(g, "--data_path", default=None,
+              help="training text: a .jsonl / .json / .txt / .parquet file, a directory or a quoted glob of them, a "
+              "datasets.save_to_disk folder, or hf:NAME (datasets.load_dataset); every 20th document is held out. "
+              "None: the embedded Python-stdlib docstring corpus")
+    flags.add(g, "--text_field", default="text", help="the text field of jsonl / parquet / datasets records")
+    flags.add(g, "--tokenizer", default=None, help="existing tokenizer dir; None: train a BPE on the data (cached)")
+    # (at least 256 bytes + 3 special tokens, data/tokenizer.py)
+    flags.add(g, "--vocab_size", type=int, default=MiniMindConfig.vocab_size, allowed=Range(259),
+              help="BPE vocabulary size when training a tokenizer")
+    flags.add(g, "--tokenizer_sample_mb", type=int, default=16, allowed=flags.AT_LEAST_1,
+              help="a new BPE is trained on the first this-many MB of training documents")
+    flags.add(g, "--data_workers", type=int, default=None, allowed=flags.AT_LEAST_0,
+              help="processes tokenizing a new corpus; None: one per core above 32 MB of input, else 0")
 
 
 def load_data(args, tokenizer_dir, global_batch_size, log):

@@ -27,10 +27,10 @@ SAMPLE_QUESTION = "What does `os.path.join` do?"
 
 
 def add_data_flags(g):
-    g.add_argument("--data_path", default=None, help="conversations (.jsonl); None: the embedded stdlib Q&A set")
-    g.add_argument("--val_path", default=None, help="held-out conversations (.jsonl); None: with --data_path, every "
-                   "20th conversation of it; without, the embedded set's held-out functions")
-    g.add_argument("--tokenizer", default=None, help="tokenizer dir; None: the one next to the --init_from weights")
+    flags.add(g, "--data_path", default=None, help="conversations (.jsonl); None: the embedded stdlib Q&A set")
+    flags.add(g, "--val_path", default=None, help="held-out conversations (.jsonl); None: with --data_path, every "
+              "20th conversation of it; without, the embedded set's held-out functions")
+    flags.add(g, "--tokenizer", default=None, help="tokenizer dir; None: the one next to the --init_from weights")
 
 
 def chat_tokenizer(tokenizer_dir, log):

@@ -175,15 +175,14 @@ def bench(tree, label, corpus, work, steps, cold):
 
 
 def main(argv=None):
-    from train.flags import AT_LEAST_1, Parser
+    from train.flags import AT_LEAST_1, Parser, add
     p = Parser(description=__doc__)
     p.add_argument("--sizes_mb", type=int, nargs="+", default=[20, 100, 400], help="corpus sizes (MB)")
     p.add_argument("--work_dir", default="/tmp/bench_data", help="where corpora and runs go")
-    p.add_argument("--steps", type=int, default=20, help="training steps per run")
+    add(p, "--steps", allowed=AT_LEAST_1, type=int, default=20, help="training steps per run")
     p.add_argument("--corpus", default="longtail", choices=("longtail", "plain"),
                    help="longtail: Zipf words over a 2M vocabulary, like real text; plain: the embedded corpus's words")
-    ranges = {"steps": AT_LEAST_1}
-    args = p.parse_args(argv, ranges=ranges)
+    args = p.parse_args(argv)
     if any(size < 1 for size in args.sizes_mb):
         p.error(f"--sizes_mb must be >= 1 each, got {args.sizes_mb}")
     os.makedirs(args.work_dir, exist_ok=True)

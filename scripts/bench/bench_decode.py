@@ -74,17 +74,18 @@ def hf_export(ckpt_path, out_dir, device):
 
 
 def main(argv=None):
-    from train.flags import AT_LEAST_1, Parser
+    from train.flags import AT_LEAST_1, Parser, add
     p = Parser(description=__doc__)
     p.add_argument("--ckpt", default="checkpoints/pretrain", help="checkpoint file or run directory")
     p.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
-    p.add_argument("--prompt_len", type=int, default=16)
-    p.add_argument("--new_tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="timed generates per row and batch (the median is kept)")
+    add(p, "--prompt_len", allowed=AT_LEAST_1, type=int, default=16)
+    add(p, "--new_tokens", allowed=AT_LEAST_1, type=int, default=64)
+    add(p, "--repeats", allowed=AT_LEAST_1, type=int, default=3,
+        help="timed generates per row and batch (the median is kept)")
     p.add_argument("--rows", default="ours,hf", help="comma-separated, from ours,hf")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", default="", help="also append the JSON lines to this file")
-    args = p.parse_args(argv, ranges=dict.fromkeys(("prompt_len", "new_tokens", "repeats"), AT_LEAST_1))
+    args = p.parse_args(argv)
     rows = args.rows.split(",")
     if len(set(rows)) != len(rows):
         p.error(f"--rows {args.rows}: a row named twice")

@@ -188,24 +188,23 @@ def device_peak_tflops(device):
 
 
 def main(argv=None):
-    from train.flags import AT_LEAST_0, POSITIVE, Parser
+    from train.flags import AT_LEAST_0, POSITIVE, Parser, add
     p = Parser(description=__doc__)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="autocast dtype")
     p.add_argument("--tokens", default="256,4096", help="comma-separated token counts N")
-    p.add_argument("--repeats", type=int, default=0, help="timed rounds per cell (0 = auto)")
+    add(p, "--repeats", allowed=AT_LEAST_0, type=int, default=0, help="timed rounds per cell (0 = auto)")
     p.add_argument("--quick", action="store_true", help="one shape, fewer rounds")
     p.add_argument("--shapes", default="", help="comma-separated shape names to run (default: all)")
     p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated implementations")
-    p.add_argument("--batched_mm_limit_gb", type=float, default=3.0,
-                   help="skip hf-batched_mm where its per-pair weight copies exceed this [GiB]")
+    add(p, "--batched_mm_limit_gb", allowed=POSITIVE, type=float, default=3.0,
+        help="skip hf-batched_mm where its per-pair weight copies exceed this [GiB]")
     p.add_argument("--out", default="", help="also append the report to this file")
     p.add_argument("--json", default="", help="also write the medians to this file")
     p.add_argument("--profile", default="", help="write each cell's fwd+bwd op profile (fused, dense) here")
     p.add_argument("--os_malloc", action="store_true",
                    help="leave glibc's default thresholds (freed big blocks go back to the OS; see keep_freed_memory)")
-    ranges = {"repeats": AT_LEAST_0, "batched_mm_limit_gb": POSITIVE}
-    args = p.parse_args(argv, ranges=ranges)
+    args = p.parse_args(argv)
     tuned = False
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     ptdtype = getattr(torch, args.dtype)

@@ -208,31 +208,30 @@ def comparisons(results):
 
 
 def parse_cli(argv=None):
-    from train.flags import AT_LEAST_0, AT_LEAST_1, POSITIVE, Parser, Range
+    from train.flags import AT_LEAST_0, AT_LEAST_1, POSITIVE, Parser, Range, add
     p = Parser(description=__doc__)
     p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated rows, of {', '.join(ROWS)}")
-    p.add_argument("--budget_s", type=float, default=240.0, help="training seconds per row (--time_budget_s)")
-    p.add_argument("--steps", type=int, default=0, help="equal steps instead: this many optimizer steps per row")
-    p.add_argument("--hidden_size", type=int, default=256)
-    p.add_argument("--num_hidden_layers", type=int, default=4)
-    p.add_argument("--moe_intermediate_size", type=int, default=384,
-                   help="F: expert width of the top-2 rows (dense: 2F; fine: F/2)")
-    p.add_argument("--batch_size", type=int, default=16, help="the main job's")
-    p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--learning_rate", type=float, default=None, help="None: the trainer's default")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--eval_tokens", type=int, default=16384,
-                   help="validation tokens of the step-0 and final evaluations")
+    add(p, "--budget_s", allowed=POSITIVE, type=float, default=240.0, help="training seconds per row (--time_budget_s)")
+    add(p, "--steps", allowed=AT_LEAST_0, type=int, default=0,
+        help="equal steps instead: this many optimizer steps per row")
+    add(p, "--hidden_size", allowed=AT_LEAST_1, type=int, default=256)
+    add(p, "--num_hidden_layers", allowed=AT_LEAST_1, type=int, default=4)
+    add(p, "--moe_intermediate_size", allowed=AT_LEAST_1, type=int, default=384,
+        help="F: expert width of the top-2 rows (dense: 2F; fine: F/2)")
+    add(p, "--batch_size", allowed=AT_LEAST_1, type=int, default=16, help="the main job's")
+    add(p, "--seq_len", allowed=AT_LEAST_1, type=int, default=128)
+    add(p, "--learning_rate", allowed=POSITIVE, type=float, default=None, help="None: the trainer's default")
+    add(p, "--seed", allowed=Range(0, 2**32 - 1), type=int, default=1337)
+    add(p, "--eval_tokens", allowed=AT_LEAST_1, type=int, default=16384,
+        help="validation tokens of the step-0 and final evaluations")
     p.add_argument("--data_path", default=None, help="training text (see train/pretrain.py); None: the embedded corpus")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir; None: the corpus's cached BPE (one for all rows)")
-    p.add_argument("--vocab_size", type=int, default=None, help="BPE size when one is trained; None: the trainer's")
+    add(p, "--vocab_size", allowed=Range(259), type=int, default=None,
+        help="BPE size when one is trained; None: the trainer's")
     p.add_argument("--extra", default="", help='more train/pretrain.py flags for every run, e.g. "--dtype bfloat16"')
     p.add_argument("--out_dir", default=os.path.join("bench_out", "quality"), help="results.json/.md and per-row logs")
     p.add_argument("--keep_runs", action="store_true", help="keep each run's folder (checkpoint, plots)")
-    ranges = {"budget_s": POSITIVE, "steps": AT_LEAST_0, "learning_rate": POSITIVE, "seed": Range(0, 2**32 - 1),
-              "vocab_size": Range(259), **dict.fromkeys(("hidden_size", "num_hidden_layers", "moe_intermediate_size",
-                                                          "batch_size", "seq_len", "eval_tokens"), AT_LEAST_1)}
-    args = p.parse_args(argv, ranges=ranges)
+    args = p.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     bad = [r for r in rows if r not in ROWS]
     if bad or not rows:

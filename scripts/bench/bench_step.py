@@ -205,19 +205,18 @@ def split(args):
 
 def main(argv=None):
     keep_freed_memory()  # as the trainer does on CPU
-    from train.flags import AT_LEAST_1, Parser
+    from train.flags import AT_LEAST_1, Parser, add
     p = Parser(description=__doc__)
     p.add_argument("--impl", default="fused", choices=("sorted", "fused"))
     p.add_argument("--use_moe", type=int, default=1, choices=(0, 1))
-    p.add_argument("--hidden_size", type=int, default=256)
-    p.add_argument("--num_layers", type=int, default=4)
-    p.add_argument("--batch_size", type=int, default=16, help="the main job's")
-    p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=5, help="steps per variant per round")
-    p.add_argument("--rounds", type=int, default=3)
+    add(p, "--hidden_size", allowed=AT_LEAST_1, type=int, default=256)
+    add(p, "--num_layers", allowed=AT_LEAST_1, type=int, default=4)
+    add(p, "--batch_size", allowed=AT_LEAST_1, type=int, default=16, help="the main job's")
+    add(p, "--seq_len", allowed=AT_LEAST_1, type=int, default=128)
+    add(p, "--steps", allowed=AT_LEAST_1, type=int, default=5, help="steps per variant per round")
+    add(p, "--rounds", allowed=AT_LEAST_1, type=int, default=3)
     p.add_argument("--split", action="store_true", help="time per step split into attention, FFN, LM head, AdamW")
-    ranges = dict.fromkeys(("hidden_size", "num_layers", "batch_size", "seq_len", "steps", "rounds"), AT_LEAST_1)
-    args = p.parse_args(argv, ranges=ranges)
+    args = p.parse_args(argv)
     if args.split:
         split(args)
     else:

@@ -143,29 +143,26 @@ def gemm_rate(device, dtype, rows, hidden, width, seconds=0.5):
 
 
 def main(argv=None):
-    from train.flags import AT_LEAST_0, AT_LEAST_1, Parser
+    from train.flags import AT_LEAST_0, AT_LEAST_1, Parser, add
     p = Parser(description=__doc__)
     p.add_argument("--rows", default="masked,sorted,fused", help=f"comma-separated, from {','.join(ROWS)}")
-    p.add_argument("--hidden_size", type=int, default=256)
-    p.add_argument("--num_layers", type=int, default=4)
-    p.add_argument("--num_heads", type=int, default=4)
-    p.add_argument("--num_kv_heads", type=int, default=2)
-    p.add_argument("--num_experts", type=int, default=4)
-    p.add_argument("--top_k", type=int, default=2)
-    p.add_argument("--moe_intermediate_size", type=int, default=384)
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per row per round")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=40, help="untimed steps per row first")
+    add(p, "--hidden_size", allowed=AT_LEAST_1, type=int, default=256)
+    add(p, "--num_layers", allowed=AT_LEAST_1, type=int, default=4)
+    add(p, "--num_heads", allowed=AT_LEAST_1, type=int, default=4)
+    add(p, "--num_kv_heads", allowed=AT_LEAST_1, type=int, default=2)
+    add(p, "--num_experts", allowed=AT_LEAST_1, type=int, default=4)
+    add(p, "--top_k", allowed=AT_LEAST_1, type=int, default=2)
+    add(p, "--moe_intermediate_size", allowed=AT_LEAST_1, type=int, default=384)
+    add(p, "--batch_size", allowed=AT_LEAST_1, type=int, default=8)
+    add(p, "--seq_len", allowed=AT_LEAST_1, type=int, default=128)
+    add(p, "--steps", allowed=AT_LEAST_1, type=int, default=5, help="timed steps per row per round")
+    add(p, "--rounds", allowed=AT_LEAST_1, type=int, default=4)
+    add(p, "--warmup", allowed=AT_LEAST_0, type=int, default=40, help="untimed steps per row first")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--compile", action="store_true", help="torch.compile every model")
     p.add_argument("--json", default="", help="also write the figures to this file")
-    ranges = dict.fromkeys(("hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts", "top_k",
-                            "moe_intermediate_size", "batch_size", "seq_len", "steps", "rounds"), AT_LEAST_1)
-    ranges["warmup"] = AT_LEAST_0
-    args = p.parse_args(argv, ranges=ranges)
+    args = p.parse_args(argv)
     rows = args.rows.split(",")
     unknown = [r for r in rows if r not in ROWS]
     if unknown or not rows:

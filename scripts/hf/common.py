@@ -15,12 +15,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from data.atomic import atomic_dir  # noqa: E402
-from train.flags import AT_LEAST_1, POSITIVE, Parser, Range  # noqa: E402
+from train.flags import AT_LEAST_1, POSITIVE, Parser, Range, add  # noqa: E402
 from train.run_dir import checkpoint_in  # noqa: E402
 
-# The flags both scripts take; each adds its own (run_training's `ranges`)
-RANGES = {"steps": AT_LEAST_1, "batch_size": AT_LEAST_1, "max_train": AT_LEAST_1, "lr": POSITIVE,
-          "seed": Range(0, 2**32 - 1)}
 
 
 def sft_conversations(split):
@@ -126,22 +123,23 @@ def quiet_hf():
     datasets.disable_progress_bars()
 
 
-def training_parser(doc, out, lr, unit):
-    """The flags both post-training scripts take (--model, --out, --steps, --batch_size, --lr, --max_train,
-    --seed); each script adds its own."""
+def training_parser(doc, out, lr, unit, fewest=1):
+    """The flags both post-training scripts take (--model, --out, --steps, --batch_size, --lr, --max_train: at
+    least `fewest`, --seed); each script adds its own."""
     p = Parser(description=doc)
     p.add_argument("--model", default="exports/minimind-moe-sft", help="exported HF folder to start from (SFT)")
     p.add_argument("--out", default=out, help="new HF folder to write")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
-    p.add_argument("--batch_size", type=int, default=16, help=f"{unit} per step")
-    p.add_argument("--lr", type=float, default=lr, help="peak learning rate (cosine, 10%% warmup)")
-    p.add_argument("--max_train", type=int, default=None, help=f"use only the first N training {unit}")
-    p.add_argument("--seed", type=int, default=0, help="training seed (dpo.py: also of the rejected answers)")
+    add(p, "--steps", allowed=AT_LEAST_1, type=int, default=100, help="optimizer steps")
+    add(p, "--batch_size", allowed=AT_LEAST_1, type=int, default=16, help=f"{unit} per step")
+    add(p, "--lr", allowed=POSITIVE, type=float, default=lr, help="peak learning rate (cosine, 10%% warmup)")
+    add(p, "--max_train", allowed=Range(fewest), type=int, default=None, help=f"use only the first N training {unit}")
+    add(p, "--seed", allowed=Range(0, 2**32 - 1), type=int, default=0,
+        help="training seed (dpo.py: also of the rejected answers)")
     return p
 
 
-def run_training(p, argv, fn, ranges=None):
-    """Parse argv (a flag out of `ranges`, by default RANGES: parser error naming it), then fn(args) (its
+def run_training(p, argv, fn):
+    """Parse argv (a flag out of its range: parser error naming it), then fn(args) (its
     ValueError or OSError: a folder that is not an export, an --out that exists, non-finite training, ends the
     script through train/flags.py: run_tool)."""
-    fn(p.parse_args(argv, ranges=ranges or RANGES))
+    fn(p.parse_args(argv))

@@ -21,15 +21,14 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (RANGES, check_out_dir, load_export, non_finite_guard, qa_pairs, quiet_hf,  # noqa: E402
+from common import (check_out_dir, load_export, non_finite_guard, qa_pairs, quiet_hf,  # noqa: E402
                     run_training, save_export, training_parser, wrong_answers)
 
 import torch  # noqa: E402
 
-from train.flags import AT_LEAST_0, POSITIVE, Range, run_tool  # noqa: E402
+from train.flags import AT_LEAST_0, POSITIVE, Range, add, run_tool  # noqa: E402
 
 # a rejected answer is another pair's: at least 2 pairs; a negative beta reverses the objective
-DPO_RANGES = {**RANGES, "max_train": Range(2), "max_eval": Range(2), "beta": POSITIVE, "sft_weight": AT_LEAST_0}
 
 
 def preference_dataset(pairs, seed=0):
@@ -111,13 +110,14 @@ def dpo(model_dir, out_dir, steps=100, batch_size=16, lr=5e-4, beta=0.1, sft_wei
 
 
 def main(argv=None):
-    p = training_parser(__doc__, "exports/minimind-moe-dpo", 5e-4, "preference pairs")
-    p.add_argument("--beta", type=float, default=0.1, help="DPO's beta: how far from the starting model")
-    p.add_argument("--sft_weight", type=float, default=0.2, help="weight of the NLL of the chosen answers added to "
-                   "the DPO loss (RPO), which keeps the model fluent; 0 = plain DPO")
-    p.add_argument("--max_eval", type=int, default=None, help="use only the first N held-out pairs")
+    p = training_parser(__doc__, "exports/minimind-moe-dpo", 5e-4, "preference pairs", fewest=2)
+    add(p, "--beta", allowed=POSITIVE, type=float, default=0.1, help="DPO's beta: how far from the starting model")
+    add(p, "--sft_weight", allowed=AT_LEAST_0, type=float, default=0.2,
+        help="weight of the NLL of the chosen answers added to the DPO loss (RPO), which keeps the model fluent; "
+        "0 = plain DPO")
+    add(p, "--max_eval", allowed=Range(2), type=int, default=None, help="use only the first N held-out pairs")
     run_training(p, argv, lambda a: dpo(a.model, a.out, a.steps, a.batch_size, a.lr, a.beta, a.sft_weight,
-                                        a.max_train, a.max_eval, a.seed), DPO_RANGES)
+                                        a.max_train, a.max_eval, a.seed))
 
 
 if __name__ == "__main__":

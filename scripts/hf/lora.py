@@ -16,12 +16,12 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (RANGES, check_out_dir, load_export, non_finite_guard, quiet_hf, run_training,  # noqa: E402
+from common import (check_out_dir, load_export, non_finite_guard, quiet_hf, run_training,  # noqa: E402
                     save_export, sft_conversations, training_parser)
 
 import torch  # noqa: E402
 
-from train.flags import AT_LEAST_1, run_tool  # noqa: E402
+from train.flags import AT_LEAST_1, add, run_tool  # noqa: E402
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -63,9 +63,8 @@ def lora(model_dir, out_dir, steps=100, batch_size=16, lr=1e-3, rank=8, max_trai
 
 def main(argv=None):
     p = training_parser(__doc__, "exports/minimind-moe-lora", 1e-3, "conversations")
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha = 2 x rank)")
-    run_training(p, argv, lambda a: lora(a.model, a.out, a.steps, a.batch_size, a.lr, a.rank, a.max_train, a.seed),
-                 {**RANGES, "rank": AT_LEAST_1})
+    add(p, "--rank", allowed=AT_LEAST_1, type=int, default=8, help="LoRA rank (alpha = 2 x rank)")
+    run_training(p, argv, lambda a: lora(a.model, a.out, a.steps, a.batch_size, a.lr, a.rank, a.max_train, a.seed))
 
 
 if __name__ == "__main__":
