@@ -436,20 +436,19 @@ def left_pad(prompts, pad_id=0, device=None):
 
 def sample_next(logits_BV, temperature=1.0, top_k=0, top_p=1.0, generator=None):
     """Pick one token per row from fp32 logits [B, V]: greedy when temperature == 0, else sample
-    after temperature scaling, top-k and nucleus (top-p, Holtzman et al. 2019) filtering. Returns
-    [B] int64."""
+    after temperature scaling, top-k (the k highest logits; ties at the k-th cut by position) and
+    nucleus (top-p, Holtzman et al. 2019: the smallest prefix of those whose mass reaches top_p)
+    filtering. The filters run on the top-k candidates alone, sorted once (topk), not on all V.
+    Returns [B] int64."""
     if temperature <= 0:  # (max's indices: argmax's, the first of equal values; faster on CPU)
         return logits_BV.max(dim=-1).indices
     logits_BV = logits_BV / temperature
-    if top_k and top_k < logits_BV.shape[-1]:
-        kth = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
-        logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits_BV.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # keep the smallest prefix whose mass reaches top_p
-        drop = cum - sorted_logits.softmax(-1) > top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits_BV = torch.full_like(logits_BV, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits_BV.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    V = logits_BV.shape[-1]
+    if not (top_k and top_k < V) and top_p >= 1.0:
+        return torch.multinomial(logits_BV.softmax(-1), 1, generator=generator).squeeze(-1)
+    values_BK, ids_BK = torch.topk(logits_BV, top_k if top_k and top_k < V else V, dim=-1)
+    if top_p < 1.0:  # (values_BK descending: each row's prefix mass)
+        probs_BK = values_BK.softmax(-1)
+        values_BK = values_BK.masked_fill(probs_BK.cumsum(-1) - probs_BK > top_p, float("-inf"))
+    choice_B1 = torch.multinomial(values_BK.softmax(-1), 1, generator=generator)
+    return ids_BK.gather(-1, choice_B1).squeeze(-1)
