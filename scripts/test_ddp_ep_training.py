@@ -90,7 +90,7 @@ def test_fused_ep_runs_where_a_rank_gets_no_token():
     base = TINY + ["--data_path", data_file(), "--ep_size", "2", "--moe_impl", "fused", "--save_interval", "1000"]
     for name, extra in (("starved", ["--batch_size", "1", "--seq_len", "8", "--router_aux_loss_coef", "0",
                                      "--learning_rate", "3e-2", "--max_steps", "20"]),
-                        ("accum", ["--batch_size", "4", "--grad_accum", "2", "--max_steps", "30"])):
+                        ("accum", ["--batch_size", "4", "--grad_accum", "2", "--max_steps", "12"])):
         out = os.path.join(_TMP, f"fused_{name}")
         results = launch(2, base + extra + ["--out_dir", out])
         assert all(r["ok"] for r in results), (name, results)

@@ -400,7 +400,7 @@ def test_benchmarks_run_at_toy_sizes():
     sizes = ["--hidden_size", "32", "--num_layers", "1", "--batch_size", "2", "--seq_len", "16"]
     runs = {"scripts/bench/bench_step.py": [[*sizes, "--steps", "1", "--rounds", "1"],
                                             [*sizes, "--steps", "1", "--rounds", "1", "--split"]],
-            "scripts/bench/bench_moe.py": [["--quick", "--tokens", "64", "--repeats", "1"]],
+            "scripts/bench/bench_moe.py": [["--quick", "--shapes", "small", "--tokens", "64", "--repeats", "1"]],
             "scripts/bench/bench_train.py": [[*sizes, "--rows", "dense,sorted,fused", "--steps", "1", "--rounds", "1",
                                               "--warmup", "1", "--moe_intermediate_size", "32", "--num_heads", "2",
                                               "--num_kv_heads", "1"]],

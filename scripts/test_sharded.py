@@ -385,12 +385,11 @@ def test_tools_read_a_sharded_run():
     """generate.py and --init_from take a sharded run's folder, export_hf.py its checkpoint folder (`ckpt`,
     the tokenizer found beside it): their weights are the ranks' (export checks its logits against ours)."""
     out = _sharded_run("tools_src")
-    py = [sys.executable]
-    gen = subprocess.run(py + [os.path.join(ROOT, "scripts", "generate.py"), "--ckpt", out, "--prompt", "The",
-                               "--max_new_tokens", "8", "--temperature", "0"], capture_output=True, text=True)
+    gen = testlib.run_script("scripts/generate.py", "--ckpt", out, "--prompt", "The", "--max_new_tokens", "8",
+                             "--temperature", "0")
     assert gen.returncode == 0 and gen.stdout.strip(), gen.stderr
-    export = subprocess.run(py + [os.path.join(ROOT, "scripts", "export_hf.py"), "--ckpt", os.path.join(out, "ckpt"),
-                                  "--out", os.path.join(_TMP, "tools_hf")], capture_output=True, text=True)
+    export = testlib.run_script("scripts/export_hf.py", "--ckpt", os.path.join(out, "ckpt"), "--out",
+                                os.path.join(_TMP, "tools_hf"))
     assert export.returncode == 0, export.stderr
     init = os.path.join(_TMP, "tools_init")
     train_in(init, 1, *COMMON, "--max_steps", "1", "--init_from", out, *layout(1))
