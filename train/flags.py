@@ -8,8 +8,8 @@ is one edit. The one place training departs from the layer's defaults is model/c
 
 `parse_args` checks everything that needs neither data nor the model: each flag's range, the device,
 and on --resume the flags saved in the checkpoint; `build_config` checks how the model's fields combine
-(MiniMindConfig's own validation, its ConfigError worded in flags). An error is one line naming the flag as typed, exit code 2; nothing is
-written before that. `args` is not changed after parsing: what a run resolved later (the architecture
+(MiniMindConfig's own validation, its ConfigError worded in flags). An error is one line naming the flag
+as typed, exit code 2; nothing is written before that. `args` is not changed after parsing: what a run resolved later (the architecture
 of --resume / --init_from weights, --dtype auto) goes into the checkpoint through `flags_to_save`.
 """
 import argparse
