@@ -6,11 +6,12 @@ declaration (model/config.py: `knob`), so the config is built by name (`build_co
 is one edit. The one place training departs from the layer's defaults is model/config.py:
 `TRAINING_DEFAULTS` (`trained_config`: the main job's model).
 
-`parse_args` checks everything that needs neither data nor the model: each flag's range, the device,
-and on --resume the flags saved in the checkpoint; `build_config` checks how the model's fields combine
-(MiniMindConfig's own validation, its ConfigError worded in flags). An error is one line naming the flag
-as typed, exit code 2; nothing is written before that. `args` is not changed after parsing: what a run resolved later (the architecture
-of --resume / --init_from weights, --dtype auto) goes into the checkpoint through `flags_to_save`.
+`parse_args` checks everything that needs neither data nor the model: each flag's range, the device, and on
+--resume the flags saved in the checkpoint; `build_config` checks how the model's fields combine
+(MiniMindConfig's own validation, its ConfigError worded in flags). An error is one line naming the flag as
+typed, exit code 2; nothing is written before that. `args` is not changed after parsing: what a run resolved
+later (the architecture of --resume / --init_from weights, --dtype auto) goes into the checkpoint through
+`flags_to_save`.
 """
 import argparse
 import os
