@@ -139,7 +139,7 @@ class MiniMindConfig:
 
     @classmethod
     def training_fields(cls):
-        """Names of the fields that choose how to train (see `_training`)."""
+        """Names of the fields that choose how to train (`knob`'s `training`)."""
         return tuple(n for n, f in cls.__dataclass_fields__.items() if f.metadata.get("training"))
 
     def to_dict(self):
