@@ -3,6 +3,8 @@ run equals a continuous one bit for bit, and bad input fails fast with a clear m
 
     python scripts/test_pretrain.py
 """
+import fcntl
+import gc
 import json
 import os
 import subprocess
@@ -328,7 +330,13 @@ def test_resume_with_more_steps_or_budget_continues_the_run():
     trains on."""
     out = os.path.join(_TMP, "more_steps")
     common = TINY + ["--data_path", text_file(), "--learning_rate", "1e-2", "--log_interval", "1"]
-    assert _cli(*common, "--max_steps", "8", "--time_budget_s", "0", "--out_dir", out).returncode == 0
+    gc.disable()  # (the run's lock on out_dir is released when the run ends, not when the collector gets to it)
+    try:
+        assert _cli(*common, "--max_steps", "8", "--time_budget_s", "0", "--out_dir", out).returncode == 0
+        with open(os.path.join(out, ".lock")) as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        gc.enable()
     r = _cli("--resume", "--out_dir", out)
     assert r.returncode == 0 and "nothing to do" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     r = _cli("--resume", "--out_dir", out, "--max_steps", "12")

@@ -299,6 +299,7 @@ def train(args, stage, log=print):
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but CUDA is not available")
     ctx = init_distributed(args.ep_size, device_type, args.fsdp)
+    run = None
     try:
         run, state = setup(stage, args, ctx, device_type, log if ctx.is_main else (lambda *_: None))
         run.log(f"setup: {time.time() - t_start:.1f} s to the first step")
@@ -318,6 +319,9 @@ def train(args, stage, log=print):
     except BaseException:
         shutdown(ctx, wait_for_peers=False)  # a peer may never reach the barrier after a one-rank error
         raise
+    finally:
+        if run is not None and run.lock is not None:
+            run.lock.close()  # (now, not when collected: a caller in this process may run in out_dir next)
     shutdown(ctx)
     return summary
 
