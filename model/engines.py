@@ -20,13 +20,15 @@ from model.moe import expert_loop
 class Engines:
     """linear: class of the bias-free projections outside the MoE router and experts (attention,
     dense FFN, shared experts, LM head), nn.Linear or a subclass; attend: the attention kernel,
-    called as F.scaled_dot_product_attention; lm_loss: (h_ND, lm_head weight_VD, labels_N int64) ->
+    called as F.scaled_dot_product_attention; decode_attend: the same for a decode step (queries
+    after a KV cache's positions, outside autograd), or None (attend); lm_loss: (h_ND, lm_head weight_VD, labels_N int64) ->
     mean cross-entropy over labels != -100 in fp32, without logits, or None (logits, then
     F.cross_entropy); experts: the function that runs the routed experts on their stacked weights
     (model/moe.py: expert_loop's interface); movers: the row movers of the fused path's permute and
     combine (model/dispatch.py: RowMovers)."""
     linear: type = nn.Linear
     attend: Callable = F.scaled_dot_product_attention
+    decode_attend: Callable | None = None
     lm_loss: Callable | None = None
     experts: Callable = expert_loop
     movers: RowMovers = PLAIN_MOVERS

@@ -93,14 +93,15 @@ class KVCache:
 
 class Attention(nn.Module):
     """GQA attention; `attend` is the kernel (an Engines.attend, called as
-    F.scaled_dot_product_attention)."""
+    F.scaled_dot_product_attention), `decode_attend` the one of a decode step (queries after the
+    KV cache's positions, outside autograd; None: attend)."""
 
     def __init__(self, config: MiniMindConfig, linear=nn.Linear,
-                 attend=F.scaled_dot_product_attention):
+                 attend=F.scaled_dot_product_attention, decode_attend=None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-        self.attend = attend
+        self.attend, self.decode_attend = attend, decode_attend or attend
         self.q_proj = linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
         self.k_proj = linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
@@ -133,18 +134,21 @@ class Attention(nn.Module):
         else:  # several new queries after a cache: query i sees keys up to L - S + i
             mask = torch.ones(S, L, dtype=torch.bool, device=x_BSD.device).tril(diagonal=L - S)
             causal = False
-        out = self.attend(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True,
-                          dropout_p=self.dropout if self.training else 0.0)
+        attend = self.decode_attend if S < L and not torch.is_grad_enabled() else self.attend
+        out = attend(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True,
+                     dropout_p=self.dropout if self.training else 0.0)
         return self.resid_dropout(self.o_proj(out.transpose(1, 2).reshape(B, S, -1)))
 
     def extra_repr(self):
-        return f"attend={self.attend.__name__}"
+        return (f"attend={self.attend.__name__}" + (
+            f", decode_attend={self.decode_attend.__name__}"
+            if self.decode_attend is not self.attend else ""))
 
 
 class MiniMindBlock(nn.Module):
     def __init__(self, config: MiniMindConfig, engines: Engines = PLAIN):
         super().__init__()
-        self.self_attn = Attention(config, engines.linear, engines.attend)
+        self.self_attn = Attention(config, engines.linear, engines.attend, engines.decode_attend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = (MOEFeedForward(config, engines.experts, engines.movers, engines.linear)

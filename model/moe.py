@@ -99,26 +99,38 @@ def routed_loop(x_TD, topk_idx_TK, topk_weight_TK, w_gate_up_E2FD, w_down_EDF, w
     """Steps 3-5 for the few tokens of a decode step (MOEFeedForward.decodes), outside autograd
     on the CPU: each expert some token routes to, in ascending id, on its tokens' rows
     (ascending token) through the SwiGLU on views of the stacked weights; no sort, no row map,
-    no layout, nothing for the experts no token picked. x_TD [T, D]; topk_idx_TK int64 [T, K]
-    in [-1, E) (-1: no expert; read on the host); topk_weight_TK [T, K]; the stacked weights as
-    `Experts` holds them -> y_TD [T, D] in x's dtype. The dispatchers' arithmetic: weight_first
-    (the fused path) scales the hidden rows before the down projection and sums each token's
-    slots in fp32, else (the sorted path) the outputs are scaled, cast to x's dtype and summed
-    in it; slots in ascending expert id."""
+    no layout, nothing for the experts no token picked; one token goes slot by slot, without row
+    gathers. x_TD [T, D]; topk_idx_TK int64 [T, K] in [-1, E) (-1: no expert; read on the host);
+    topk_weight_TK [T, K]; the stacked weights as `Experts` holds them -> y_TD [T, D] in x's dtype.
+    The dispatchers' arithmetic: weight_first (the fused path) runs gate and up as one GEMM,
+    scales the hidden rows before the down projection and sums each token's slots in fp32, else
+    (the sorted path: expert_loop's ops on the same rows, bitwise) the outputs are scaled, cast to
+    x's dtype and summed in it; slots in ascending expert id."""
     (T, K), D = topk_idx_TK.shape, x_TD.shape[1]
     topk_idx_TK, topk_weight_TK = order_slots(topk_idx_TK, topk_weight_TK)
     sum_dtype = (torch.promote_types(x_TD.dtype, torch.float32) if weight_first
                  else x_TD.dtype)
-    out_TKD = x_TD.new_zeros(T, K, D, dtype=sum_dtype)
     w_gate_EFD, w_up_EFD = w_gate_up_E2FD.unflatten(1, (2, -1)).unbind(1)
+
+    def expert(e, x_nD, weight_n1):
+        if weight_first:
+            gate_nF, up_nF = F.linear(x_nD, w_gate_up_E2FD[e]).chunk(2, dim=-1)
+            hidden_nF = F.silu(gate_nF) * up_nF
+            return F.linear(hidden_nF * weight_n1.to(hidden_nF.dtype), w_down_EDF[e]).to(sum_dtype)
+        hidden_nF = F.silu(F.linear(x_nD, w_gate_EFD[e])) * F.linear(x_nD, w_up_EFD[e])
+        return (F.linear(hidden_nF, w_down_EDF[e]) * weight_n1).to(sum_dtype)
+
+    if T == 1:  # (the slots' sum in the same order as the rows' below)
+        y_1D = x_TD.new_zeros(1, D, dtype=sum_dtype)
+        for slot, e in enumerate(topk_idx_TK[0].tolist()):
+            if e >= 0:
+                y_1D = y_1D + expert(e, x_TD, topk_weight_TK[:, slot, None])
+        return y_1D.to(x_TD.dtype)
+    out_TKD = x_TD.new_zeros(T, K, D, dtype=sum_dtype)
     for e in sorted(set(topk_idx_TK.flatten().tolist()) - {-1}):
         token, slot = (topk_idx_TK == e).nonzero(as_tuple=True)
-        x_nD = x_TD[token]  # (expert_loop's ops on the same rows: the sorted path's bits)
-        hidden_nF = F.silu(F.linear(x_nD, w_gate_EFD[e])) * F.linear(x_nD, w_up_EFD[e])
-        weight_n1 = topk_weight_TK[token, slot, None]
-        out_TKD[token, slot] = (
-            F.linear(hidden_nF * weight_n1.to(hidden_nF.dtype), w_down_EDF[e]) if weight_first
-            else F.linear(hidden_nF, w_down_EDF[e]) * weight_n1).to(sum_dtype)
+        # (a fresh copy of the rows, as expert_loop's: the sorted path's bits)
+        out_TKD[token, slot] = expert(e, x_TD[token], topk_weight_TK[token, slot, None])
     y_TD = out_TKD[:, 0]
     for j in range(1, K):
         y_TD = y_TD + out_TKD[:, j]

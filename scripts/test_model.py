@@ -295,8 +295,9 @@ def test_chunked_lm_loss_is_the_torch_loss():
             elif engines == "engines_for":
                 assert engines_for(model.config, "cpu", torch.float32).lm_loss is linear_cross_entropy
                 model = tiny(cpu_engines=True, tie_word_embeddings=tied).train()
-                # attention projections x 4 per layer and the LM head
-                want = "engines: linear_cross_entropy x1" + (", OneDNNLinear x9" if onednn else "")
+                # attention projections x 4 per layer and the LM head; each layer's decode attention
+                want = ("engines: linear_cross_entropy x1, explicit_attention at decode x2"
+                        + (", OneDNNLinear x9" if onednn else ""))
                 assert describe(model) == want, describe(model)
                 assert sum(type(m) is OneDNNLinear for m in model.modules()) == (2 * 4 + 1 if onednn else 0)
                 assert model.chunked_lm_loss is linear_cross_entropy

@@ -9,6 +9,7 @@ name):
 
     Engines.linear     OneDNNLinear (kernels/cpu_linear.py)         CPU fp32 where oneDNN runs (it beats MKL)
     Engines.attend     explicit_attention (kernels/attention.py)    CPU under bf16 autocast
+    Engines.decode_attend  explicit_attention                       CPU (no copy of the cache's GQA heads)
     Engines.lm_loss    linear_cross_entropy (chunked, no logits)    CPU
     Engines.experts    cpu_experts_for(dtype) (kernels/experts.py:  moe_impl "fused", CPU with oneDNN, eager
                        CPUExperts, its layout for the dtype)
@@ -90,6 +91,7 @@ def engines_for(config, device, dtype, compiled=False) -> Engines:
                            if cpu and dtype == torch.float32 and onednn_runs("cpu", torch.float32)
                            else nn.Linear),
                    attend=explicit_attention if cpu and dtype == torch.bfloat16 else PLAIN.attend,
+                   decode_attend=explicit_attention if cpu else None,
                    lm_loss=linear_cross_entropy if cpu else None,
                    experts=experts,
                    movers=(TRITON_MOVERS if torch.device(device).type == "cuda" and triton_importable()
@@ -121,6 +123,8 @@ def describe(model):
             names.append("triton row movers")
         if getattr(m, "attend", None) is explicit_attention:
             names.append("explicit_attention")
+        elif getattr(m, "decode_attend", None) is explicit_attention:
+            names.append("explicit_attention at decode")
         if getattr(m, "chunked_lm_loss", None) is not None:
             names.append(m.chunked_lm_loss.__name__)
         for n in names:
