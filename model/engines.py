@@ -23,9 +23,9 @@ class Engines:
     called as F.scaled_dot_product_attention; decode_attend: the same for a decode step (queries
     after a KV cache's positions, outside autograd), or None (attend); lm_loss: (h_ND, lm_head
     weight_VD, labels_N int64) -> mean cross-entropy over labels != -100 in fp32, without logits,
-    or None (logits, then F.cross_entropy); experts: the function that runs the routed experts on their stacked weights
-    (model/moe.py: expert_loop's interface); movers: the row movers of the fused path's permute and
-    combine (model/dispatch.py: RowMovers)."""
+    or None (logits, then F.cross_entropy); experts: the function that runs the routed experts on
+    their stacked weights (model/moe.py: expert_loop's interface); movers: the row movers of the
+    fused path's permute and combine (model/dispatch.py: RowMovers)."""
     linear: type = nn.Linear
     attend: Callable = F.scaled_dot_product_attention
     decode_attend: Callable | None = None
