@@ -1,5 +1,7 @@
 """HuggingFace export: parity of logits and greedy ids with transformers' Qwen3(-MoE), clean loading,
-exact round trip, refusal of unrepresentable features, and the main job's checkpoint end to end.
+exact round trip, refusal of unrepresentable features, and the main job's checkpoint end to end. GGUF export
+(scripts/export_gguf.py): llama.cpp's logits, greedy ids and tokenization against ours, through llama-cpp-python
+in `.venv-llama` (what `.ci/run` makes; the tests skip by name without it).
 
     python scripts/test_export.py
 """
@@ -8,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import warnings
 
@@ -345,11 +348,146 @@ def test_short_context_model_exports_and_pads_like_hf():
     assert torch.equal(mine, theirs), f"\n{mine}\n{theirs}"
 
 
+# llama-cpp-python's side, run in its venv: a JSON request on stdin ({gguf, n_ctx, texts, prompt, new_tokens}) ->
+# {ids: each text encoded, logits: [len(prompt), V] of the prompt, greedy: new_tokens argmax ids after it}
+LLAMA_CPP = r"""
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+req = json.load(sys.stdin)
+llm = Llama(model_path=req["gguf"], n_ctx=req["n_ctx"], logits_all=True, verbose=False, n_threads=2,
+            type_k=req["kv_type"], type_v=req["kv_type"])
+out = {"ids": [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in req["texts"]], "greedy": []}
+llm.eval(req["prompt"])
+out["logits"] = np.asarray(llm.scores[:len(req["prompt"])], dtype=np.float64).tolist()
+for _ in range(req["new_tokens"]):
+    out["greedy"].append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+    llm.eval([out["greedy"][-1]])
+print(json.dumps(out))
+"""
+
+
+def llama_cpp(gguf_path, prompt, new_tokens=0, texts=(), n_ctx=256):
+    """llama.cpp (llama-cpp-python in .venv-llama, or $LLAMA_CPP_PYTHON) on a GGUF file: see LLAMA_CPP."""
+    python = os.environ.get("LLAMA_CPP_PYTHON") or os.path.join(ROOT, ".venv-llama", "bin", "python")
+    if not os.path.exists(python):
+        raise Skip(f"llama-cpp-python not installed ({python} missing; python3 -m venv .venv-llama && "
+                   f".venv-llama/bin/pip install llama-cpp-python numpy)")
+    probe = subprocess.run([python, "-c", "import llama_cpp, numpy"], capture_output=True, text=True)
+    if probe.returncode:
+        raise Skip(f"llama-cpp-python does not import in {python}: {probe.stderr.strip().splitlines()[-1:]}")
+    request = {"gguf": gguf_path, "n_ctx": n_ctx, "texts": list(texts), "prompt": prompt, "new_tokens": new_tokens,
+               "kv_type": 0}  # (GGML_TYPE_F32: llama.cpp's KV cache is f16 by default)
+    r = subprocess.run([python, "-c", LLAMA_CPP], input=json.dumps(request), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+def export_gguf(run_dir, dtype="float32"):
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from export_gguf import export_gguf as do_export
+    out = run_dir + f"_{dtype}.gguf"
+    do_export(run_dir, out, dtype, force=True, log=lambda *_: None)
+    return out
+
+
+# llama.cpp's fp32 CPU kernels (with an fp32 KV cache) against ours: the same function, other summation orders
+# (its GEMMs, its softmax and RMSNorm): ~3e-6 on these O(1) logits, TOL's room for other CPUs; fp16 weights on
+# both sides, its activations rounded to fp16 for its f16 GEMMs: 5e-2
+GGUF_TOL = {"float32": TOL, "float16": 5e-2}
+
+
+def test_gguf_llama_cpp_computes_our_logits():
+    """A random MoE (tied, k=2, routed scaling 2: folded into the experts' down projections), an untied top-1 MoE
+    and a dense model, exported to GGUF: llama.cpp's logits of a 40-token prompt equal ours within GGUF_TOL
+    (fp32; fp16 weights against our model rounded the same way), and its 32 greedy ids after it are ours."""
+    g = torch.Generator().manual_seed(0)
+    for use_moe, tie, k, scale in ((True, True, 2, 2.0), (True, False, 1, 1.0), (False, True, 1, 1.0)):
+        ours, run_dir = tiny_run(use_moe, tie, k, scale=scale)
+        prompt = torch.randint(3, 300, (1, 40), generator=g)
+        for dtype in ("float32", "float16"):
+            got = llama_cpp(export_gguf(run_dir, dtype), prompt[0].tolist(), new_tokens=32 if dtype == "float32" else 0)
+            model = ours if dtype == "float32" else MiniMindForCausalLM(ours.config).eval()
+            if dtype == "float16":  # (norms and the router stay fp32 in the file)
+                model.load_state_dict({k: v if v.dim() == 1 or ".mlp.gate." in k else v.half().float()
+                                       for k, v in ours.state_dict().items()})
+            with torch.no_grad():
+                diff = (torch.tensor(got["logits"]) - model(prompt).logits[0].double()).abs().max().item()
+            case = (use_moe, tie, k, scale, dtype)
+            assert diff <= GGUF_TOL[dtype], f"{case}: max |logit diff| llama.cpp vs ours {diff:.2e}"
+            if dtype == "float32":
+                want = ours.generate(prompt, 32, temperature=0)[0, 40:].tolist()
+                assert got["greedy"] == want, f"{case}: llama.cpp greedy {got['greedy']} vs ours {want}"
+
+
+def test_gguf_of_the_main_job_tokenizes_and_decodes_like_us():
+    """The tiny pretrained run through `scripts/export_gguf.py`: llama.cpp encodes code, unicode, whitespace runs
+    and digits to our tokenizer's ids, and greedy-decodes from a prompt the 32 tokens scripts/generate.py
+    --temperature 0 prints."""
+    from transformers import AutoTokenizer
+    run_dir = testlib.tiny_run()
+    out = os.path.join(_TMP, "main_job.gguf")
+    r = run_script("scripts/export_gguf.py", "--ckpt", run_dir, "--out", out, "--force")
+    assert r.returncode == 0 and "exported qwen3moe" in r.stdout, r.stdout + r.stderr
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(run_dir, "tokenizer"))
+    texts = ["def f(x):\n    return x  # twice\n\n\n", "naïve café — 日本語 😀 ok", "tabs\t\tand   spaces   ",
+             "3.14159 + 2,718 = 12345678", "  leading and trailing  ", "it's we'll they've I'd"]
+    prompt = tokenizer("def count_items(container):\n    ", add_special_tokens=False)["input_ids"]
+    got = llama_cpp(out, prompt, new_tokens=32, texts=texts)
+    for text, ids in zip(texts, got["ids"]):
+        want = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert ids == want, f"{text!r}: llama.cpp {ids} vs ours {want}"
+    r = run_script("scripts/generate.py", "--ckpt", run_dir, "--prompt", "def count_items(container):\n    ",
+                   "--temperature", "0", "--max_new_tokens", "32")
+    # (no end-of-text stop on llama.cpp's side: compare up to ours, which may stop early)
+    text = tokenizer.decode(prompt + got["greedy"])
+    assert r.returncode == 0 and (text.startswith(r.stdout.rstrip("\n")) or r.stdout.startswith(text)), \
+        f"generate.py {r.stdout!r} vs llama.cpp {text!r}"
+
+
+def test_gguf_export_refuses_bad_input_in_one_line_and_leaves_nothing_half_written():
+    """--out an existing file (without --force) or a folder, and a model llama.cpp cannot express (unnormalised
+    top-k weights) end in one `error:` line, the file there untouched; a write that fails half-way leaves
+    neither --out nor its temporary file."""
+    from unittest import mock
+    _, run_dir = tiny_run(True, True, 2)
+    out = os.path.join(_TMP, "refused.gguf")
+    with open(out, "w") as f:
+        f.write("not ours")
+    for argv, want in (([out], "exists; pass --force"), ([_TMP], "is a folder")):
+        r = run_script("scripts/export_gguf.py", "--ckpt", run_dir, "--out", *argv)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and want in lines[0], r.stderr
+    assert open(out).read() == "not ours"
+    cfg = MiniMindConfig(vocab_size=300, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         use_moe=True, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)
+    bad_dir = os.path.join(_TMP, "unnormalised")
+    save_checkpoint(os.path.join(bad_dir, "ckpt.pt"), MiniMindForCausalLM(cfg), extra={"step": 0, "args": {}})
+    r = run_script("scripts/export_gguf.py", "--ckpt", bad_dir, "--out", os.path.join(_TMP, "never.gguf"))
+    assert r.returncode == 2 and "norm_topk_prob" in r.stderr and not os.path.exists(os.path.join(_TMP, "never.gguf"))
+    import gguf
+    failing = os.path.join(_TMP, "failing")
+    os.makedirs(failing, exist_ok=True)
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from export_gguf import export_gguf as do_export
+    with mock.patch.object(gguf.GGUFWriter, "write_tensors_to_file", side_effect=OSError("disk full")):
+        try:
+            do_export(run_dir, os.path.join(failing, "m.gguf"), log=lambda *_: None)
+        except OSError as e:
+            assert "disk full" in str(e)
+        else:
+            raise AssertionError("a failed write was not raised")
+    assert os.listdir(failing) == [], os.listdir(failing)
+
+
 TESTS = [test_logits_parity_fp32, test_greedy_generation_identical, test_loads_without_key_warnings,
          test_round_trip_bitwise, test_layout_ambiguous_shapes_and_no_expert_left_at_init,
          test_bf16_export_loads_and_agrees, test_refuses_what_qwen3_cannot_represent,
          test_routed_scaling_factor_goes_into_the_down_projections, test_main_job_checkpoint_exports_and_generates, test_short_context_model_exports_and_pads_like_hf,
-         test_eval_sft_takes_runs_and_exports_and_refuses_in_one_line]
+         test_eval_sft_takes_runs_and_exports_and_refuses_in_one_line, test_gguf_llama_cpp_computes_our_logits,
+         test_gguf_of_the_main_job_tokenizes_and_decodes_like_us,
+         test_gguf_export_refuses_bad_input_in_one_line_and_leaves_nothing_half_written]
 
 if __name__ == "__main__":
     run(TESTS)

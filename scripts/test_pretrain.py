@@ -402,8 +402,9 @@ def test_bench_quality_smoke_run():
 
 def test_benchmarks_run_at_toy_sizes():
     """bench_step.py (its engines and split modes), bench_moe.py, bench_train.py and bench_decode.py (on
-    the tiny run, against transformers on its export) end to end at toy sizes, in this process: each ends
-    normally and prints its figures (not checked here; bench_decode asserts the two rows' greedy tokens equal)."""
+    the tiny run, against transformers on its export and llama.cpp on its GGUF where installed) end to end at
+    toy sizes, in this process: each ends normally and prints its figures (not checked here; bench_decode
+    asserts every row's greedy tokens equal)."""
     sys.path.insert(0, os.path.join(ROOT, "scripts", "bench"))  # (a script's own folder, as `python script` has it)
     sizes = ["--hidden_size", "32", "--num_layers", "1", "--batch_size", "2", "--seq_len", "16"]
     runs = {"scripts/bench/bench_step.py": [[*sizes, "--steps", "1", "--rounds", "1"],

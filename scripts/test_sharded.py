@@ -382,8 +382,9 @@ def test_disk_full_at_a_sharded_save_is_one_error_line():
 
 
 def test_tools_read_a_sharded_run():
-    """generate.py and --init_from take a sharded run's folder, export_hf.py its checkpoint folder (`ckpt`,
-    the tokenizer found beside it): their weights are the ranks' (export checks its logits against ours)."""
+    """generate.py, export_gguf.py and --init_from take a sharded run's folder, export_hf.py its checkpoint
+    folder (`ckpt`, the tokenizer found beside it): their weights are the ranks' (export checks its logits
+    against ours)."""
     out = _sharded_run("tools_src")
     gen = testlib.run_script("scripts/generate.py", "--ckpt", out, "--prompt", "The", "--max_new_tokens", "8",
                              "--temperature", "0")
@@ -391,6 +392,8 @@ def test_tools_read_a_sharded_run():
     export = testlib.run_script("scripts/export_hf.py", "--ckpt", os.path.join(out, "ckpt"), "--out",
                                 os.path.join(_TMP, "tools_hf"))
     assert export.returncode == 0, export.stderr
+    export = testlib.run_script("scripts/export_gguf.py", "--ckpt", out, "--out", os.path.join(_TMP, "tools.gguf"))
+    assert export.returncode == 0 and "exported qwen3moe" in export.stdout, export.stderr
     init = os.path.join(_TMP, "tools_init")
     train_in(init, 1, *COMMON, "--max_steps", "1", "--init_from", out, *layout(1))
     assert losses(init)[1] < losses(out)[1], "--init_from did not start from the trained weights"

@@ -4,9 +4,11 @@
     python scripts/bench/bench_decode.py --ckpt RUN_DIR --batches 1 --new_tokens 32 --json decode.jsonl
 
 Rows: `ours` (MiniMindForCausalLM.generate on the model the tools load: train.checkpoint.model_from_checkpoint,
-fp32 on CPU as scripts/generate.py runs it, bf16 on CUDA) and `hf` (transformers' generate on
-scripts/export_hf.py's export of the same checkpoint, fp32). Greedy, random prompts of --prompt_len tokens, no
-end-of-text stop, --new_tokens tokens each; the hf row's tokens are asserted equal to ours. Per row and batch:
+fp32 on CPU as scripts/generate.py runs it, bf16 on CUDA), `hf` (transformers' generate on
+scripts/export_hf.py's export of the same checkpoint, fp32) and, at batch 1 where llama-cpp-python is installed
+(--llama_python), `llama` (llama.cpp on scripts/export_gguf.py's fp32 GGUF, an fp32 KV cache, the same threads).
+Greedy, random prompts of --prompt_len tokens, no end-of-text stop, --new_tokens tokens each; every row's tokens
+are asserted equal to ours. Per row and batch:
   tokens/s  batch x new tokens / the median time of the whole generate
   TTFT      the median time of a generate of one new token (prefill and the first step), ms
   TPOT      (whole generate - TTFT) / (new tokens - 1): one decode step, ms
@@ -73,6 +75,47 @@ def hf_export(ckpt_path, out_dir, device):
     return hf
 
 
+# llama.cpp's row, run by llama-cpp-python in its venv: a JSON request on stdin -> {greedy: ids, first_s, whole_s}
+# (the medians of `repeats` generates of 1 and of new_tokens tokens; an fp32 KV cache, as our decode keeps)
+LLAMA_CPP = r"""
+import json, statistics, sys, time
+import numpy as np
+from llama_cpp import Llama
+req = json.load(sys.stdin)
+llm = Llama(model_path=req["gguf"], n_ctx=req["n_ctx"], verbose=False, n_threads=req["threads"], type_k=0, type_v=0,
+            logits_all=True)  # (its Python API keeps logits only so: the prompt's 16 rows of LM head more)
+def generate(n):
+    llm.reset()
+    llm.eval(req["prompt"])
+    out = []
+    for i in range(n):
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        if i + 1 < n:
+            llm.eval([out[-1]])
+    return out
+def median_s(n):
+    times = []
+    for _ in range(req["repeats"]):
+        start = time.perf_counter()
+        generate(n)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+greedy = generate(req["new_tokens"])
+print(json.dumps({"greedy": greedy, "first_s": median_s(1), "whole_s": median_s(req["new_tokens"])}))
+"""
+
+
+def llama_cpp_timing(gguf_path, prompt, new_tokens, repeats, python):
+    """llama.cpp (llama-cpp-python under `python`) on a GGUF file at batch 1: see LLAMA_CPP."""
+    import subprocess
+    request = {"gguf": gguf_path, "n_ctx": len(prompt) + new_tokens, "prompt": prompt, "new_tokens": new_tokens,
+               "repeats": repeats, "threads": torch.get_num_threads()}
+    r = subprocess.run([python, "-c", LLAMA_CPP], input=json.dumps(request), capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"llama row: {r.stderr.strip().splitlines()[-1:]}")
+    return json.loads(r.stdout.splitlines()[-1])
+
+
 def main(argv=None):
     from train.flags import AT_LEAST_1, Parser, add
     p = Parser(description=__doc__)
@@ -82,7 +125,10 @@ def main(argv=None):
     add(p, "--new_tokens", allowed=AT_LEAST_1, type=int, default=64)
     add(p, "--repeats", allowed=AT_LEAST_1, type=int, default=3,
         help="timed generates per row and batch (the median is kept)")
-    p.add_argument("--rows", default="ours,hf", help="comma-separated, from ours,hf")
+    p.add_argument("--rows", default="ours,hf,llama", help="comma-separated, from ours,hf,llama (llama: batch 1, "
+                   "where --llama_python exists)")
+    p.add_argument("--llama_python", default=os.path.join(os.path.dirname(os.path.dirname(HERE)), ".venv-llama",
+                                                          "bin", "python"), help="a python with llama-cpp-python")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", default="", help="also append the JSON lines to this file")
     args = p.parse_args(argv)
@@ -95,8 +141,12 @@ def main(argv=None):
         batches = []
     if not batches or min(batches) < 1:
         p.error(f"--batches {args.batches}: comma-separated positive integers")
-    if not rows or any(r not in ("ours", "hf") for r in rows):
-        p.error(f"--rows {args.rows}: choose from ours,hf")
+    if not rows or any(r not in ("ours", "hf", "llama") for r in rows):
+        p.error(f"--rows {args.rows}: choose from ours,hf,llama")
+    if "llama" in rows and not os.path.exists(args.llama_python):
+        rows.remove("llama")
+        print(f"(no llama row: {args.llama_python} missing; python3 -m venv .venv-llama && "
+              f".venv-llama/bin/pip install llama-cpp-python numpy)")
     if args.new_tokens < 2:
         p.error(f"--new_tokens {args.new_tokens}: at least 2 (TPOT is the time after the first)")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -121,6 +171,10 @@ def main(argv=None):
     tmp = tempfile.TemporaryDirectory(prefix="bench_decode_")
     if "hf" in rows:
         models["hf"] = hf_export(args.ckpt, os.path.join(tmp.name, "hf"), device)
+    if "llama" in rows:
+        from export_gguf import export_gguf
+        gguf_path = os.path.join(tmp.name, "model.gguf")
+        export_gguf(args.ckpt, gguf_path, log=lambda *_: None)
     bandwidth = copy_bandwidth(device)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
           f"{str(dtype)[6:]}, threads {torch.get_num_threads()}; {args.ckpt}: {config.num_hidden_layers} layers, "
@@ -140,11 +194,20 @@ def main(argv=None):
             read = step_bytes(ours, config, batch, args.prompt_len + args.new_tokens // 2, touched,
                               torch.finfo(dtype).bits // 8)
             for row in rows:
-                got = runs[row](args.new_tokens)
+                if row == "llama":
+                    if batch > 1:
+                        continue
+                    timed = llama_cpp_timing(gguf_path, ids[0].tolist(), args.new_tokens, args.repeats,
+                                             args.llama_python)
+                    got, first, whole = (torch.tensor([ids[0].tolist() + timed["greedy"]], device=device),
+                                         timed["first_s"], timed["whole_s"])
+                else:
+                    got = runs[row](args.new_tokens)
                 if not torch.equal(got, want):
                     raise SystemExit(f"{row}, batch {batch}: greedy tokens differ from ours")
-                first = median_seconds(lambda: runs[row](1), args.repeats, device)
-                whole = median_seconds(lambda: runs[row](args.new_tokens), args.repeats, device)
+                if row != "llama":
+                    first = median_seconds(lambda: runs[row](1), args.repeats, device)
+                    whole = median_seconds(lambda: runs[row](args.new_tokens), args.repeats, device)
                 tpot = (whole - first) / (args.new_tokens - 1)
                 record = {"row": row, "batch": batch, "tokens_per_s": batch * args.new_tokens / whole,
                           "ttft_ms": first * 1e3, "tpot_ms": tpot * 1e3, "mbu": read / tpot / bandwidth,
