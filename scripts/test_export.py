@@ -393,24 +393,26 @@ def export_gguf(run_dir, dtype="float32"):
 
 
 # llama.cpp's fp32 CPU kernels (with an fp32 KV cache) against ours: the same function, other summation orders
-# (its GEMMs, its softmax and RMSNorm): ~3e-6 on these O(1) logits, TOL's room for other CPUs; fp16 weights on
-# both sides, its activations rounded to fp16 for its f16 GEMMs: 5e-2
-GGUF_TOL = {"float32": TOL, "float16": 5e-2}
+# (its GEMMs, its softmax and RMSNorm): ~3e-6 on these O(1) logits, TOL's room for other CPUs; f16 / bf16 weights
+# on both sides, its activations rounded to the weights' dtype for its GEMMs: 5e-2 / 1e-1 (4e-2 measured in bf16)
+GGUF_TOL = {"float32": TOL, "float16": 5e-2, "bfloat16": 1e-1}
 
 
 def test_gguf_llama_cpp_computes_our_logits():
     """A random MoE (tied, k=2, routed scaling 2: folded into the experts' down projections), an untied top-1 MoE
     and a dense model, exported to GGUF: llama.cpp's logits of a 40-token prompt equal ours within GGUF_TOL
-    (fp32; fp16 weights against our model rounded the same way), and its 32 greedy ids after it are ours."""
+    (fp32; f16 and bf16 weights against our model rounded the same way), and its 32 greedy ids after it are
+    ours (fp32)."""
     g = torch.Generator().manual_seed(0)
     for use_moe, tie, k, scale in ((True, True, 2, 2.0), (True, False, 1, 1.0), (False, True, 1, 1.0)):
         ours, run_dir = tiny_run(use_moe, tie, k, scale=scale)
         prompt = torch.randint(3, 300, (1, 40), generator=g)
-        for dtype in ("float32", "float16"):
+        for dtype in GGUF_TOL:
             got = llama_cpp(export_gguf(run_dir, dtype), prompt[0].tolist(), new_tokens=32 if dtype == "float32" else 0)
             model = ours if dtype == "float32" else MiniMindForCausalLM(ours.config).eval()
-            if dtype == "float16":  # (norms and the router stay fp32 in the file)
-                model.load_state_dict({k: v if v.dim() == 1 or ".mlp.gate." in k else v.half().float()
+            if dtype != "float32":  # (norms and the router stay fp32 in the file)
+                rounded = getattr(torch, dtype)
+                model.load_state_dict({k: v if v.dim() == 1 or ".mlp.gate." in k else v.to(rounded).float()
                                        for k, v in ours.state_dict().items()})
             with torch.no_grad():
                 diff = (torch.tensor(got["logits"]) - model(prompt).logits[0].double()).abs().max().item()
