@@ -108,7 +108,9 @@ def test_dtype_auto_on_cpu():
         kinds = {layer.self_attn.attend for layer in model.model.layers}
         line = engines.describe(model)
         assert kinds == {want}, (dtype, kinds, line)
-        assert "explicit_attention x2" in line if want is explicit_attention else "explicit_attention" not in line, line
+        assert ("explicit_attention x2" in line) == (want is explicit_attention), line
+        # (a decode step attends with explicit_attention in either dtype: the cache's GQA heads read in place)
+        assert {layer.self_attn.decode_attend for layer in model.model.layers} == {explicit_attention}, line
 
 
 def test_resume_keeps_the_recorded_dtype():
