@@ -134,13 +134,15 @@ def write_metadata(writer, config, tokenizer, dtype):
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    writer.add_eos_token_id(tokenizer.eos_token_id)
-    writer.add_pad_token_id(tokenizer.pad_token_id)
-    writer.add_eot_token_id(tokenizer.convert_tokens_to_ids("<|im_end|>"))
     writer.add_add_bos_token(False)
-    # (the training-only {% generation %} marks out: plain ChatML, which llama.cpp's template engine reads)
-    template = tokenizer.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    writer.add_chat_template(template)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for add, token_id in ((writer.add_eos_token_id, tokenizer.eos_token_id),
+                          (writer.add_pad_token_id, tokenizer.pad_token_id), (writer.add_eot_token_id, end_of_turn)):
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:  # (a tokenizer may lack one)
+            add(token_id)
+    if tokenizer.chat_template:  # (the training-only {% generation %} marks out: plain ChatML for llama.cpp)
+        writer.add_chat_template(tokenizer.chat_template.replace("{% generation %}", "")
+                                 .replace("{% endgeneration %}", ""))
 
 
 def main(argv=None):
