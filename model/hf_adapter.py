@@ -95,12 +95,17 @@ def from_hf_config(hf_config) -> MiniMindConfig:
     return MiniMindConfig(**kw)
 
 
+def down_proj_scale(config: MiniMindConfig):
+    """What the experts' down projections are multiplied by on export: Qwen3-MoE (transformers,
+    llama.cpp) has no routed_scaling_factor s, and the combine is linear in them: they take it."""
+    return config.routed_scaling_factor if config.use_moe else 1.0
+
+
 def to_hf_state_dict(state_dict, config: MiniMindConfig):
-    """Our state_dict -> HF keys (per-expert layout). Tied lm_head is omitted (HF re-ties it).
-    Qwen3-MoE has no routed_scaling_factor s: the experts' down projections take it (the combine is
-    linear in them)."""
+    """Our state_dict -> HF keys (per-expert layout), the experts' down projections times
+    `down_proj_scale`. Tied lm_head is omitted (HF re-ties it)."""
     # (our parameter names are the HF names)
-    scale = config.routed_scaling_factor if config.use_moe else 1.0
+    scale = down_proj_scale(config)
     return {k: v * scale
             if scale != 1.0 and ".mlp.experts." in k and k.endswith("down_proj.weight") else v
             for k, v in state_dict.items()

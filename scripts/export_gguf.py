@@ -8,7 +8,7 @@ MoE checkpoints become llama.cpp's `qwen3moe` architecture, dense ones `qwen3`: 
 names and metadata keys are gguf-py's (the `gguf` package). The tokenizer goes in as llama.cpp's byte-level BPE
 ("gpt2": tokens, merges, the three special tokens as control tokens, ids past the tokenizer's as unused ones)
 with the GPT-2 pre-tokenizer, the split ours uses (data/tokenizer.py: `tokenizers`' ByteLevel and its GPT-2
-regex), so llama.cpp encodes text to our ids (scripts/test_gguf.py checks it); the ChatML template; no BOS.
+regex), so llama.cpp encodes text to our ids (scripts/test_export.py checks it); the ChatML template; no BOS.
 Norms and the router stay fp32 (as llama.cpp's converter keeps them), --dtype sets the other weights. The file is
 written under a temporary name and renamed when complete; an existing --out is replaced only with --force.
 """
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from data.atomic import atomic_file  # noqa: E402
-from model.hf_adapter import ExportError, check_exportable  # noqa: E402
+from model.hf_adapter import ExportError, check_exportable, down_proj_scale  # noqa: E402
 from train.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
 from train.flags import Parser, run_tool  # noqa: E402
 from train.run_dir import run_tokenizer  # noqa: E402
@@ -48,7 +48,7 @@ def tensors(model):
         if config.use_moe:
             gate_EFD, up_EFD = mlp.experts.gate_up_proj.unflatten(1, (2, -1)).unbind(1)
             parts.update({T.FFN_GATE_INP: mlp.gate.weight, T.FFN_GATE_EXP: gate_EFD, T.FFN_UP_EXP: up_EFD,
-                          T.FFN_DOWN_EXP: mlp.experts.down_proj * config.routed_scaling_factor})
+                          T.FFN_DOWN_EXP: mlp.experts.down_proj * down_proj_scale(config)})
         else:
             parts.update({T.FFN_GATE: mlp.gate_proj.weight, T.FFN_UP: mlp.up_proj.weight,
                           T.FFN_DOWN: mlp.down_proj.weight})

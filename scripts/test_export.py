@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import warnings
 
@@ -348,40 +347,14 @@ def test_short_context_model_exports_and_pads_like_hf():
     assert torch.equal(mine, theirs), f"\n{mine}\n{theirs}"
 
 
-# llama-cpp-python's side, run in its venv: a JSON request on stdin ({gguf, n_ctx, texts, prompt, new_tokens}) ->
-# {ids: each text encoded, logits: [len(prompt), V] of the prompt, greedy: new_tokens argmax ids after it}
-LLAMA_CPP = r"""
-import json, sys
-import numpy as np
-from llama_cpp import Llama
-req = json.load(sys.stdin)
-llm = Llama(model_path=req["gguf"], n_ctx=req["n_ctx"], logits_all=True, verbose=False, n_threads=2,
-            type_k=req["kv_type"], type_v=req["kv_type"])
-out = {"ids": [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in req["texts"]], "greedy": []}
-llm.eval(req["prompt"])
-out["logits"] = np.asarray(llm.scores[:len(req["prompt"])], dtype=np.float64).tolist()
-for _ in range(req["new_tokens"]):
-    out["greedy"].append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-    llm.eval([out["greedy"][-1]])
-print(json.dumps(out))
-"""
-
-
-def llama_cpp(gguf_path, prompt, new_tokens=0, texts=(), n_ctx=256):
-    """llama.cpp (llama-cpp-python in .venv-llama, or $LLAMA_CPP_PYTHON) on a GGUF file: see LLAMA_CPP."""
-    python = os.environ.get("LLAMA_CPP_PYTHON") or os.path.join(ROOT, ".venv-llama", "bin", "python")
-    if not os.path.exists(python):
-        raise Skip(f"llama-cpp-python not installed ({python} missing; python3 -m venv .venv-llama && "
-                   f".venv-llama/bin/pip install llama-cpp-python numpy)")
-    probe = subprocess.run([python, "-c", "import llama_cpp, numpy"], capture_output=True, text=True)
-    if probe.returncode:
-        raise Skip(f"llama-cpp-python does not import in {python}: {probe.stderr.strip().splitlines()[-1:]}")
-    request = {"gguf": gguf_path, "n_ctx": n_ctx, "texts": list(texts), "prompt": prompt, "new_tokens": new_tokens,
-               "kv_type": 0}  # (GGML_TYPE_F32: llama.cpp's KV cache is f16 by default)
-    r = subprocess.run([python, "-c", LLAMA_CPP], input=json.dumps(request), capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.splitlines()[-1])
+def llama_cpp(gguf_path, prompt, new_tokens=0, texts=()):
+    """llama.cpp (llama-cpp-python in .venv-llama, or $LLAMA_CPP_PYTHON) on a GGUF file: bench_decode's runner
+    (its LLAMA_CPP says what comes back)."""
+    python = testlib.venv_python("LLAMA_CPP_PYTHON", ".venv-llama", "llama_cpp",
+                                 "python3 -m venv .venv-llama && .venv-llama/bin/pip install llama-cpp-python numpy")
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "bench"))
+    from bench_decode import run_llama_cpp
+    return run_llama_cpp(gguf_path, prompt, new_tokens, texts, python=python)
 
 
 def export_gguf(run_dir, dtype="float32"):

@@ -19,7 +19,7 @@ import sys
 import torch
 
 import testlib
-from testlib import ROOT, Skip, run
+from testlib import run
 
 _TMP = testlib.scratch_dir("test_torchtitan_")
 TOKENS = (2, 48)  # sequences x tokens of the parity check
@@ -96,14 +96,8 @@ print("sft windows with supervised tokens", sum(1 for _, (_, labels) in zip(rang
 
 
 def torchtitan_python():
-    python = os.environ.get("TORCHTITAN_PYTHON") or os.path.join(ROOT, ".venv-torchtitan", "bin", "python")
-    if not os.path.exists(python):
-        raise Skip(f"torchtitan not installed ({python} missing; pip install -r scripts/torchtitan-requirements.txt "
-                   f"in .venv-torchtitan)")
-    probe = subprocess.run([python, "-c", "import torchtitan.models.qwen3"], capture_output=True, text=True)
-    if probe.returncode:
-        raise Skip(f"torchtitan does not import in {python}: {probe.stderr.strip().splitlines()[-1:]}")
-    return python
+    return testlib.venv_python("TORCHTITAN_PYTHON", ".venv-torchtitan", "torchtitan.models.qwen3",
+                               "pip install -r scripts/torchtitan-requirements.txt in .venv-torchtitan")
 
 
 def handed_folder():

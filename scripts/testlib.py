@@ -25,6 +25,19 @@ if not os.environ.get("MINIMIND_CACHE_DIR"):
     atexit.register(lambda: os.getpid() == _owner and shutil.rmtree(_cache, ignore_errors=True))
 
 
+def venv_python(env_var, venv, module, install):
+    """The python of an optional tool's venv ($env_var, else ROOT/venv/bin/python) where `module` imports;
+    raises Skip naming what is missing and `install`, the command that makes it."""
+    import subprocess
+    python = os.environ.get(env_var) or os.path.join(ROOT, venv, "bin", "python")
+    if not os.path.exists(python):
+        raise Skip(f"{module} not installed ({python} missing; {install})")
+    probe = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True)
+    if probe.returncode:
+        raise Skip(f"{module} does not import in {python}: {probe.stderr.strip().splitlines()[-1:]}")
+    return python
+
+
 def scratch_dir(prefix):
     """A fresh temp folder for a test script's files, removed when the script ends. None in a rank process
     (spawn_ranks): its start re-imports the test script, and a rank gets the paths it needs as arguments."""

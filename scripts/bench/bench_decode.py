@@ -75,15 +75,19 @@ def hf_export(ckpt_path, out_dir, device):
     return hf
 
 
-# llama.cpp's row, run by llama-cpp-python in its venv: a JSON request on stdin -> {greedy: ids, first_s, whole_s}
-# (the medians of `repeats` generates of 1 and of new_tokens tokens; an fp32 KV cache, as our decode keeps)
+# llama.cpp through llama-cpp-python, run in its venv (LLAMA_PYTHON): a JSON request on stdin {gguf, n_ctx, threads,
+# prompt: ids, new_tokens, texts, repeats} -> {ids: each text encoded, logits: [len(prompt), V] of the prompt,
+# greedy: new_tokens argmax ids after it, first_s / whole_s: the medians of `repeats` generates of 1 and of
+# new_tokens tokens (repeats 0: none)}. An fp32 KV cache (llama.cpp's default is f16), as our decode keeps;
+# logits_all: its Python API keeps logits only so (the prompt's rows of LM head more at prefill).
+LLAMA_PYTHON = os.path.join(os.path.dirname(os.path.dirname(HERE)), ".venv-llama", "bin", "python")
 LLAMA_CPP = r"""
 import json, statistics, sys, time
 import numpy as np
 from llama_cpp import Llama
 req = json.load(sys.stdin)
 llm = Llama(model_path=req["gguf"], n_ctx=req["n_ctx"], verbose=False, n_threads=req["threads"], type_k=0, type_v=0,
-            logits_all=True)  # (its Python API keeps logits only so: the prompt's 16 rows of LM head more)
+            logits_all=True)
 def generate(n):
     llm.reset()
     llm.eval(req["prompt"])
@@ -99,20 +103,24 @@ def median_s(n):
         start = time.perf_counter()
         generate(n)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
-greedy = generate(req["new_tokens"])
-print(json.dumps({"greedy": greedy, "first_s": median_s(1), "whole_s": median_s(req["new_tokens"])}))
+    return statistics.median(times) if times else None
+out = {"ids": [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in req["texts"]],
+       "greedy": generate(req["new_tokens"])}
+out["logits"] = np.asarray(llm.scores[:len(req["prompt"])], dtype=np.float64).tolist()
+out.update(first_s=median_s(1), whole_s=median_s(req["new_tokens"]))
+print(json.dumps(out))
 """
 
 
-def llama_cpp_timing(gguf_path, prompt, new_tokens, repeats, python):
-    """llama.cpp (llama-cpp-python under `python`) on a GGUF file at batch 1: see LLAMA_CPP."""
+def run_llama_cpp(gguf_path, prompt, new_tokens, texts=(), repeats=0, python=LLAMA_PYTHON):
+    """llama.cpp on a GGUF file at batch 1 (see LLAMA_CPP), with this process's thread count. Raises RuntimeError
+    with the end of its stderr when it fails."""
     import subprocess
-    request = {"gguf": gguf_path, "n_ctx": len(prompt) + new_tokens, "prompt": prompt, "new_tokens": new_tokens,
-               "repeats": repeats, "threads": torch.get_num_threads()}
+    request = {"gguf": gguf_path, "n_ctx": len(prompt) + max(new_tokens, 1), "prompt": prompt,
+               "new_tokens": new_tokens, "texts": list(texts), "repeats": repeats, "threads": torch.get_num_threads()}
     r = subprocess.run([python, "-c", LLAMA_CPP], input=json.dumps(request), capture_output=True, text=True)
     if r.returncode:
-        raise SystemExit(f"llama row: {r.stderr.strip().splitlines()[-1:]}")
+        raise RuntimeError(f"llama.cpp: {r.stderr.strip()[-3000:]}")
     return json.loads(r.stdout.splitlines()[-1])
 
 
@@ -127,8 +135,7 @@ def main(argv=None):
         help="timed generates per row and batch (the median is kept)")
     p.add_argument("--rows", default="ours,hf,llama", help="comma-separated, from ours,hf,llama (llama: batch 1, "
                    "where --llama_python exists)")
-    p.add_argument("--llama_python", default=os.path.join(os.path.dirname(os.path.dirname(HERE)), ".venv-llama",
-                                                          "bin", "python"), help="a python with llama-cpp-python")
+    p.add_argument("--llama_python", default=LLAMA_PYTHON, help="a python with llama-cpp-python")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", default="", help="also append the JSON lines to this file")
     args = p.parse_args(argv)
@@ -197,8 +204,11 @@ def main(argv=None):
                 if row == "llama":
                     if batch > 1:
                         continue
-                    timed = llama_cpp_timing(gguf_path, ids[0].tolist(), args.new_tokens, args.repeats,
-                                             args.llama_python)
+                    try:
+                        timed = run_llama_cpp(gguf_path, ids[0].tolist(), args.new_tokens, repeats=args.repeats,
+                                              python=args.llama_python)
+                    except RuntimeError as e:
+                        raise SystemExit(f"llama row: {str(e).splitlines()[-1]}") from None
                     got, first, whole = (torch.tensor([ids[0].tolist() + timed["greedy"]], device=device),
                                          timed["first_s"], timed["whole_s"])
                 else:
